@@ -1,0 +1,1 @@
+"""ebpo-jax: Empirical Bayes Policy Optimization for LLM RL in pure JAX."""

@@ -1,0 +1,35 @@
+"""ebpo-jax: Empirical Bayes Policy Optimization for LLM RL, in pure JAX."""
+
+import setuptools
+
+setuptools.setup(
+    name="ebpo-jax",
+    version="0.1.0",
+    description="EBPO and group-relative RLVR for LLMs in pure JAX",
+    packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
+    python_requires=">=3.11",
+    # Lower bounds are the versions the test suite was run with.
+    install_requires=[
+        "jax>=0.10.0",
+        "flax>=0.12.0",
+        "optax>=0.2.5",
+        "orbax-checkpoint>=0.11.0",
+        "chex>=0.1.90",
+        "ml-collections>=1.0.0",
+        "absl-py>=2.1.0",
+        "numpy>=2.0",
+        "safetensors>=0.5.0",
+        "datasets>=4.0.0",
+        "transformers>=4.56.0",
+        "math-verify>=0.8.0",
+        "tqdm>=4.66.0",
+        "matplotlib>=3.9.0",
+        "tensorboardX>=2.6",
+    ],
+    extras_require={
+        # torch only serves the HF parity tests; pinned because an unpinned
+        # torch pulls a multi-GB CUDA build.
+        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100", "torch==2.13.0"],
+        "tpu": ["jax[tpu]"],
+    },
+)

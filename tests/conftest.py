@@ -1,0 +1,16 @@
+"""Test set-up: 8 fake CPU devices, float32 matmuls at full precision."""
+
+import os
+
+# Must happen before jax is imported anywhere: multi-device code is tested on
+# 8 fake CPU devices.
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
