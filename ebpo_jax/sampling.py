@@ -67,9 +67,7 @@ def select_tokens(keys_B, logits_BV, *, temperature=1.0, top_k=0, top_p=1.0):
     if temperature == 0:
         tokens_B = jnp.argmax(logits_BV, axis=-1)
     else:
-        masked_BV = truncated_logits(
-            logits_BV, temperature=temperature, top_k=top_k, top_p=top_p
-        )
+        masked_BV = truncated_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
         tokens_B = jax.vmap(jax.random.categorical)(keys_B, masked_BV)
     tokens_B = tokens_B.astype(jnp.int32)
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)

@@ -45,9 +45,7 @@ def draw(n, temperature, top_k, top_p, seed=0):
     logits_BV = jnp.broadcast_to(jnp.asarray(LOGITS_V, jnp.float32), (n, len(LOGITS_V)))
     keys_B = sampling.row_keys(jax.random.key(seed), jnp.arange(n), 0)
     fn = jax.jit(
-        lambda k, x: sampling.select_tokens(
-            k, x, temperature=temperature, top_k=top_k, top_p=top_p
-        )
+        lambda k, x: sampling.select_tokens(k, x, temperature=temperature, top_k=top_k, top_p=top_p)
     )
     tokens_B, logp_B = fn(keys_B, logits_BV)
     return np.asarray(tokens_B), np.asarray(logp_B)
@@ -75,14 +73,17 @@ def test_chi_square(temperature, top_k, top_p):
 def test_truncation_sets():
     logits = jnp.asarray(LOGITS_V, jnp.float32)[None]
     for top_k, top_p in [(3, 1.0), (0, 0.5), (0, 0.9), (4, 0.6), (1, 1.0), (0, 1e-9)]:
-        kept = np.isfinite(np.asarray(sampling.truncated_logits(logits, top_k=top_k, top_p=top_p)))[0]
+        masked = sampling.truncated_logits(logits, top_k=top_k, top_p=top_p)
+        kept = np.isfinite(np.asarray(masked))[0]
         np.testing.assert_array_equal(kept, reference_probs(LOGITS_V, 1.0, top_k, top_p) > 0)
 
 
 def test_greedy_ignores_truncation_and_keys():
     logits_BV = jax.random.normal(jax.random.key(1), (16, 50))
     keys_B = sampling.row_keys(jax.random.key(2), jnp.arange(16), 3)
-    tokens_B, logp_B = sampling.select_tokens(keys_B, logits_BV, temperature=0.0, top_k=5, top_p=0.3)
+    tokens_B, logp_B = sampling.select_tokens(
+        keys_B, logits_BV, temperature=0.0, top_k=5, top_p=0.3
+    )
     np.testing.assert_array_equal(tokens_B, np.argmax(logits_BV, -1))
     np.testing.assert_allclose(logp_B, np.max(jax.nn.log_softmax(logits_BV), -1), atol=1e-6)
 
@@ -98,17 +99,17 @@ def test_row_keys_depend_on_row_and_step_only():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(top_p=0.0), "top_p"),
-        (dict(top_p=1.5), "top_p"),
-        (dict(temperature=-1.0), "temperature"),
-        (dict(top_k=-1), "top_k"),
-        (dict(top_k=100), "top_k"),
-        (dict(eos_id=1.5), "eos_id"),
-        (dict(eos_id=[1, 99]), "eos_id"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 100}, "top_k"),
+        ({"eos_id": 1.5}, "eos_id"),
+        ({"eos_id": [1, 99]}, "eos_id"),
     ],
 )
 def test_validate_sampling_errors(kwargs, match):
-    args = dict(temperature=1.0, top_p=1.0, top_k=0, eos_id=None, vocab_size=50) | kwargs
+    args = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos_id": None, "vocab_size": 50} | kwargs
     with pytest.raises(ValueError, match=match):
         sampling.validate_sampling(**args)
 
