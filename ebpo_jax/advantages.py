@@ -1,0 +1,328 @@
+"""Group-relative advantage estimators: EBPO and its baselines, behind one registry.
+
+Every estimator takes rewards `[P, G]` (P prompts, G samples each) and an optional
+mask `[P, G]` (True = valid sample). Masked entries get advantage 0 and never touch
+any statistic. All functions are pure, jit- and vmap-able, with no Python control
+flow on array values.
+"""
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Welford(NamedTuple):
+    """Per-cluster running (count, mean, M2) accumulators, each `[K]`."""
+
+    count: jax.Array
+    mean: jax.Array
+    m2: jax.Array
+
+
+class EBState(NamedTuple):
+    """EBPO's carried state: Welford stats of individual rewards and of group means."""
+
+    reward: Welford
+    group: Welford
+
+
+def _zeros_welford(num_clusters: int) -> Welford:
+    z_K = jnp.zeros((num_clusters,), jnp.float32)
+    return Welford(z_K, z_K, z_K)
+
+
+def init_eb_state(num_clusters: int = 1) -> EBState:
+    """Empty accumulators for `num_clusters` priors (1 = one global prior)."""
+    if num_clusters < 1:
+        raise ValueError(f"num_clusters must be >= 1, got {num_clusters}")
+    return EBState(_zeros_welford(num_clusters), _zeros_welford(num_clusters))
+
+
+# ---------------------------------------------------------------------------
+# Input checks (trace time: shapes are static, so these run before compiling).
+
+
+def _check_inputs(rewards, mask, cluster_ids=None, num_clusters=None):
+    """Validate ranks/shapes; returns (rewards f32 [P,G], mask bool [P,G])."""
+    rewards = jnp.asarray(rewards)
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [P, G], got shape {rewards.shape}")
+    if not jnp.issubdtype(rewards.dtype, jnp.number) and rewards.dtype != jnp.bool_:
+        raise TypeError(f"rewards must be numeric, got dtype {rewards.dtype}")
+    if mask is None:
+        mask = jnp.ones(rewards.shape, bool)
+    mask = jnp.asarray(mask)
+    if mask.shape != rewards.shape:
+        raise ValueError(f"mask shape {mask.shape} does not match rewards shape {rewards.shape}")
+    if cluster_ids is not None:
+        cluster_ids = jnp.asarray(cluster_ids)
+        if cluster_ids.shape != rewards.shape[:1]:
+            raise ValueError(
+                f"cluster_ids must be [P]={rewards.shape[:1]}, got shape {cluster_ids.shape}"
+            )
+        if not jnp.issubdtype(cluster_ids.dtype, jnp.integer):
+            raise TypeError(f"cluster_ids must be integers, got dtype {cluster_ids.dtype}")
+        if not isinstance(cluster_ids, jax.core.Tracer):  # range is checkable eagerly only
+            ids = np.asarray(cluster_ids)
+            if ids.size and (ids.min() < 0 or ids.max() >= num_clusters):
+                raise ValueError(
+                    f"cluster_ids must lie in [0, {num_clusters}) (the EBState has "
+                    f"{num_clusters} clusters), got range [{ids.min()}, {ids.max()}]"
+                )
+    return rewards.astype(jnp.float32), mask.astype(bool)
+
+
+# ---------------------------------------------------------------------------
+# Welford accumulators.
+
+
+def _merge(a: Welford, b: Welford) -> Welford:
+    """Chan et al.'s parallel merge; stable when a.count >> b.count."""
+    n_K = a.count + b.count
+    safe_n_K = jnp.where(n_K > 0, n_K, 1.0)
+    delta_K = b.mean - a.mean
+    mean_K = a.mean + delta_K * (b.count / safe_n_K)
+    m2_K = a.m2 + b.m2 + delta_K**2 * (a.count * (b.count / safe_n_K))
+    return Welford(n_K, mean_K, m2_K)
+
+
+def _batch_welford(x_N, w_N, onehot_NK) -> Welford:
+    """Two-pass per-cluster (count, mean, M2) of values x with 0/1 weights w."""
+    count_K = jnp.einsum("n,nk->k", w_N, onehot_NK)
+    safe_K = jnp.where(count_K > 0, count_K, 1.0)
+    mean_K = jnp.einsum("n,nk->k", w_N * x_N, onehot_NK) / safe_K
+    dev_N = x_N - onehot_NK @ mean_K
+    m2_K = jnp.einsum("n,nk->k", w_N * dev_N**2, onehot_NK)
+    return Welford(count_K, mean_K, m2_K)
+
+
+def _population_var(w: Welford) -> jax.Array:
+    """M2 / count, defined as 0 below two observations."""
+    return jnp.where(w.count >= 2, w.m2 / jnp.where(w.count > 0, w.count, 1.0), 0.0)
+
+
+def _row_stats(rewards_PG, mask_PG):
+    """Valid count and mean of each row (0 for empty rows)."""
+    w_PG = mask_PG.astype(jnp.float32)
+    n_P = w_PG.sum(-1)
+    mean_P = (w_PG * rewards_PG).sum(-1) / jnp.where(n_P > 0, n_P, 1.0)
+    return w_PG, n_P, mean_P
+
+
+def _onehot(cluster_ids, num_prompts, num_clusters):
+    if cluster_ids is None:
+        cluster_ids = jnp.zeros((num_prompts,), jnp.int32)
+    return jax.nn.one_hot(cluster_ids, num_clusters, dtype=jnp.float32)
+
+
+def merge_batch(state: EBState, rewards, *, mask=None, cluster_ids=None, forgetting=1.0):
+    """Merges one batch of rewards into the accumulators; returns the new EBState.
+
+    `forgetting` < 1 down-weights the history before the merge (an exponentially
+    weighted Welford), for a non-stationary policy.
+    """
+    num_clusters = state.reward.count.shape[0]
+    rewards_PG, mask_PG = _check_inputs(rewards, mask, cluster_ids, num_clusters)
+    P, G = rewards_PG.shape
+    onehot_PK = _onehot(cluster_ids, P, num_clusters)
+    w_PG, n_P, mean_P = _row_stats(rewards_PG, mask_PG)
+    batch_reward = _batch_welford(
+        rewards_PG.reshape(-1), w_PG.reshape(-1), jnp.repeat(onehot_PK, G, axis=0)
+    )
+    batch_group = _batch_welford(mean_P, (n_P > 0).astype(jnp.float32), onehot_PK)
+    decay = lambda w: Welford(w.count * forgetting, w.mean, w.m2 * forgetting)  # noqa: E731
+    return EBState(
+        _merge(decay(state.reward), batch_reward), _merge(decay(state.group), batch_group)
+    )
+
+
+# ---------------------------------------------------------------------------
+# EBPO.
+
+
+def eb_diagnostics(rewards, state: EBState, *, mask=None, cluster_ids=None, eps=1e-6):
+    """Posterior quantities from an (already merged) state, for logging.
+
+    Returns a dict: `shrinkage` [P], `baseline` [P], `group_mean` [P], `group_size` [P],
+    and the per-cluster `mu_glob`, `sigma2`, `tau2` [K].
+    """
+    num_clusters = state.reward.count.shape[0]
+    rewards_PG, mask_PG = _check_inputs(rewards, mask, cluster_ids, num_clusters)
+    onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], num_clusters)
+    _, n_P, mean_P = _row_stats(rewards_PG, mask_PG)
+    mu_K, sigma2_K, tau2_K = state.reward.mean, _population_var(state.reward), _population_var(
+        state.group
+    )
+    mu_P, sigma2_P, tau2_P = onehot_PK @ mu_K, onehot_PK @ sigma2_K, onehot_PK @ tau2_K
+    noise_P = sigma2_P / jnp.where(n_P > 0, n_P, 1.0)
+    denom_P = noise_P + tau2_P
+    # A (numerically) zero denominator means no evidence of spread at all: trust the prior.
+    shrink_P = jnp.where(denom_P > eps, noise_P / jnp.where(denom_P > eps, denom_P, 1.0), 1.0)
+    baseline_P = (1.0 - shrink_P) * mean_P + shrink_P * mu_P
+    return {
+        "shrinkage": shrink_P,
+        "baseline": baseline_P,
+        "group_mean": mean_P,
+        "group_size": n_P,
+        "mu_glob": mu_K,
+        "sigma2": sigma2_K,
+        "tau2": tau2_K,
+    }
+
+
+def _masked_mean_std(x_PG, mask_PG, axis=None):
+    """Masked mean and unbiased (ddof=1) std; std is 0 with fewer than two entries."""
+    w_PG = mask_PG.astype(jnp.float32)
+    n = w_PG.sum(axis=axis, keepdims=True)
+    mean = (w_PG * x_PG).sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
+    var = (w_PG * (x_PG - mean) ** 2).sum(axis=axis, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
+    return mean, jnp.sqrt(var), n
+
+
+def _normalize(adv_PG, mask_PG, how: str, eps: float, fallback_std_P=None):
+    if how == "none":
+        return adv_PG
+    if how == "batch":
+        mean, std, _ = _masked_mean_std(adv_PG, mask_PG)
+        return (adv_PG - mean) / (std + eps)
+    if how == "group":
+        # Scale by the group's own std but keep the shrunk baseline (subtracting the
+        # group mean would turn EBPO back into GRPO). A constant group has std 0: it
+        # falls back to the prior's within-prompt std instead of dividing by eps.
+        _, std_P1, _ = _masked_mean_std(adv_PG, mask_PG, axis=-1)
+        std_P1 = jnp.where(std_P1 > 0, std_P1, fallback_std_P[:, None])
+        return adv_PG / (std_P1 + eps)
+    raise ValueError(f"normalize must be 'batch', 'group' or 'none', got {how!r}")
+
+
+def eb_advantage(
+    rewards,
+    state: EBState,
+    *,
+    mask=None,
+    cluster_ids=None,
+    eps: float = 1e-6,
+    per_batch: bool = False,
+    forgetting: float = 1.0,
+    normalize: str = "batch",
+):
+    """EBPO advantages `[P, G]` and the updated EBState (see PAPER.md).
+
+    The batch is merged into the accumulators first, then each prompt's baseline is
+    shrunk toward its cluster's running mean. `per_batch=True` resets the statistics
+    every call (the authors' released code); `forgetting` < 1 decays the history.
+    """
+    if not 0.0 < forgetting <= 1.0:
+        raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+    if per_batch:
+        state = jax.tree.map(jnp.zeros_like, state)
+    new_state = merge_batch(state, rewards, mask=mask, cluster_ids=cluster_ids, forgetting=forgetting)
+    diag = eb_diagnostics(rewards, new_state, mask=mask, cluster_ids=cluster_ids, eps=eps)
+    rewards_PG, mask_PG = _check_inputs(rewards, mask)
+    adv_PG = rewards_PG - diag["baseline"][:, None]
+    onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], state.reward.count.shape[0])
+    prior_std_P = onehot_PK @ jnp.sqrt(diag["sigma2"])
+    adv_PG = _normalize(jnp.where(mask_PG, adv_PG, 0.0), mask_PG, normalize, eps, prior_std_P)
+    return jnp.where(mask_PG, adv_PG, 0.0), new_state
+
+
+# ---------------------------------------------------------------------------
+# Baselines. Singleton groups follow verl: group mean 0 and std 1, so A = r.
+
+
+def _group_baseline(rewards, mask):
+    rewards_PG, mask_PG = _check_inputs(rewards, mask)
+    mean_P1, std_P1, n_P1 = _masked_mean_std(rewards_PG, mask_PG, axis=-1)
+    single_P1 = n_P1 <= 1
+    mean_P1 = jnp.where(single_P1, 0.0, mean_P1)
+    std_P1 = jnp.where(single_P1, 1.0, std_P1)
+    return rewards_PG, mask_PG, mean_P1, std_P1, n_P1
+
+
+def grpo_advantage(rewards, *, mask=None, eps: float = 1e-6):
+    """GRPO: (r - group mean) / (group unbiased std + eps)."""
+    r_PG, m_PG, mean_P1, std_P1, _ = _group_baseline(rewards, mask)
+    return jnp.where(m_PG, (r_PG - mean_P1) / (std_P1 + eps), 0.0)
+
+
+def dr_grpo_advantage(rewards, *, mask=None):
+    """Dr. GRPO: r - group mean, no std division."""
+    r_PG, m_PG, mean_P1, _, _ = _group_baseline(rewards, mask)
+    return jnp.where(m_PG, r_PG - mean_P1, 0.0)
+
+
+def rloo_advantage(rewards, *, mask=None):
+    """RLOO: r minus the mean of the other valid samples of its group."""
+    r_PG, m_PG, mean_P1, _, n_P1 = _group_baseline(rewards, mask)
+    # r - (sum - r)/(n - 1) == n/(n - 1) * (r - mean); singletons keep A = r.
+    scale_P1 = jnp.where(n_P1 > 1, n_P1 / jnp.maximum(n_P1 - 1.0, 1.0), 1.0)
+    return jnp.where(m_PG, scale_P1 * (r_PG - mean_P1), 0.0)
+
+
+def reinforce_pp_baseline_advantage(rewards, *, mask=None, eps: float = 1e-6):
+    """REINFORCE++ with baseline: r - group mean, then standardised over the batch."""
+    adv_PG = dr_grpo_advantage(rewards, mask=mask)
+    _, m_PG = _check_inputs(rewards, mask)
+    return jnp.where(m_PG, _normalize(adv_PG, m_PG, "batch", eps), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# Registry.
+
+_REGISTRY: dict[str, Callable] = {
+    "ebpo": eb_advantage,
+    "grpo": grpo_advantage,
+    "dr_grpo": dr_grpo_advantage,
+    "rloo": rloo_advantage,
+    "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
+}
+_STATEFUL = {"ebpo"}
+
+
+def register(name: str, *, stateful: bool = False):
+    """Decorator adding an estimator to the registry under `name`."""
+
+    def wrap(fn):
+        _REGISTRY[name] = fn
+        (_STATEFUL.add if stateful else _STATEFUL.discard)(name)
+        return fn
+
+    return wrap
+
+
+def names() -> tuple[str, ...]:
+    """All registered estimator names."""
+    return tuple(sorted(_REGISTRY))
+
+
+def get(name: str) -> Callable:
+    """The estimator registered as `name`."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None, **options):
+    """Uniform trainer entry: (advantages [P,G], new_state, metrics dict of scalars).
+
+    Stateless estimators return `state` unchanged; EBPO's metrics are averaged over the
+    batch's non-empty prompts.
+    """
+    fn = get(name)
+    if name not in _STATEFUL:
+        return fn(rewards, mask=mask, **options), state, {}
+    adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
+    eps = options.get("eps", 1e-6)
+    diag = eb_diagnostics(rewards, new_state, mask=mask, cluster_ids=cluster_ids, eps=eps)
+    onehot_PK = _onehot(cluster_ids, adv_PG.shape[0], new_state.reward.count.shape[0])
+    valid_P = (diag["group_size"] > 0).astype(jnp.float32)
+    row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)  # noqa: E731
+    metrics = {
+        "eb/shrinkage_mean": row_mean(diag["shrinkage"]),
+        "eb/mu_glob": row_mean(onehot_PK @ diag["mu_glob"]),
+        "eb/sigma2": row_mean(onehot_PK @ diag["sigma2"]),
+        "eb/tau2": row_mean(onehot_PK @ diag["tau2"]),
+    }
+    return adv_PG, new_state, metrics

@@ -1,0 +1,149 @@
+"""Policy-gradient losses: token log-probs, PPO clipping, aggregation, KL, entropy.
+
+All functions are pure. Logits may be bf16; softmax math runs in float32, never in
+float64, and targets are gathered by index (no one-hot of the vocabulary).
+"""
+
+import jax
+import jax.numpy as jnp
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def token_logprobs(logits_BTV, targets_BT):
+    """log p(target) under softmax(logits), float32 `[B, T]`."""
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    picked_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return picked_BT - lse_BT
+
+
+def token_entropy(logits_BTV):
+    """Entropy of softmax(logits) per position, float32 `[B, T]`."""
+    logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
+    return -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
+
+
+def logprobs_from_hidden(hidden_BTD, w_DV, targets_BT, *, chunk_size=None, with_entropy=False):
+    """Token log-probs (and entropy) from final hidden states, `chunk_size` positions at a time.
+
+    Only a `[B, chunk, V]` slice of logits exists at once, so long sequences with large
+    vocabularies fit; gradients recompute each chunk (jax.checkpoint).
+    """
+    B, T, D = hidden_BTD.shape
+    chunk = T if chunk_size is None else min(chunk_size, T)
+    if T % chunk:
+        raise ValueError(f"sequence length {T} is not a multiple of chunk_size {chunk}")
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h_BCD, t_BC = args
+        logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+        logp_BC = token_logprobs(logits_BCV, t_BC)
+        ent_BC = token_entropy(logits_BCV) if with_entropy else jnp.zeros_like(logp_BC)
+        return logp_BC, ent_BC
+
+    h_NBCD = hidden_BTD.reshape(B, T // chunk, chunk, D).swapaxes(0, 1)
+    t_NBC = targets_BT.reshape(B, T // chunk, chunk).swapaxes(0, 1)
+    logp_NBC, ent_NBC = jax.lax.map(one_chunk, (h_NBCD, t_NBC))
+    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(B, T)  # noqa: E731
+    return (unchunk(logp_NBC), unchunk(ent_NBC)) if with_entropy else unchunk(logp_NBC)
+
+
+def kl_penalty(logp_BT, ref_logp_BT, estimator: str = "k3"):
+    """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1/k2/k3)."""
+    log_ratio_BT = logp_BT - ref_logp_BT
+    if estimator == "k1":
+        return log_ratio_BT
+    if estimator == "k2":
+        return 0.5 * log_ratio_BT**2
+    if estimator == "k3":
+        # Clamped as verl's low_var_kl does: exp of a large ratio would blow up the loss.
+        neg_BT = jnp.clip(-log_ratio_BT, -20.0, 20.0)
+        return jnp.clip(jnp.exp(neg_BT) - neg_BT - 1.0, -10.0, 10.0)
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def aggregate(x_BT, mask_BT, mode: str = "token-mean", *, max_tokens=None, denominator=None):
+    """Reduce a per-token quantity to a scalar.
+
+    `denominator` overrides the local normaliser (valid tokens for token-mean, non-empty
+    sequences for the seq-mean modes) so that gradient accumulation over micro-batches
+    equals one step on the full batch. `max_tokens` is Dr. GRPO's constant (default T).
+    """
+    w_BT = mask_BT.astype(jnp.float32)
+    x_BT = jnp.where(mask_BT, x_BT, 0.0)
+    if mode == "token-mean":
+        denom = w_BT.sum() if denominator is None else denominator
+        return x_BT.sum() / jnp.maximum(denom, 1.0)
+    n_B = w_BT.sum(-1)
+    denom = (n_B > 0).sum() if denominator is None else denominator
+    denom = jnp.maximum(denom, 1.0)
+    if mode == "seq-mean-token-mean":
+        return (x_BT.sum(-1) / jnp.maximum(n_B, 1.0)).sum() / denom
+    if mode == "seq-mean-token-sum":
+        return x_BT.sum() / denom
+    if mode == "seq-mean-token-sum-norm":
+        horizon = x_BT.shape[-1] if max_tokens is None else max_tokens
+        return x_BT.sum() / (denom * horizon)
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {mode!r}")
+
+
+def policy_loss(
+    logp_BT,
+    old_logp_BT,
+    adv_B,
+    mask_BT,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip=None,
+    agg: str = "token-mean",
+    ref_logp_BT=None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_BT=None,
+    entropy_coef: float = 0.0,
+    max_tokens=None,
+    denominator=None,
+):
+    """PPO clipped surrogate with clip-higher and dual clip, plus KL and entropy terms.
+
+    `adv_B` is one advantage per sequence (or `[B, T]` per token). Returns
+    `(loss, metrics)`; metric names match the trainer's fixed metric names.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    adv_BT = adv_B[:, None] if adv_B.ndim == 1 else adv_B
+    adv_BT = jnp.broadcast_to(adv_BT, logp_BT.shape).astype(jnp.float32)
+    reduce = lambda x_BT: aggregate(  # noqa: E731
+        x_BT, mask_BT, agg, max_tokens=max_tokens, denominator=denominator
+    )
+    token_mean = lambda x_BT: aggregate(x_BT.astype(jnp.float32), mask_BT, "token-mean")  # noqa: E731
+
+    ratio_BT = jnp.exp(logp_BT - old_logp_BT)
+    pg_unclipped_BT = -adv_BT * ratio_BT
+    pg_clipped_BT = -adv_BT * jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    pg_BT = jnp.maximum(pg_unclipped_BT, pg_clipped_BT)
+    if dual_clip is not None:
+        # Bounds the loss of a negative-advantage token whose ratio has exploded.
+        pg_BT = jnp.where(adv_BT < 0, jnp.minimum(pg_BT, -adv_BT * dual_clip), pg_BT)
+    pg_loss = reduce(pg_BT)
+    metrics = {
+        "actor/pg_loss": pg_loss,
+        "actor/clip_frac_low": token_mean((adv_BT < 0) & (ratio_BT < 1.0 - clip_low)),
+        "actor/clip_frac_high": token_mean((adv_BT > 0) & (ratio_BT > 1.0 + clip_high)),
+    }
+    loss = pg_loss
+    if ref_logp_BT is not None:
+        kl = reduce(kl_penalty(logp_BT, ref_logp_BT, kl_estimator))
+        loss = loss + kl_coef * kl
+        metrics["actor/kl"] = kl
+    if entropy_BT is not None:
+        entropy = reduce(entropy_BT)
+        loss = loss - entropy_coef * entropy
+        metrics["actor/entropy"] = entropy
+    return loss, metrics
