@@ -1,0 +1,42 @@
+"""Synthetic verifiable arithmetic tasks: problems, a char tokenizer, exact-answer rewards, batching."""
+
+from ebpo_jax.tasks.arithmetic import (
+    DIFFICULTIES,
+    TOPICS,
+    Problem,
+    make_splits,
+    max_lengths,
+    solve,
+)
+from ebpo_jax.tasks.data import (
+    ORDERS,
+    PromptBatch,
+    PromptSource,
+    SFTBatch,
+    encode_problems,
+    sft_examples,
+)
+from ebpo_jax.tasks.reward import host_reward, reward_fn, string_reward
+from ebpo_jax.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
+
+__all__ = [
+    "BOS_ID",
+    "DIFFICULTIES",
+    "EOS_ID",
+    "ORDERS",
+    "PAD_ID",
+    "TOPICS",
+    "CharTokenizer",
+    "Problem",
+    "PromptBatch",
+    "PromptSource",
+    "SFTBatch",
+    "encode_problems",
+    "host_reward",
+    "make_splits",
+    "max_lengths",
+    "reward_fn",
+    "sft_examples",
+    "solve",
+    "string_reward",
+]

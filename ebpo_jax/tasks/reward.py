@@ -1,0 +1,73 @@
+"""Exact-answer reward for the synthetic tasks: a jittable array version and a host string version.
+
+A completion earns 1.0 iff its tokens up to (excluding) its first EOS spell the answer exactly
+and that EOS lies within the completion's length. A completion without EOS (truncated, or
+junk after the answer) earns 0: the policy must learn to stop, or it would be rewarded
+for "19" followed by anything cut at max_new_tokens.
+"""
+
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+
+from ebpo_jax.tasks.tokenizer import EOS_ID, NUM_SPECIAL, CharTokenizer
+
+
+def reward_fn(
+    completion_tokens_BN,
+    completion_lengths_B,
+    answer_tokens_BA,
+    answer_lengths_B,
+    *,
+    eos_id: int = EOS_ID,
+    require_eos: bool = True,
+):
+    """Rewards [B] float32: 1.0 where the completion before its first EOS equals the answer."""
+    tok_BN = jnp.asarray(completion_tokens_BN)
+    ans_BA = jnp.asarray(answer_tokens_BA)
+    if tok_BN.ndim != 2 or ans_BA.ndim != 2 or tok_BN.shape[0] != ans_BA.shape[0]:
+        raise ValueError(
+            f"expected completion [B, N] and answer [B, A] tokens, got {tok_BN.shape}, {ans_BA.shape}"
+        )
+    (B, N), A = tok_BN.shape, ans_BA.shape[1]
+    len_B = jnp.clip(jnp.asarray(completion_lengths_B, jnp.int32), 0, N)
+    ans_len_B = jnp.asarray(answer_lengths_B, jnp.int32)
+    # Pad so that position A (where the EOS must sit for the longest answer) always exists.
+    W = max(N, A + 1)
+    tok_BW = jnp.pad(tok_BN, ((0, 0), (0, W - N)))
+    ans_BW = jnp.pad(ans_BA, ((0, 0), (0, W - A)))
+    pos_W = jnp.arange(W)
+    valid_BW = pos_W[None, :] < len_B[:, None]
+    is_eos_BW = (tok_BW == eos_id) & valid_BW
+    # Content ends at the first valid EOS, or at the completion's length if there is none.
+    content_len_B = jnp.where(is_eos_BW.any(-1), jnp.argmax(is_eos_BW, -1), len_B)
+    in_answer_BW = pos_W[None, :] < ans_len_B[:, None]
+    tokens_match = jnp.all(~in_answer_BW | (tok_BW == ans_BW), axis=-1)
+    ok_B = tokens_match & (content_len_B == ans_len_B)
+    if require_eos:
+        ok_B &= is_eos_BW.any(-1)
+    return ok_B.astype(jnp.float32)
+
+
+def string_reward(completion: str, answer: str, *, has_eos: bool, require_eos: bool = True) -> float:
+    """Host reference: 1.0 iff the completion text equals the answer (and ended with EOS)."""
+    return float(completion == answer and (has_eos or not require_eos))
+
+
+def host_reward(
+    tokenizer: CharTokenizer,
+    completion_ids: Sequence[int],
+    answer: str,
+    *,
+    require_eos: bool = True,
+) -> float:
+    """Host reward of one completion's ids (already cut at its length), via decoded strings."""
+    ids = [int(i) for i in completion_ids]
+    has_eos = tokenizer.eos_id in ids
+    content = ids[: ids.index(tokenizer.eos_id)] if has_eos else ids
+    # Pad/BOS or out-of-alphabet ids inside the content never spell an answer; decode() would
+    # silently drop pad/BOS, so reject them here.
+    if any(not NUM_SPECIAL <= i < tokenizer.vocab_size for i in content):
+        return 0.0
+    text = tokenizer.decode(content)
+    return string_reward(text, answer, has_eos=has_eos, require_eos=require_eos)
