@@ -29,7 +29,7 @@ def reward_fn(
         raise ValueError(
             f"expected completion [B, N] and answer [B, A] tokens, got {tok_BN.shape}, {ans_BA.shape}"
         )
-    (B, N), A = tok_BN.shape, ans_BA.shape[1]
+    N, A = tok_BN.shape[1], ans_BA.shape[1]
     len_B = jnp.clip(jnp.asarray(completion_lengths_B, jnp.int32), 0, N)
     ans_len_B = jnp.asarray(answer_lengths_B, jnp.int32)
     # Pad so that position A (where the EOS must sit for the longest answer) always exists.
@@ -49,7 +49,9 @@ def reward_fn(
     return ok_B.astype(jnp.float32)
 
 
-def string_reward(completion: str, answer: str, *, has_eos: bool, require_eos: bool = True) -> float:
+def string_reward(
+    completion: str, answer: str, *, has_eos: bool, require_eos: bool = True
+) -> float:
     """Host reference: 1.0 iff the completion text equals the answer (and ended with EOS)."""
     return float(completion == answer and (has_eos or not require_eos))
 

@@ -31,7 +31,9 @@ class CharTokenizer:
         try:
             ids = [self._to_id[c] for c in text]
         except KeyError as e:
-            raise ValueError(f"character {e.args[0]!r} in {text!r} is not in the alphabet") from None
+            raise ValueError(
+                f"character {e.args[0]!r} in {text!r} is not in the alphabet"
+            ) from None
         return [BOS_ID] * add_bos + ids + [EOS_ID] * add_eos
 
     def decode(self, ids: Sequence[int], *, stop_at_eos: bool = True) -> str:
