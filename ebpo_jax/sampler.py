@@ -1,0 +1,328 @@
+"""Batched autoregressive sampling: one jitted prefill, a while_loop decode over a KV cache.
+
+Padding convention of the returned `Generation` (rows = prompts x samples, prompt-major):
+  tokens[r, :lengths[r]] are the generated tokens (the last one is the EOS token if the
+  row stopped on one); tokens[r, lengths[r]:] == 0 (pad id 0).
+  logprobs[r, t] is log p(tokens[r, t] | prompt, tokens[r, :t]) under the policy at
+  temperature 1 over the full vocabulary, whatever temperature/top-k/top-p sampled it;
+  0 at padding.
+  Mask of real tokens: jnp.arange(N) < lengths[:, None].
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ebpo_jax import models
+from ebpo_jax.sampling import row_keys, select_tokens, validate_sampling
+
+PAD_ID = 0
+
+
+class Generation(NamedTuple):
+    """Sampled completions; see the module docstring for the padding convention."""
+
+    tokens: jax.Array  # [B * num_samples, N] int32
+    logprobs: jax.Array  # [B * num_samples, N] float32
+    lengths: jax.Array  # [B * num_samples] int32, generated tokens including EOS
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size):
+    """Checks shapes and (when concrete) values; returns the cache length."""
+    _check_int("max_new_tokens", max_new_tokens, 1)
+    _check_int("num_samples", num_samples, 1)
+    if jnp.ndim(prompt_tokens) != 2:
+        raise ValueError(f"prompt_tokens must be [B, Tp], got shape {jnp.shape(prompt_tokens)}")
+    batch, prompt_len = jnp.shape(prompt_tokens)
+    if jnp.shape(prompt_lengths) != (batch,):
+        raise ValueError(
+            f"prompt_lengths must have shape ({batch},) to match prompt_tokens "
+            f"{jnp.shape(prompt_tokens)}, got {jnp.shape(prompt_lengths)}"
+        )
+    for name, x in (("prompt_tokens", prompt_tokens), ("prompt_lengths", prompt_lengths)):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"{name} must be integer, got {jnp.result_type(x)}")
+    needed = prompt_len + max_new_tokens
+    if cache_size is None:
+        cache_size = needed
+    _check_int("cache_size", cache_size, 1)
+    if needed > cache_size:
+        raise ValueError(
+            f"prompt_tokens width {prompt_len} + max_new_tokens {max_new_tokens} = {needed} "
+            f"exceeds cache_size {cache_size}"
+        )
+    if isinstance(prompt_lengths, jax.core.Tracer) or isinstance(prompt_tokens, jax.core.Tracer):
+        return cache_size
+    lengths = np.asarray(prompt_lengths)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > prompt_len):
+        raise ValueError(
+            f"prompt_lengths must lie in [1, {prompt_len}] (the prompt_tokens width), "
+            f"got min {lengths.min()} max {lengths.max()}"
+        )
+    if lengths.size and lengths.max() + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"longest prompt {lengths.max()} + max_new_tokens {max_new_tokens} exceeds "
+            f"config.max_position_embeddings {config.max_position_embeddings}"
+        )
+    tokens = np.asarray(prompt_tokens)
+    real = np.arange(prompt_len)[None] < lengths[:, None]
+    if np.any(real & ((tokens < 0) | (tokens >= config.vocab_size))):
+        raise ValueError(f"prompt_tokens hold ids outside the vocabulary [0, {config.vocab_size})")
+    return cache_size
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_batch_axes(config, cache_size):
+    """Per cache leaf, the axis that indexes the batch (found by shape, not assumed)."""
+    one = jax.eval_shape(lambda: models.init_cache(config, 1, cache_size))
+    two = jax.eval_shape(lambda: models.init_cache(config, 2, cache_size))
+
+    def axis(a, b):
+        diff = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+        assert len(diff) == 1, f"cannot find the batch axis of cache leaf {a.shape}"
+        return diff[0]
+
+    return jax.tree.map(axis, one, two)
+
+
+def _constrain(x, batch_sharding, axis=0):
+    """Shards dim `axis` of x over the data axes; other dims left to the compiler."""
+    if batch_sharding is None:
+        return x
+    spec = [P.UNCONSTRAINED] * x.ndim
+    spec[axis] = batch_sharding.spec[0]
+    return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(*spec)))
+
+
+def _constrain_cache(cache, axes, batch_sharding):
+    return jax.tree.map(lambda x, a: _constrain(x, batch_sharding, a), cache, axes)
+
+
+def _prefill(
+    params,
+    prompt_PT,
+    lengths_P,
+    rng,
+    *,
+    config,
+    num_samples,
+    cache_size,
+    sampling,
+    prompt_sharding,
+    row_sharding,
+):
+    """Prefills each prompt once, shares its cache over its samples, samples token 0."""
+    num_prompts, prompt_len = prompt_PT.shape
+    axes = _cache_batch_axes(config, cache_size)
+    cache = _constrain_cache(
+        models.init_cache(config, num_prompts, cache_size), axes, prompt_sharding
+    )
+    kv_mask_PS = jnp.arange(cache_size)[None] < lengths_P[:, None]
+    positions_PT = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt_PT.shape)
+    logits_PTV, cache = models.forward_cached(
+        config,
+        params,
+        prompt_PT,
+        positions_PT,
+        cache,
+        start=jnp.int32(0),
+        kv_mask_BS=kv_mask_PS,
+    )
+    last_PV = jnp.take_along_axis(logits_PTV, (lengths_P - 1)[:, None, None], axis=1)[:, 0]
+
+    # Samples of a prompt reuse its prefilled cache rows: no repeated prefill compute.
+    def share(x, a):
+        return jnp.repeat(x, num_samples, axis=a)
+
+    cache = _constrain_cache(jax.tree.map(share, cache, axes), axes, row_sharding)
+    kv_mask_BS = _constrain(share(kv_mask_PS, 0), row_sharding)
+    lengths_B = _constrain(share(lengths_P, 0), row_sharding)
+    last_BV = _constrain(share(last_PV, 0), row_sharding)
+    rows_B = jnp.arange(last_BV.shape[0])
+    token_B, logp_B = select_tokens(row_keys(rng, rows_B, 0), last_BV, **sampling._asdict())
+    return cache, kv_mask_BS, lengths_B, token_B, logp_B
+
+
+def _decode(
+    params,
+    cache,
+    kv_mask_BS,
+    lengths_B,
+    token_B,
+    logp_B,
+    rng,
+    *,
+    config,
+    prompt_len,
+    max_new_tokens,
+    sampling,
+    eos,
+    batch_sharding,
+):
+    """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t."""
+    batch = token_B.shape[0]
+    eos_E = jnp.asarray(eos, jnp.int32)
+    rows_B = jnp.arange(batch)
+    tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
+    logps_BN = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(logp_B)
+    done_B = jnp.isin(token_B, eos_E)
+    gen_len_B = jnp.ones((batch,), jnp.int32)
+    axes = _cache_batch_axes(config, kv_mask_BS.shape[1])
+
+    def cond(carry):
+        t, done_B = carry[0], carry[4]
+        return (t < max_new_tokens) & ~jnp.all(done_B)
+
+    def body(carry):
+        t, cache, kv_mask_BS, prev_B, done_B, tokens_BN, logps_BN, gen_len_B = carry
+        slot = prompt_len + t - 1
+        kv_mask_BS = jax.lax.dynamic_update_slice(
+            kv_mask_BS, jnp.ones((batch, 1), bool), (jnp.int32(0), slot)
+        )
+        logits_B1V, cache = models.forward_cached(
+            config,
+            params,
+            prev_B[:, None],
+            (lengths_B + t - 1)[:, None],
+            cache,
+            start=slot,
+            kv_mask_BS=kv_mask_BS,
+        )
+        cache = _constrain_cache(cache, axes, batch_sharding)
+        tok_B, logp_B = select_tokens(
+            row_keys(rng, rows_B, t), logits_B1V[:, 0], **sampling._asdict()
+        )
+        tok_B = jnp.where(done_B, PAD_ID, tok_B)
+        logp_B = jnp.where(done_B, 0.0, logp_B)
+        tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, tok_B[:, None], (jnp.int32(0), t))
+        logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp_B[:, None], (jnp.int32(0), t))
+        gen_len_B = gen_len_B + (~done_B).astype(jnp.int32)
+        done_B = done_B | jnp.isin(tok_B, eos_E)
+        return t + 1, cache, kv_mask_BS, tok_B, done_B, tokens_BN, logps_BN, gen_len_B
+
+    carry = (jnp.int32(1), cache, kv_mask_BS, token_B, done_B, tokens_BN, logps_BN, gen_len_B)
+    _, cache, _, _, _, tokens_BN, logps_BN, gen_len_B = jax.lax.while_loop(cond, body, carry)
+    # The cache is returned only so that its donated buffer is updated in place.
+    return Generation(tokens_BN, logps_BN, gen_len_B), cache
+
+
+_prefill_jit = jax.jit(
+    _prefill,
+    static_argnames=(
+        "config",
+        "num_samples",
+        "cache_size",
+        "sampling",
+        "prompt_sharding",
+        "row_sharding",
+    ),
+)
+# Donating the cache lets the decode loop update the prefill's buffer in place: without
+# it the cache would live twice, which is what runs out of memory at scale.
+_decode_jit = jax.jit(
+    _decode,
+    static_argnames=("config", "prompt_len", "max_new_tokens", "sampling", "eos", "batch_sharding"),
+    donate_argnums=(1,),
+)
+
+
+class _Sampling(NamedTuple):
+    """Hashable sampling options, passed to jit as one static argument."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+def _batch_sharding(mesh, data_axes, num_rows, required):
+    """Rows over the mesh's data axes; None when unsharded (or not divisible and optional)."""
+    if mesh is None:
+        return None
+    if data_axes is None:
+        data_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp"))
+    size = int(np.prod([mesh.shape[a] for a in data_axes]))
+    if num_rows % size == 0:
+        return NamedSharding(mesh, P(tuple(data_axes)))
+    if required:
+        raise ValueError(
+            f"{num_rows} rows (prompts x num_samples) cannot be split over data axes "
+            f"{data_axes} of size {size}"
+        )
+    return None
+
+
+def generate(
+    config,
+    params,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    max_new_tokens,
+    rng,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    eos_id=None,
+    num_samples=1,
+    cache_size=None,
+    mesh=None,
+    data_axes=None,
+):
+    """Samples `num_samples` completions per right-padded prompt; returns a `Generation`.
+
+    prompt_tokens [B, Tp] int, prompt_tokens[b, :prompt_lengths[b]] is prompt b. Rows of the
+    output are prompt-major: prompt b's samples are rows b*num_samples .. (b+1)*num_samples-1.
+    Row r's randomness is fold_in(rng, r), so results do not depend on the batch around it.
+    temperature=0 is greedy. eos_id: None, an id or a list of ids. cache_size defaults to
+    Tp + max_new_tokens. With `mesh`, rows are sharded over `data_axes` (default: the
+    mesh's 'data' and 'fsdp' axes); params keep whatever sharding they have.
+    """
+    cache_size = _validate(
+        config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size
+    )
+    eos = validate_sampling(temperature, top_p, top_k, eos_id, config.vocab_size)
+    sampling = _Sampling(float(temperature), int(top_k), float(top_p))
+    num_prompts, prompt_len = jnp.shape(prompt_tokens)
+    prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
+    lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
+    row_sharding = _batch_sharding(mesh, data_axes, num_prompts * num_samples, True)
+    # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
+    prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False)
+    cache, kv_mask_BS, lengths_B, token_B, logp_B = _prefill_jit(
+        params,
+        prompt_PT,
+        lengths_P,
+        rng,
+        config=config,
+        num_samples=num_samples,
+        cache_size=cache_size,
+        sampling=sampling,
+        prompt_sharding=prompt_sharding,
+        row_sharding=row_sharding,
+    )
+    generation, _ = _decode_jit(
+        params,
+        cache,
+        kv_mask_BS,
+        lengths_B,
+        token_B,
+        logp_B,
+        rng,
+        config=config,
+        prompt_len=prompt_len,
+        max_new_tokens=max_new_tokens,
+        sampling=sampling,
+        eos=eos,
+        batch_sharding=row_sharding,
+    )
+    return generation
