@@ -1,0 +1,230 @@
+"""Training config schema and validation: bad fields are one-line errors before any compile."""
+
+import math
+
+import ml_collections
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+SCHEDULES = ("constant", "cosine")
+
+
+class ConfigError(ValueError):
+    """A training config field is missing, misspelt or impossible."""
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """Every field the trainer reads, with defaults; config files start from this."""
+    c = ml_collections.ConfigDict()
+    c.workdir = "/tmp/ebpo_jax/run"
+    c.seed = 0
+    c.total_steps = 100
+    c.prompts_per_step = 32  # P
+    c.group_size = 8  # G
+    c.estimator = "ebpo"  # any name in ebpo_jax.advantages' registry
+    c.estimator_options = ml_collections.ConfigDict()  # keyword options for the estimator
+    c.eb_per_topic = False  # one EB prior per task topic (cluster ids = topic ids)
+    c.checkpoint_every = 50
+    c.keep_checkpoints = 3
+    c.eval_every = 50
+    c.eval_size = 256  # held-out problems scored for eval/pass@1 (greedy)
+    c.eval_batch_size = 128
+    c.steps_per_jit = 1  # K steps per lax.scan; 1 = jit -> host -> jit with per-phase timing
+    c.max_nonfinite_steps = 5  # stop after this many non-finite steps in a row
+    c.log_every = 1
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "tiny"
+    c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields, e.g. num_layers
+
+    c.task = ml_collections.ConfigDict()
+    c.task.topics = ""  # comma-separated topic names; "" = every topic
+    c.task.max_difficulty = 0  # 0 = every level
+    c.task.num_test = 512
+
+    c.sampler = ml_collections.ConfigDict()
+    c.sampler.max_new_tokens = 16
+    c.sampler.temperature = 1.0
+    c.sampler.top_p = 1.0
+    c.sampler.top_k = 0
+
+    c.optimizer = ml_collections.ConfigDict()
+    c.optimizer.learning_rate = 1e-6
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.warmup_steps = 0  # in train steps
+    c.optimizer.schedule = "constant"  # or "cosine" (decays to final_lr_frac over total_steps)
+    c.optimizer.final_lr_frac = 0.1
+    c.optimizer.clip_norm = 1.0
+    c.optimizer.b1 = 0.9
+    c.optimizer.b2 = 0.999
+
+    c.loss = ml_collections.ConfigDict()
+    c.loss.ppo_epochs = 1
+    c.loss.num_minibatches = 1  # per PPO epoch; splits the P prompts
+    c.loss.num_microbatches = 1  # gradient accumulation within a mini-batch
+    c.loss.clip_low = 0.2
+    c.loss.clip_high = 0.2
+    c.loss.dual_clip = 0.0  # 0 = off
+    c.loss.agg = "token-mean"
+    c.loss.kl_coef = 0.0
+    c.loss.kl_estimator = "k3"
+    c.loss.entropy_coef = 0.0
+
+    c.dapo = ml_collections.ConfigDict()
+    c.dapo.dynamic_sampling = False  # drop all-equal groups, refill from further prompts
+    c.dapo.max_extra_rounds = 2
+    c.dapo.overlong_buffer = (
+        0  # tokens before max_new_tokens where the soft penalty starts; 0 = off
+    )
+    c.dapo.overlong_penalty = 1.0
+    c.dapo.mask_truncated = False  # no loss on responses cut at max_new_tokens
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.steps = 0  # 0 = no warm start
+    c.sft.batch_size = 64
+    c.sft.learning_rate = 3e-3
+    c.sft.warmup_steps = 20
+    c.sft.cache_dir = ""  # "" = <workdir>/sft_cache
+
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.shape = (1,)  # -1 = the remaining devices
+    c.mesh.axes = ("data",)
+    return c
+
+
+def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Lock a config so that assigning a misspelt field raises."""
+    config.lock()
+    return config
+
+
+def _is_closed_dict(x) -> bool:
+    """A schema sub-dict whose keys are fixed (the empty ones hold free-form options)."""
+    return isinstance(x, ml_collections.ConfigDict) and bool(len(x))
+
+
+def _unknown_fields(config, schema, prefix=""):
+    """Dotted names present in config but not in schema (open dicts excepted)."""
+    out = []
+    for key in config.keys():  # noqa: SIM118 (ConfigDict)
+        name = prefix + key
+        if key not in schema:
+            out.append(name)
+        elif _is_closed_dict(schema[key]) and isinstance(config[key], ml_collections.ConfigDict):
+            out += _unknown_fields(config[key], schema[key], name + ".")
+    return out
+
+
+def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
+    """The mesh shape with -1 resolved against num_devices; ConfigError when impossible."""
+    shape = tuple(int(s) for s in config.mesh.shape)
+    axes = tuple(config.mesh.axes)
+    if len(shape) != len(axes):
+        raise ConfigError(f"mesh.shape {shape} and mesh.axes {axes} differ in length")
+    if sum(s == -1 for s in shape) > 1 or any(s == 0 or s < -1 for s in shape):
+        raise ConfigError(f"mesh.shape {shape}: entries must be positive, with at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if num_devices % known:
+            raise ConfigError(f"mesh.shape {shape} does not divide the {num_devices} devices")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if math.prod(shape) != num_devices:
+        raise ConfigError(
+            f"mesh.shape {shape} needs {math.prod(shape)} devices, found {num_devices}"
+        )
+    return shape
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
+    """Raise ConfigError (one line) on a misspelt field or an impossible value."""
+    unknown = _unknown_fields(config, default_config())
+    if unknown:
+        raise ConfigError(f"unknown config field(s): {', '.join(unknown)}")
+    missing = [k for k in default_config().keys() if k not in config]  # noqa: SIM118
+    if missing:
+        raise ConfigError(f"missing config field(s): {', '.join(missing)}")
+
+    def need(ok, msg):
+        if not ok:
+            raise ConfigError(msg)
+
+    c, loss = config, config.loss
+    need(c.group_size >= 1, f"group_size must be >= 1, got {c.group_size}")
+    need(c.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {c.prompts_per_step}")
+    need(c.total_steps >= 0, f"total_steps must be >= 0, got {c.total_steps}")
+    need(loss.ppo_epochs >= 1, f"loss.ppo_epochs must be >= 1, got {loss.ppo_epochs}")
+    need(
+        loss.num_minibatches >= 1, f"loss.num_minibatches must be >= 1, got {loss.num_minibatches}"
+    )
+    need(
+        loss.num_microbatches >= 1,
+        f"loss.num_microbatches must be >= 1, got {loss.num_microbatches}",
+    )
+    need(
+        c.prompts_per_step % loss.num_minibatches == 0,
+        f"prompts_per_step={c.prompts_per_step} is not divisible by loss.num_minibatches={loss.num_minibatches}",
+    )
+    per_mb = c.prompts_per_step // loss.num_minibatches
+    need(
+        per_mb % loss.num_microbatches == 0,
+        f"prompts per mini-batch ({per_mb}) is not divisible by loss.num_microbatches={loss.num_microbatches}",
+    )
+    need(loss.agg in LOSS_AGGS, f"loss.agg={loss.agg!r} is not one of {LOSS_AGGS}")
+    need(loss.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {loss.kl_coef}")
+    need(loss.clip_low >= 0 and loss.clip_high >= 0, "loss.clip_low/clip_high must be >= 0")
+    need(
+        c.optimizer.schedule in SCHEDULES,
+        f"optimizer.schedule={c.optimizer.schedule!r} is not one of {SCHEDULES}",
+    )
+    need(
+        c.optimizer.learning_rate > 0,
+        f"optimizer.learning_rate must be > 0, got {c.optimizer.learning_rate}",
+    )
+    need(
+        c.sampler.max_new_tokens >= 1,
+        f"sampler.max_new_tokens must be >= 1, got {c.sampler.max_new_tokens}",
+    )
+    need(
+        c.sampler.temperature > 0,
+        f"sampler.temperature must be > 0 for training, got {c.sampler.temperature}",
+    )
+    need(0 < c.sampler.top_p <= 1, f"sampler.top_p must be in (0, 1], got {c.sampler.top_p}")
+    k = c.steps_per_jit
+    need(k >= 1, f"steps_per_jit must be >= 1, got {k}")
+    for name in ("checkpoint_every", "eval_every"):
+        need(
+            c[name] >= 1 and c[name] % k == 0,
+            f"{name}={c[name]} must be a positive multiple of steps_per_jit={k}",
+        )
+    need(
+        c.total_steps % k == 0,
+        f"total_steps={c.total_steps} must be a multiple of steps_per_jit={k}",
+    )
+    need(c.keep_checkpoints >= 1, f"keep_checkpoints must be >= 1, got {c.keep_checkpoints}")
+    need(
+        c.max_nonfinite_steps >= 1, f"max_nonfinite_steps must be >= 1, got {c.max_nonfinite_steps}"
+    )
+    need(
+        c.dapo.max_extra_rounds >= 0,
+        f"dapo.max_extra_rounds must be >= 0, got {c.dapo.max_extra_rounds}",
+    )
+    need(
+        0 <= c.dapo.overlong_buffer < c.sampler.max_new_tokens,
+        f"dapo.overlong_buffer={c.dapo.overlong_buffer} must be in [0, sampler.max_new_tokens)",
+    )
+    need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")
+
+    from ebpo_jax import advantages  # the registry; imported late so this module stays light
+
+    try:
+        advantages.get(c.estimator)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(
+            f"estimator={c.estimator!r} is not in the advantages registry ({e})"
+        ) from None
+    if num_devices is not None:
+        shape = mesh_shape(c, num_devices)
+        batch = c.prompts_per_step * c.group_size
+        need(
+            batch % math.prod(shape) == 0,
+            f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
+        )

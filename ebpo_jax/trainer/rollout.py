@@ -1,0 +1,137 @@
+"""Group rollouts: G samples per prompt, jittable rewards, DAPO's dynamic-sampling refill."""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ebpo_jax import sampler
+
+
+class Rollout(NamedTuple):
+    """P prompt groups of G completions, grouped prompt-major."""
+
+    prompt_tokens: jax.Array  # [P, Tp]
+    prompt_lengths: jax.Array  # [P]
+    answer_tokens: jax.Array  # [P, A]
+    answer_lengths: jax.Array  # [P]
+    topic_ids: jax.Array  # [P] cluster ids for per-cluster EB
+    tokens: jax.Array  # [P, G, N] completions, pad 0 after the stop
+    logprobs: jax.Array  # [P, G, N] sampler log-probs at temperature 1 (old policy)
+    lengths: jax.Array  # [P, G] generated tokens including EOS
+    rewards: jax.Array  # [P, G] task reward, before any shaping
+    group_valid: jax.Array  # [P] bool: False for a slot no refill round could fill
+    generated_tokens: jax.Array  # int32: tokens generated this step, kept or dropped
+    all_same_frac: jax.Array  # share of generated groups whose rewards were all equal
+
+
+RewardFn = Callable[[Any, Any, Any, Any], jax.Array]
+
+
+def all_same(rewards_PG) -> jax.Array:
+    """[P] bool: every reward in the group is equal (GRPO's zero-signal case)."""
+    return jnp.all(rewards_PG == rewards_PG[:, :1], axis=-1)
+
+
+def compact(buffer: Rollout, filled_P, new: Rollout, keep_P) -> tuple[Rollout, jax.Array]:
+    """Fill `buffer`'s empty slots with `new`'s kept groups, order preserved; returns filled."""
+    P = filled_P.shape[0]
+    keys_2P = jnp.concatenate([filled_P, keep_P])
+    order_P = jnp.argsort(~keys_2P, stable=True)[:P]
+    pick = lambda a, b: jnp.concatenate([a, b])[order_P]
+    merged = jax.tree.map(
+        lambda a, b: pick(a, b) if getattr(a, "ndim", 0) and a.shape[0] == P else a, buffer, new
+    )
+    return merged, keys_2P[order_P]
+
+
+def make_rollout_fn(config, model_config, reward_fn: RewardFn | None, eos_id: int, mesh=None):
+    """rollout(params, batch, rng) -> Rollout; pure, jittable, scan-able.
+
+    `batch` is a tasks.PromptBatch with `batch_rounds(config) * P` prompts.
+    With `reward_fn=None` the rewards are left at 0 for a host reward to fill in
+    (jit -> host -> jit); dynamic sampling then needs the jittable reward.
+    """
+    if reward_fn is None and config.dapo.dynamic_sampling:
+        raise ValueError("dapo.dynamic_sampling needs a jittable reward_fn (got a host reward)")
+    P, G = config.prompts_per_step, config.group_size
+    N = config.sampler.max_new_tokens
+    dynamic = bool(config.dapo.dynamic_sampling)
+    rounds = 1 + config.dapo.max_extra_rounds if dynamic else 1
+
+    def one_round(params, batch, r, rng) -> Rollout:
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0)
+        b = jax.tree.map(take, batch)
+        gen = sampler.generate(
+            model_config,
+            params,
+            b.prompt_tokens,
+            b.prompt_lengths,
+            max_new_tokens=N,
+            rng=jax.random.fold_in(rng, r),
+            temperature=config.sampler.temperature,
+            top_p=config.sampler.top_p,
+            top_k=config.sampler.top_k,
+            eos_id=eos_id,
+            num_samples=G,
+            mesh=mesh,
+        )
+        rep = lambda x: jnp.repeat(x, G, axis=0)
+        if reward_fn is None:  # a host reward fills these in between the two jits
+            rewards_PG = jnp.zeros((P, G), jnp.float32)
+        else:
+            rewards_B = reward_fn(
+                gen.tokens, gen.lengths, rep(b.answer_tokens), rep(b.answer_lengths)
+            )
+            rewards_PG = rewards_B.reshape(P, G).astype(jnp.float32)
+        return Rollout(
+            prompt_tokens=b.prompt_tokens,
+            prompt_lengths=b.prompt_lengths,
+            answer_tokens=b.answer_tokens,
+            answer_lengths=b.answer_lengths,
+            topic_ids=b.topic_ids,
+            tokens=gen.tokens.reshape(P, G, N),
+            logprobs=gen.logprobs.reshape(P, G, N).astype(jnp.float32),
+            lengths=gen.lengths.reshape(P, G).astype(jnp.int32),
+            rewards=rewards_PG,
+            group_valid=jnp.ones((P,), bool),
+            generated_tokens=gen.lengths.sum().astype(jnp.int32),
+            all_same_frac=all_same(rewards_PG).mean(),
+        )
+
+    def rollout(params, batch, rng) -> Rollout:
+        if batch.prompt_tokens.shape[0] != rounds * P:
+            raise ValueError(
+                f"batch has {batch.prompt_tokens.shape[0]} prompts, expected {rounds} x {P}"
+            )
+        first = one_round(params, batch, 0, rng)
+        if not dynamic:
+            return first
+        keep = ~all_same(first.rewards)
+        buf, filled = compact(first, jnp.zeros((P,), bool), first, keep)
+        carry = (buf, filled, jnp.int32(1), first.generated_tokens, all_same(first.rewards).sum())
+
+        def cond(c):
+            return (c[2] < rounds) & ~jnp.all(c[1])
+
+        def body(c):
+            buf, filled, r, ntok, nsame = c
+            new = one_round(params, batch, r, rng)
+            same = all_same(new.rewards)
+            buf, filled = compact(buf, filled, new, ~same)
+            return buf, filled, r + 1, ntok + new.generated_tokens, nsame + same.sum()
+
+        buf, filled, r, ntok, nsame = jax.lax.while_loop(cond, body, carry)
+        return buf._replace(
+            group_valid=filled,
+            generated_tokens=ntok,
+            all_same_frac=nsame / (r * P).astype(jnp.float32),
+        )
+
+    return rollout
+
+
+def batch_rounds(config) -> int:
+    """How many P-prompt rounds one step's Batch holds."""
+    return 1 + config.dapo.max_extra_rounds if config.dapo.dynamic_sampling else 1

@@ -1,0 +1,74 @@
+"""The train state pytree and the optimizer built from the config."""
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ebpo_jax.advantages import EBState, init_eb_state
+
+
+class TrainState(NamedTuple):
+    """Everything a step reads and writes; a checkpoint saves exactly this."""
+
+    params: Any
+    opt_state: Any
+    eb_state: EBState
+    step: jax.Array  # int32 scalar: train steps done
+    rng: jax.Array  # raw uint32 key data, so checkpoints hold plain arrays
+    ref_params: Any  # frozen reference policy for the KL term; None when kl_coef == 0
+    nonfinite_run: jax.Array  # int32: consecutive steps with a skipped (non-finite) update
+    generated_tokens: jax.Array  # int32: every generated token so far, kept or dropped
+
+
+def updates_per_step(config) -> int:
+    """Optimizer updates in one train step: PPO epochs x mini-batches."""
+    return config.loss.ppo_epochs * config.loss.num_minibatches
+
+
+def learning_rate_schedule(config) -> optax.Schedule:
+    """Linear warm-up over `warmup_steps` train steps, then constant or cosine to the end."""
+    opt, per = config.optimizer, updates_per_step(config)
+    warm = opt.warmup_steps * per
+    total = max(config.total_steps * per, warm + 1)
+    if opt.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, opt.learning_rate, warm, total, end_value=opt.learning_rate * opt.final_lr_frac
+        )
+    if warm == 0:
+        return optax.constant_schedule(opt.learning_rate)
+    return optax.join_schedules(
+        [
+            optax.linear_schedule(0.0, opt.learning_rate, warm),
+            optax.constant_schedule(opt.learning_rate),
+        ],
+        [warm],
+    )
+
+
+def make_optimizer(config) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping (clip first, as verl/TRL do)."""
+    opt = config.optimizer
+    return optax.chain(
+        optax.clip_by_global_norm(opt.clip_norm),
+        optax.adamw(
+            learning_rate_schedule(config), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
+        ),
+    )
+
+
+def init_train_state(
+    params, optimizer, *, seed: int, num_clusters: int = 1, with_ref: bool = False
+):
+    """A fresh TrainState at step 0 around `params`."""
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        eb_state=init_eb_state(num_clusters),
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)),
+        ref_params=jax.tree.map(jnp.copy, params) if with_ref else None,
+        nonfinite_run=jnp.zeros((), jnp.int32),
+        generated_tokens=jnp.zeros((), jnp.int32),
+    )
