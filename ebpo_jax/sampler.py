@@ -211,9 +211,9 @@ def _decode(
         return t + 1, cache, kv_mask_BS, tok_B, done_B, tokens_BN, logps_BN, gen_len_B
 
     carry = (jnp.int32(1), cache, kv_mask_BS, token_B, done_B, tokens_BN, logps_BN, gen_len_B)
-    _, cache, _, _, _, tokens_BN, logps_BN, gen_len_B = jax.lax.while_loop(cond, body, carry)
+    steps, cache, _, _, _, tokens_BN, logps_BN, gen_len_B = jax.lax.while_loop(cond, body, carry)
     # The cache is returned only so that its donated buffer is updated in place.
-    return Generation(tokens_BN, logps_BN, gen_len_B), cache
+    return Generation(tokens_BN, logps_BN, gen_len_B), cache, steps
 
 
 _prefill_jit = jax.jit(
@@ -287,6 +287,42 @@ def generate(
     Tp + max_new_tokens. With `mesh`, rows are sharded over `data_axes` (default: the
     mesh's 'data' and 'fsdp' axes); params keep whatever sharding they have.
     """
+    return _generate_with_steps(
+        config,
+        params,
+        prompt_tokens,
+        prompt_lengths,
+        max_new_tokens=max_new_tokens,
+        rng=rng,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_id=eos_id,
+        num_samples=num_samples,
+        cache_size=cache_size,
+        mesh=mesh,
+        data_axes=data_axes,
+    )[0]
+
+
+def _generate_with_steps(
+    config,
+    params,
+    prompt_tokens,
+    prompt_lengths,
+    *,
+    max_new_tokens,
+    rng,
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    eos_id=None,
+    num_samples=1,
+    cache_size=None,
+    mesh=None,
+    data_axes=None,
+):
+    """generate, plus the number of decode steps run (for tests of the early stop)."""
     cache_size = _validate(
         config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size
     )
@@ -310,7 +346,7 @@ def generate(
         prompt_sharding=prompt_sharding,
         row_sharding=row_sharding,
     )
-    generation, _ = _decode_jit(
+    generation, _, steps = _decode_jit(
         params,
         cache,
         kv_mask_BS,
@@ -325,4 +361,4 @@ def generate(
         eos=eos,
         batch_sharding=row_sharding,
     )
-    return generation
+    return generation, steps

@@ -1,0 +1,194 @@
+"""generate: HF greedy parity, exact log-probs, EOS/early stop, shared prefill, sharding."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ebpo_jax import models, sampler
+
+CONFIG = models.get_config("tiny")
+# Mixed lengths, right-padded with junk ids that must not matter.
+PROMPTS = np.array(
+    [
+        [5, 6, 7, 8, 9, 10],
+        [11, 12, 13, 77, 77, 77],
+        [14, 15, 16, 17, 18, 77],
+        [19, 77, 77, 77, 77, 77],
+    ],
+    np.int32,
+)
+LENGTHS = np.array([6, 3, 5, 1], np.int32)
+
+
+@pytest.fixture(scope="module")
+def params():
+    # Larger-than-default weights so logits are far from uniform (clear argmax margins).
+    p = models.init_params(CONFIG, jax.random.key(0))
+    return jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, p)
+
+
+def reference_logprobs(params, prompt, completion):
+    """log_softmax of models.forward on prompt + completion, at the completion tokens."""
+    seq = np.concatenate([prompt, completion]).astype(np.int32)
+    logp_TV = jax.nn.log_softmax(models.forward(CONFIG, params, jnp.asarray(seq)[None])[0], -1)
+    steps = np.arange(len(completion))
+    return np.asarray(logp_TV)[len(prompt) - 1 + steps, completion], np.asarray(logp_TV)
+
+
+def check_against_forward(params, gen, prompts, lengths, num_samples=1):
+    """Each row's tokens/log-probs agree with a full forward pass; padding is 0."""
+    tokens, logprobs, gen_len = map(np.asarray, gen)
+    n = tokens.shape[1]
+    for r in range(tokens.shape[0]):
+        b = r // num_samples
+        k = gen_len[r]
+        assert 1 <= k <= n
+        np.testing.assert_array_equal(tokens[r, k:], 0)
+        np.testing.assert_array_equal(logprobs[r, k:], 0.0)
+        ref, _ = reference_logprobs(params, prompts[b, : lengths[b]], tokens[r, :k])
+        np.testing.assert_allclose(logprobs[r, :k], ref, rtol=0, atol=1e-4)
+
+
+def test_logprobs_match_forward_when_sampling(params):
+    gen = sampler.generate(
+        CONFIG,
+        params,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=7,
+        rng=jax.random.key(3),
+        temperature=0.8,
+        top_k=20,
+        top_p=0.9,
+        num_samples=2,
+    )
+    assert gen.tokens.shape == (8, 7) and gen.tokens.dtype == jnp.int32
+    assert gen.logprobs.dtype == jnp.float32 and gen.lengths.shape == (8,)
+    np.testing.assert_array_equal(gen.lengths, 7)
+    check_against_forward(params, gen, PROMPTS, LENGTHS, num_samples=2)
+
+
+def test_greedy_is_argmax_of_forward(params):
+    gen = sampler.generate(
+        CONFIG, params, PROMPTS, LENGTHS, max_new_tokens=7, rng=jax.random.key(0), temperature=0.0
+    )
+    for b in range(len(PROMPTS)):
+        prompt = PROMPTS[b, : LENGTHS[b]]
+        _, logp_TV = reference_logprobs(params, prompt, np.asarray(gen.tokens[b]))
+        argmax = logp_TV[len(prompt) - 1 : len(prompt) - 1 + 7].argmax(-1)
+        np.testing.assert_array_equal(gen.tokens[b], argmax)
+    # Rows do not depend on their neighbours or on the padding width.
+    alone = sampler.generate(
+        CONFIG,
+        params,
+        PROMPTS[1:2, :3],
+        LENGTHS[1:2],
+        max_new_tokens=7,
+        rng=jax.random.key(0),
+        temperature=0.0,
+    )
+    np.testing.assert_array_equal(alone.tokens[0], gen.tokens[1])
+
+
+def test_eos_stops_rows_and_pads(params):
+    greedy = sampler.generate(
+        CONFIG, params, PROMPTS, LENGTHS, max_new_tokens=6, rng=jax.random.key(0), temperature=0.0
+    )
+    tokens = np.asarray(greedy.tokens)
+    # Stop ids: row 0's third token and row 2's first; the other rows may hit them too.
+    eos = [int(tokens[0, 2]), int(tokens[2, 0])]
+    gen = sampler.generate(
+        CONFIG,
+        params,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=6,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        eos_id=eos,
+    )
+    for r in range(len(PROMPTS)):
+        hits = np.flatnonzero(np.isin(tokens[r], eos))
+        want = hits[0] + 1 if hits.size else 6
+        assert gen.lengths[r] == want
+        np.testing.assert_array_equal(gen.tokens[r, :want], tokens[r, :want])
+    assert gen.lengths[0] <= 3 and gen.lengths[2] == 1
+    check_against_forward(params, gen, PROMPTS, LENGTHS)
+
+
+def test_early_stop_when_all_rows_finish(params):
+    prompts, lengths = PROMPTS[:2], LENGTHS[:2]
+    first = sampler.generate(
+        CONFIG, params, prompts, lengths, max_new_tokens=3, rng=jax.random.key(0), temperature=0.0
+    )
+    eos = sorted({int(first.tokens[0, 1]), int(first.tokens[1, 1])})
+    gen, steps = sampler._generate_with_steps(
+        CONFIG,
+        params,
+        prompts,
+        lengths,
+        max_new_tokens=50,
+        rng=jax.random.key(0),
+        temperature=0.0,
+        eos_id=eos,
+    )
+    assert int(gen.lengths.max()) <= 2
+    assert int(steps) == int(gen.lengths.max())
+    np.testing.assert_array_equal(gen.tokens[:, 2:], 0)
+
+
+def test_shared_prefill_equals_repeated_prompts(params):
+    kwargs = {"max_new_tokens": 6, "rng": jax.random.key(7), "temperature": 1.0, "top_p": 0.95}
+    shared = sampler.generate(CONFIG, params, PROMPTS, LENGTHS, num_samples=3, **kwargs)
+    plain = sampler.generate(
+        CONFIG, params, np.repeat(PROMPTS, 3, 0), np.repeat(LENGTHS, 3), **kwargs
+    )
+    np.testing.assert_array_equal(shared.tokens, plain.tokens)
+    np.testing.assert_array_equal(shared.lengths, plain.lengths)
+    np.testing.assert_allclose(shared.logprobs, plain.logprobs, rtol=0, atol=1e-5)
+    # Samples of one prompt differ from each other.
+    assert len({tuple(row) for row in np.asarray(shared.tokens[:3])}) == 3
+
+
+def test_sharded_equals_unsharded(params):
+    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+    kwargs = {"max_new_tokens": 5, "rng": jax.random.key(5), "temperature": 1.0, "num_samples": 2, "eos_id": 3}
+    single = jax.devices()[0]
+    ref = sampler.generate(CONFIG, jax.device_put(params, single), PROMPTS, LENGTHS, **kwargs)
+    replicated = jax.device_put(params, NamedSharding(mesh, P()))
+    out = sampler.generate(CONFIG, replicated, PROMPTS, LENGTHS, mesh=mesh, **kwargs)
+    assert len(out.tokens.sharding.device_set) == 8
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.lengths, ref.lengths)
+    np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens"),
+        ({"cache_size": 8}, "cache_size"),
+        ({"prompt_lengths": np.array([6, 3, 7, 1])}, "prompt_lengths"),
+        ({"prompt_lengths": np.array([6, 3, 0, 1])}, "prompt_lengths"),
+        ({"prompt_lengths": np.array([6, 3, 5])}, "prompt_lengths"),
+        ({"prompt_tokens": PROMPTS[0]}, "prompt_tokens"),
+        ({"prompt_tokens": PROMPTS + 300}, "prompt_tokens"),
+        ({"max_new_tokens": 510}, "max_position_embeddings"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.01}, "top_p"),
+        ({"eos_id": "x"}, "eos_id"),
+        ({"num_samples": 0}, "num_samples"),
+    ],
+)
+def test_bad_input_fails_before_compiling(params, monkeypatch, change, match):
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled before validating")
+
+    monkeypatch.setattr(sampler, "_prefill_jit", no_compile)
+    args = {"prompt_tokens": PROMPTS, "prompt_lengths": LENGTHS, "max_new_tokens": 4} | change
+    with pytest.raises(ValueError, match=match):
+        sampler.generate(CONFIG, params, **args, rng=jax.random.key(0))
