@@ -6,7 +6,8 @@ any statistic. All functions are pure, jit- and vmap-able, with no Python contro
 flow on array values.
 """
 
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +133,7 @@ def merge_batch(state: EBState, rewards, *, mask=None, cluster_ids=None, forgett
         rewards_PG.reshape(-1), w_PG.reshape(-1), jnp.repeat(onehot_PK, G, axis=0)
     )
     batch_group = _batch_welford(mean_P, (n_P > 0).astype(jnp.float32), onehot_PK)
-    decay = lambda w: Welford(w.count * forgetting, w.mean, w.m2 * forgetting)  # noqa: E731
+    decay = lambda w: Welford(w.count * forgetting, w.mean, w.m2 * forgetting)
     return EBState(
         _merge(decay(state.reward), batch_reward), _merge(decay(state.group), batch_group)
     )
@@ -152,8 +153,10 @@ def eb_diagnostics(rewards, state: EBState, *, mask=None, cluster_ids=None, eps=
     rewards_PG, mask_PG = _check_inputs(rewards, mask, cluster_ids, num_clusters)
     onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], num_clusters)
     _, n_P, mean_P = _row_stats(rewards_PG, mask_PG)
-    mu_K, sigma2_K, tau2_K = state.reward.mean, _population_var(state.reward), _population_var(
-        state.group
+    mu_K, sigma2_K, tau2_K = (
+        state.reward.mean,
+        _population_var(state.reward),
+        _population_var(state.group),
     )
     mu_P, sigma2_P, tau2_P = onehot_PK @ mu_K, onehot_PK @ sigma2_K, onehot_PK @ tau2_K
     noise_P = sigma2_P / jnp.where(n_P > 0, n_P, 1.0)
@@ -218,7 +221,9 @@ def eb_advantage(
         raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
     if per_batch:
         state = jax.tree.map(jnp.zeros_like, state)
-    new_state = merge_batch(state, rewards, mask=mask, cluster_ids=cluster_ids, forgetting=forgetting)
+    new_state = merge_batch(
+        state, rewards, mask=mask, cluster_ids=cluster_ids, forgetting=forgetting
+    )
     diag = eb_diagnostics(rewards, new_state, mask=mask, cluster_ids=cluster_ids, eps=eps)
     rewards_PG, mask_PG = _check_inputs(rewards, mask)
     adv_PG = rewards_PG - diag["baseline"][:, None]
@@ -318,7 +323,7 @@ def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None,
     diag = eb_diagnostics(rewards, new_state, mask=mask, cluster_ids=cluster_ids, eps=eps)
     onehot_PK = _onehot(cluster_ids, adv_PG.shape[0], new_state.reward.count.shape[0])
     valid_P = (diag["group_size"] > 0).astype(jnp.float32)
-    row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)  # noqa: E731
+    row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)
     metrics = {
         "eb/shrinkage_mean": row_mean(diag["shrinkage"]),
         "eb/mu_glob": row_mean(onehot_PK @ diag["mu_glob"]),

@@ -47,7 +47,7 @@ def logprobs_from_hidden(hidden_BTD, w_DV, targets_BT, *, chunk_size=None, with_
     h_NBCD = hidden_BTD.reshape(B, T // chunk, chunk, D).swapaxes(0, 1)
     t_NBC = targets_BT.reshape(B, T // chunk, chunk).swapaxes(0, 1)
     logp_NBC, ent_NBC = jax.lax.map(one_chunk, (h_NBCD, t_NBC))
-    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(B, T)  # noqa: E731
+    unchunk = lambda x_NBC: x_NBC.swapaxes(0, 1).reshape(B, T)
     return (unchunk(logp_NBC), unchunk(ent_NBC)) if with_entropy else unchunk(logp_NBC)
 
 
@@ -119,10 +119,10 @@ def policy_loss(
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     adv_BT = adv_B[:, None] if adv_B.ndim == 1 else adv_B
     adv_BT = jnp.broadcast_to(adv_BT, logp_BT.shape).astype(jnp.float32)
-    reduce = lambda x_BT: aggregate(  # noqa: E731
+    reduce = lambda x_BT: aggregate(
         x_BT, mask_BT, agg, max_tokens=max_tokens, denominator=denominator
     )
-    token_mean = lambda x_BT: aggregate(x_BT.astype(jnp.float32), mask_BT, "token-mean")  # noqa: E731
+    token_mean = lambda x_BT: aggregate(x_BT.astype(jnp.float32), mask_BT, "token-mean")
 
     ratio_BT = jnp.exp(logp_BT - old_logp_BT)
     pg_unclipped_BT = -adv_BT * ratio_BT

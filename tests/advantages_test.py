@@ -143,7 +143,9 @@ def test_merge_is_stable_at_1e8_counts():
     assert np.isfinite(adv).all()
     want_mean = (0.3 * n + r.sum()) / (n + r.size)
     np.testing.assert_allclose(new.reward.mean, [want_mean], rtol=1e-6)
-    want_var = (0.21 * n + ((r - r.mean()) ** 2).sum() + (r.mean() - 0.3) ** 2 * n * r.size / (n + r.size)) / (n + r.size)
+    want_var = (
+        0.21 * n + ((r - r.mean()) ** 2).sum() + (r.mean() - 0.3) ** 2 * n * r.size / (n + r.size)
+    ) / (n + r.size)
     np.testing.assert_allclose(new.reward.m2 / new.reward.count, [want_var], rtol=1e-5)
 
 
@@ -199,7 +201,9 @@ def test_baselines_hand_computed():
     np.testing.assert_array_equal(ebpo_jax.grpo_advantage(r)[1], 0.0)
     np.testing.assert_allclose(ebpo_jax.dr_grpo_advantage(r)[0], [0.5, -0.5, -0.5, 0.5])
     # RLOO: 1 - mean(0, 0, 1) = 2/3.
-    np.testing.assert_allclose(ebpo_jax.rloo_advantage(r)[0], [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6)
+    np.testing.assert_allclose(
+        ebpo_jax.rloo_advantage(r)[0], [2 / 3, -2 / 3, -2 / 3, 2 / 3], rtol=1e-6
+    )
     centred = np.array([[0.5, -0.5, -0.5, 0.5], [0, 0, 0, 0]])
     want = (centred - centred.mean()) / (centred.std(ddof=1) + EPS)
     np.testing.assert_allclose(ebpo_jax.reinforce_pp_baseline_advantage(r), want, rtol=1e-5)
@@ -247,7 +251,7 @@ def test_jit_equals_nojit_and_vmap():
     rng = np.random.default_rng(4)
     r, m, c = _random_batch(rng, 8, 4, 0.2, 2)
     s = ebpo_jax.init_eb_state(2)
-    fn = lambda r, s: ebpo_jax.eb_advantage(r, s, mask=m, cluster_ids=c)  # noqa: E731
+    fn = lambda r, s: ebpo_jax.eb_advantage(r, s, mask=m, cluster_ids=c)
     chex.assert_trees_all_close(fn(r, s), jax.jit(fn)(r, s), atol=1e-6)
     # vmap over independent experiments: leading axis on rewards and state.
     rs = np.stack([r, 1 - r])
@@ -267,7 +271,9 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="cluster_ids must lie in"):
         ebpo_jax.eb_advantage(jnp.ones((2, 4)), s, cluster_ids=jnp.array([0, 2]))
     with pytest.raises(ValueError, match=r"cluster_ids must be \[P\]"):
-        jax.jit(lambda c: ebpo_jax.eb_advantage(jnp.ones((2, 4)), s, cluster_ids=c))(jnp.zeros(3, int))
+        jax.jit(lambda c: ebpo_jax.eb_advantage(jnp.ones((2, 4)), s, cluster_ids=c))(
+            jnp.zeros(3, int)
+        )
     with pytest.raises(ValueError, match="rewards must be"):
         jax.jit(ebpo_jax.grpo_advantage)(jnp.ones((2, 4, 1)))
     with pytest.raises(KeyError, match="known: dr_grpo, ebpo, grpo"):
@@ -286,5 +292,8 @@ def test_registry_and_estimate_metrics():
     def zero(rewards, *, mask=None):
         return jnp.zeros_like(rewards)
 
-    adv, state, metrics = advantages.estimate("zero_test", r, ebpo_jax.init_eb_state())
-    assert metrics == {} and not adv.any()
+    try:
+        adv, state, metrics = advantages.estimate("zero_test", r, ebpo_jax.init_eb_state())
+        assert metrics == {} and not adv.any() and state.reward.count[0] == 0
+    finally:
+        advantages._REGISTRY.pop("zero_test")

@@ -43,8 +43,8 @@ def test_chunked_logprobs_equal_full_including_gradient():
     h = jnp.asarray(rng.normal(size=(2, 8, 6)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(6, 13)), jnp.float32)
     t = jnp.asarray(rng.integers(0, 13, (2, 8)))
-    full = lambda h, w: losses.token_logprobs(h @ w, t)  # noqa: E731
-    chunked = lambda h, w: losses.logprobs_from_hidden(h, w, t, chunk_size=2)  # noqa: E731
+    full = lambda h, w: losses.token_logprobs(h @ w, t)
+    chunked = lambda h, w: losses.logprobs_from_hidden(h, w, t, chunk_size=2)
     np.testing.assert_allclose(chunked(h, w), full(h, w), atol=1e-5)
     g_full = jax.grad(lambda h, w: full(h, w).sum(), (0, 1))(h, w)
     g_chunk = jax.grad(lambda h, w: chunked(h, w).sum(), (0, 1))(h, w)
@@ -111,7 +111,9 @@ def test_kl_estimators_and_entropy_bonus(batch):
     for est, w in want.items():
         np.testing.assert_allclose(losses.kl_penalty(logp, ref, est), w, rtol=1e-5, atol=1e-6)
         base, _ = losses.policy_loss(logp, old, adv, mask)
-        loss, m = losses.policy_loss(logp, old, adv, mask, ref_logp_BT=ref, kl_coef=0.1, kl_estimator=est)
+        loss, m = losses.policy_loss(
+            logp, old, adv, mask, ref_logp_BT=ref, kl_coef=0.1, kl_estimator=est
+        )
         kl = w[mask].mean()
         np.testing.assert_allclose(m["actor/kl"], kl, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(loss, base + 0.1 * kl, rtol=1e-5)
@@ -129,7 +131,9 @@ def test_denominator_makes_microbatches_sum_to_full_batch(batch):
     full, _ = losses.policy_loss(logp, old, adv, mask)
     total = mask.sum()
     parts = [
-        losses.policy_loss(logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], denominator=total)[0]
+        losses.policy_loss(
+            logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], denominator=total
+        )[0]
         for i in range(3)
     ]
     np.testing.assert_allclose(sum(parts), full, rtol=1e-6)
