@@ -167,6 +167,23 @@ def test_reward_random_cases_match_host(splits):
     _check_rewards(comp_rand, rng.integers(0, 6, 256).astype(np.int32), answers)
 
 
+def test_group_reward_is_prompt_major(splits):
+    train, _ = splits
+    batch = tasks.encode_problems(train[:3], TOK)
+    # Prompt 1's second sample is its answer + EOS; everything else is the empty completion.
+    comp = np.full((6, 5), EOS_ID, np.int32)
+    n = batch.answer_lengths[1]
+    comp[3, :n], comp[3, n] = batch.answer_tokens[1, :n], EOS_ID
+    lens = np.ones(6, np.int32)
+    lens[3] = n + 1
+    r_PG = jax.jit(tasks.group_reward_fn, static_argnums=4)(
+        comp, lens, batch.answer_tokens, batch.answer_lengths, 2
+    )
+    np.testing.assert_array_equal(r_PG, [[0, 0], [0, 1], [0, 0]])
+    with pytest.raises(ValueError, match="group_size 4"):
+        tasks.group_reward_fn(comp, lens, batch.answer_tokens, batch.answer_lengths, 4)
+
+
 def test_reward_rejects_bad_shapes():
     with pytest.raises(ValueError, match="completion"):
         tasks.reward_fn(np.zeros((2, 3)), np.zeros(2), np.zeros((3, 2)), np.zeros(3))
@@ -194,6 +211,8 @@ def test_prompt_source_shapes_and_resume(splits):
             np.testing.assert_array_equal(fx, fy)
     with pytest.raises(ValueError, match="data state"):
         resumed.restore({"epoch": 0, "position": len(train)})
+    with pytest.raises(ValueError, match="other problems"):
+        tasks.PromptSource(train, TOK, 16, seed=4).restore(state)
 
 
 def test_prompt_source_epochs_cover_everything_and_reshuffle(splits):

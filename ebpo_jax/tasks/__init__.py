@@ -16,7 +16,7 @@ from ebpo_jax.tasks.data import (
     encode_problems,
     sft_examples,
 )
-from ebpo_jax.tasks.reward import host_reward, reward_fn, string_reward
+from ebpo_jax.tasks.reward import group_reward_fn, host_reward, reward_fn, string_reward
 from ebpo_jax.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 __all__ = [
@@ -32,6 +32,7 @@ __all__ = [
     "PromptSource",
     "SFTBatch",
     "encode_problems",
+    "group_reward_fn",
     "host_reward",
     "make_splits",
     "max_lengths",

@@ -1,5 +1,6 @@
 """Problems as arrays: a resumable prompt source for RL and supervised sequences for the SFT warm start."""
 
+import zlib
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -105,6 +106,9 @@ class PromptSource:
         self._encoded = encode_problems(
             self.problems, tokenizer, prompt_len=self.prompt_len, answer_len=self.answer_len
         )
+        # Identifies the problem list, seed and order, so a resume on other data fails loudly.
+        key = "\n".join([str(seed), order] + [p.prompt for p in self.problems])
+        self.fingerprint = zlib.crc32(key.encode())
         self.epoch, self.position = 0, 0
         self._order_cache: tuple[int, np.ndarray] | None = None
 
@@ -120,10 +124,15 @@ class PromptSource:
 
     def state(self) -> dict[str, int]:
         """The resumable position (JSON-able; save it with the checkpoint)."""
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "fingerprint": self.fingerprint}
 
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a position returned by `state()`."""
+        if state.get("fingerprint", self.fingerprint) != self.fingerprint:
+            raise ValueError(
+                f"data state {state} was saved for other problems, seed or order "
+                f"(fingerprint {self.fingerprint})"
+            )
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position < len(self.problems):
             raise ValueError(f"data state {state} out of range for {len(self.problems)} problems")

@@ -73,3 +73,23 @@ def host_reward(
         return 0.0
     text = tokenizer.decode(content)
     return string_reward(text, answer, has_eos=has_eos, require_eos=require_eos)
+
+
+def group_reward_fn(
+    completion_tokens_BN,
+    completion_lengths_B,
+    answer_tokens_PA,
+    answer_lengths_P,
+    group_size: int,
+    **kwargs,
+):
+    """Rewards [P, G] of P*G prompt-major completions (prompt i's samples are rows i*G..i*G+G-1)."""
+    P = answer_tokens_PA.shape[0]
+    if completion_tokens_BN.shape[0] != P * group_size:
+        raise ValueError(
+            f"{completion_tokens_BN.shape[0]} completions != {P} prompts x group_size {group_size}"
+        )
+    ans_BA = jnp.repeat(jnp.asarray(answer_tokens_PA), group_size, axis=0)
+    ans_len_B = jnp.repeat(jnp.asarray(answer_lengths_P), group_size, axis=0)
+    r_B = reward_fn(completion_tokens_BN, completion_lengths_B, ans_BA, ans_len_B, **kwargs)
+    return r_B.reshape(P, group_size)
