@@ -26,7 +26,6 @@ def default_config() -> ml_collections.ConfigDict:
     c.checkpoint_every = 50
     c.keep_checkpoints = 3
     c.eval_every = 50
-    c.eval_size = 256  # held-out problems scored for eval/pass@1 (greedy)
     c.eval_batch_size = 128
     c.steps_per_jit = 1  # K steps per lax.scan; 1 = jit -> host -> jit with per-phase timing
     c.max_nonfinite_steps = 5  # stop after this many non-finite steps in a row
@@ -39,7 +38,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.task = ml_collections.ConfigDict()
     c.task.topics = ""  # comma-separated topic names; "" = every topic
     c.task.max_difficulty = 0  # 0 = every level
-    c.task.num_test = 512
+    c.task.seed = 0  # problem generation (the held-out split depends only on this)
+    c.task.train_per_cell = 400
+    c.task.test_per_cell = 20  # held-out problems per (topic, difficulty) cell
+    c.task.order = "naive"  # naive | topic | difficulty (EBPO-naive/topic/diff curricula)
 
     c.sampler = ml_collections.ConfigDict()
     c.sampler.max_new_tokens = 16
@@ -211,6 +213,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         0 <= c.dapo.overlong_buffer < c.sampler.max_new_tokens,
         f"dapo.overlong_buffer={c.dapo.overlong_buffer} must be in [0, sampler.max_new_tokens)",
     )
+    need(c.task.order in ("naive", "topic", "difficulty"), f"task.order={c.task.order!r} unknown")
     need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")
 
     from ebpo_jax import advantages  # the registry; imported late so this module stays light

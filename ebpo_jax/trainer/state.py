@@ -65,7 +65,8 @@ def init_train_state(
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),
-        eb_state=init_eb_state(num_clusters),
+        # Own buffers per leaf: init_eb_state shares one zeros array, which donation rejects.
+        eb_state=jax.tree.map(jnp.copy, init_eb_state(num_clusters)),
         step=jnp.zeros((), jnp.int32),
         rng=jax.random.key_data(jax.random.key(seed)),
         ref_params=jax.tree.map(jnp.copy, params) if with_ref else None,

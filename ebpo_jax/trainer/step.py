@@ -216,9 +216,9 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
     return update
 
 
-def make_train_step(config, model_config, optimizer, reward_fn, eos_id: int):
+def make_train_step(config, model_config, optimizer, reward_fn, eos_id: int, *, mesh=None):
     """train_step(state, batch) -> (state, metrics): a pure lax.scan body."""
-    rollout = make_rollout_fn(config, model_config, reward_fn, eos_id)
+    rollout = make_rollout_fn(config, model_config, reward_fn, eos_id, mesh)
     update = make_update_fn(config, model_config, optimizer, eos_id)
 
     def train_step(state: TrainState, batch):

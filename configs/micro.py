@@ -1,0 +1,30 @@
+"""A seconds-scale config for tests and smoke runs: tiny model, few steps, no warm start."""
+
+from ebpo_jax.config import default_config, finalize
+
+
+def get_config():
+    c = default_config()
+    c.workdir = "/tmp/ebpo_jax/micro"
+    c.total_steps = 4
+    c.prompts_per_step = 4
+    c.group_size = 4
+    c.checkpoint_every = 2
+    c.eval_every = 2
+    c.eval_batch_size = 32
+    c.model.preset = "tiny"
+    c.model.overrides.hidden_size = 32
+    c.model.overrides.intermediate_size = 64
+    c.model.overrides.num_layers = 1
+    c.model.overrides.num_heads = 2
+    c.model.overrides.num_kv_heads = 1
+    c.model.overrides.head_dim = 16
+    c.model.overrides.max_position_embeddings = 32
+    c.task.topics = "addition,comparison"
+    c.task.max_difficulty = 1
+    c.task.train_per_cell = 50
+    c.task.test_per_cell = 8
+    c.sampler.max_new_tokens = 4
+    c.optimizer.learning_rate = 1e-3
+    c.sft.steps = 0
+    return finalize(c)

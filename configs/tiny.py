@@ -1,0 +1,42 @@
+"""The CPU default: a tiny char-level Llama warm-started by SFT, then EBPO on arithmetic."""
+
+from ebpo_jax.config import default_config, finalize
+
+
+def get_config():
+    c = default_config()
+    c.workdir = "/tmp/ebpo_jax/tiny"
+    c.seed = 0
+    c.total_steps = 200
+    c.prompts_per_step = 32
+    c.group_size = 8
+    c.estimator = "ebpo"
+    c.checkpoint_every = 50
+    c.eval_every = 50
+    c.steps_per_jit = 1
+
+    c.model.preset = "tiny"
+    c.model.overrides.hidden_size = 128
+    c.model.overrides.intermediate_size = 384
+    c.model.overrides.num_layers = 2
+    c.model.overrides.num_heads = 4
+    c.model.overrides.num_kv_heads = 2
+    c.model.overrides.head_dim = 32
+    c.model.overrides.max_position_embeddings = 32
+
+    c.task.train_per_cell = 400
+    c.task.test_per_cell = 20
+
+    c.sampler.max_new_tokens = 6
+    c.sampler.temperature = 1.0
+
+    c.optimizer.learning_rate = 3e-4
+    c.optimizer.weight_decay = 0.0
+    c.optimizer.warmup_steps = 5
+    c.optimizer.clip_norm = 1.0
+
+    c.sft.steps = 300
+    c.sft.batch_size = 64
+    c.sft.learning_rate = 3e-3
+    c.sft.cache_dir = "/tmp/ebpo_jax/sft_cache"
+    return finalize(c)

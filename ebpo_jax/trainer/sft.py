@@ -1,0 +1,107 @@
+"""Supervised warm start on the synthetic tasks, cached on disk after the first run."""
+
+import hashlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ebpo_jax import losses, models, tasks
+
+
+def sft_loss(model_config, params, tokens_BT, loss_mask_BT):
+    """Mean next-token cross-entropy over the answer + EOS tokens."""
+    logits_BTV = models.forward(model_config, params, tokens_BT[:, :-1])
+    logp_BT = losses.token_logprobs(logits_BTV, tokens_BT[:, 1:])
+    mask_BT = loss_mask_BT[:, 1:]
+    return -jnp.sum(jnp.where(mask_BT, logp_BT, 0.0)) / jnp.maximum(mask_BT.sum(), 1)
+
+
+def make_sft_step(model_config, optimizer):
+    """(params, opt_state, tokens, mask) -> (params, opt_state, loss), to be jitted."""
+
+    def step(params, opt_state, tokens_BT, mask_BT):
+        loss, grads = jax.value_and_grad(lambda p: sft_loss(model_config, p, tokens_BT, mask_BT))(
+            params
+        )
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def cache_path(config, model_config, num_problems: int) -> str:
+    """Where the warm-start params for this (model, SFT settings, data, seed) are cached."""
+    key = json.dumps(
+        [
+            repr(model_config),
+            config.sft.to_dict(),
+            config.task.to_dict(),
+            config.seed,
+            num_problems,
+        ],
+        sort_keys=True,
+        default=str,
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = config.sft.cache_dir or os.path.join(config.workdir, "sft_cache")
+    return os.path.join(root, f"sft_{digest}.npz")
+
+
+def _save(path, params):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    leaves = jax.tree.leaves(params)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, *[np.asarray(x) for x in leaves])
+    os.replace(tmp, path)  # atomic: a killed run never leaves a half-written cache
+
+
+def _load(path, like):
+    with np.load(path) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    treedef = jax.tree.structure(like)
+    if len(leaves) != treedef.num_leaves:
+        raise ValueError(
+            f"SFT cache {path} has {len(leaves)} arrays, expected {treedef.num_leaves}"
+        )
+    return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+
+
+def warm_start(config, model_config, params, problems, tokenizer, *, log=print):
+    """Params after `config.sft.steps` supervised steps on `problems` (loaded if cached)."""
+    if config.sft.steps == 0:
+        return params
+    path = cache_path(config, model_config, len(problems))
+    if os.path.exists(path):
+        log(f"SFT warm start: loaded cached params from {path}")
+        return _load(path, params)
+    sft = config.sft
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        sft.learning_rate,
+        sft.warmup_steps,
+        max(sft.steps, sft.warmup_steps + 1),
+        0.1 * sft.learning_rate,
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
+    )
+    step = jax.jit(make_sft_step(model_config, optimizer), donate_argnums=(0, 1))
+    examples = tasks.sft_examples(problems, tokenizer)
+    rng = np.random.default_rng(config.seed)
+    opt_state = optimizer.init(params)
+    params = jax.tree.map(jnp.copy, params)  # the caller's params are donated otherwise
+    loss = float("nan")
+    for i in range(sft.steps):
+        idx = rng.integers(0, len(problems), sft.batch_size)
+        params, opt_state, loss = step(
+            params, opt_state, examples.tokens[idx], examples.loss_mask[idx]
+        )
+        if (i + 1) % max(1, sft.steps // 5) == 0:
+            log(f"SFT step {i + 1}/{sft.steps}: loss {float(loss):.4f}")
+    _save(path, params)
+    log(f"SFT warm start: cached params at {path}")
+    return params

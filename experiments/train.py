@@ -1,0 +1,27 @@
+"""Train a policy with EBPO: `python experiments/train.py [--config=configs/x.py] [--config.f=v]`."""
+
+import os
+
+from absl import app, logging
+from ml_collections import config_flags
+
+_DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny.py")
+_CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT), "Training config.")
+
+
+def main(argv):
+    del argv
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from ebpo_jax.trainer.loop import train  # after flag parsing, so --help stays fast
+
+    s = train(_CONFIG.value)
+    print(
+        f"held-out pass@1: {100 * s['pass@1_start']:.1f}% (warm start) -> "
+        f"{100 * s['pass@1_end']:.1f}% (step {s['step']}), {s['wall_time_s']:.0f} s\n"
+        f"metrics: {s['metrics']}\ncheckpoints: {s['checkpoints']}\n"
+        f"tensorboard: tensorboard --logdir {s['workdir']}"
+    )
+
+
+if __name__ == "__main__":
+    app.run(main)
