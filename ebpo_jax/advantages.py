@@ -89,14 +89,12 @@ def _merge(a: Welford, b: Welford) -> Welford:
     return Welford(n_K, mean_K, m2_K)
 
 
-def _batch_welford(x_N, w_N, onehot_NK) -> Welford:
-    """Two-pass per-cluster (count, mean, M2) of values x with 0/1 weights w."""
-    count_K = jnp.einsum("n,nk->k", w_N, onehot_NK)
-    safe_K = jnp.where(count_K > 0, count_K, 1.0)
-    mean_K = jnp.einsum("n,nk->k", w_N * x_N, onehot_NK) / safe_K
-    dev_N = x_N - onehot_NK @ mean_K
-    m2_K = jnp.einsum("n,nk->k", w_N * dev_N**2, onehot_NK)
-    return Welford(count_K, mean_K, m2_K)
+def _cluster_welford(n_P, mean_P, m2_P, onehot_PK) -> Welford:
+    """Per-cluster (count, mean, M2) from per-row ones (the exact two-level decomposition)."""
+    count_K = n_P @ onehot_PK
+    mean_K = ((n_P * mean_P) @ onehot_PK) / jnp.where(count_K > 0, count_K, 1.0)
+    between_P = n_P * (mean_P - onehot_PK @ mean_K) ** 2
+    return Welford(count_K, mean_K, (m2_P + between_P) @ onehot_PK)
 
 
 def _population_var(w: Welford) -> jax.Array:
@@ -105,11 +103,12 @@ def _population_var(w: Welford) -> jax.Array:
 
 
 def _row_stats(rewards_PG, mask_PG):
-    """Valid count and mean of each row (0 for empty rows)."""
+    """Valid count, mean and M2 of each row (0 for empty rows)."""
     w_PG = mask_PG.astype(jnp.float32)
     n_P = w_PG.sum(-1)
     mean_P = (w_PG * rewards_PG).sum(-1) / jnp.where(n_P > 0, n_P, 1.0)
-    return w_PG, n_P, mean_P
+    m2_P = (w_PG * (rewards_PG - mean_P[:, None]) ** 2).sum(-1)
+    return n_P, mean_P, m2_P
 
 
 def _onehot(cluster_ids, num_prompts, num_clusters):
@@ -118,29 +117,62 @@ def _onehot(cluster_ids, num_prompts, num_clusters):
     return jax.nn.one_hot(cluster_ids, num_clusters, dtype=jnp.float32)
 
 
-def merge_batch(state: EBState, rewards, *, mask=None, cluster_ids=None, forgetting=1.0):
-    """Merges one batch of rewards into the accumulators; returns the new EBState.
+class _Batch(NamedTuple):
+    rewards_PG: jax.Array
+    mask_PG: jax.Array
+    onehot_PK: jax.Array
+    n_P: jax.Array
+    mean_P: jax.Array
+    m2_P: jax.Array
 
-    `forgetting` < 1 down-weights the history before the merge (an exponentially
-    weighted Welford), for a non-stationary policy.
-    """
+
+def _prepare(state: EBState, rewards, mask, cluster_ids) -> _Batch:
     num_clusters = state.reward.count.shape[0]
     rewards_PG, mask_PG = _check_inputs(rewards, mask, cluster_ids, num_clusters)
-    P, G = rewards_PG.shape
-    onehot_PK = _onehot(cluster_ids, P, num_clusters)
-    w_PG, n_P, mean_P = _row_stats(rewards_PG, mask_PG)
-    batch_reward = _batch_welford(
-        rewards_PG.reshape(-1), w_PG.reshape(-1), jnp.repeat(onehot_PK, G, axis=0)
-    )
-    batch_group = _batch_welford(mean_P, (n_P > 0).astype(jnp.float32), onehot_PK)
+    onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], num_clusters)
+    return _Batch(rewards_PG, mask_PG, onehot_PK, *_row_stats(rewards_PG, mask_PG))
+
+
+def _merge_prepared(state: EBState, b: _Batch, forgetting) -> EBState:
+    batch_reward = _cluster_welford(b.n_P, b.mean_P, b.m2_P, b.onehot_PK)
+    valid_P = (b.n_P > 0).astype(jnp.float32)
+    batch_group = _cluster_welford(valid_P, b.mean_P, jnp.zeros_like(b.m2_P), b.onehot_PK)
     decay = lambda w: Welford(w.count * forgetting, w.mean, w.m2 * forgetting)
     return EBState(
         _merge(decay(state.reward), batch_reward), _merge(decay(state.group), batch_group)
     )
 
 
+def merge_batch(state: EBState, rewards, *, mask=None, cluster_ids=None, forgetting=1.0):
+    """Merges one batch of rewards into the accumulators; returns the new EBState.
+
+    `forgetting` < 1 down-weights the history before the merge (an exponentially
+    weighted Welford), for a non-stationary policy.
+    """
+    return _merge_prepared(state, _prepare(state, rewards, mask, cluster_ids), forgetting)
+
+
 # ---------------------------------------------------------------------------
 # EBPO.
+
+
+def _posterior(state: EBState, b: _Batch, eps) -> dict:
+    mu_K, sigma2_K = state.reward.mean, _population_var(state.reward)
+    tau2_K = _population_var(state.group)
+    mu_P, sigma2_P, tau2_P = b.onehot_PK @ mu_K, b.onehot_PK @ sigma2_K, b.onehot_PK @ tau2_K
+    noise_P = sigma2_P / jnp.where(b.n_P > 0, b.n_P, 1.0)
+    denom_P = noise_P + tau2_P
+    # A (numerically) zero denominator means no evidence of spread at all: trust the prior.
+    shrink_P = jnp.where(denom_P > eps, noise_P / jnp.where(denom_P > eps, denom_P, 1.0), 1.0)
+    return {
+        "shrinkage": shrink_P,
+        "baseline": (1.0 - shrink_P) * b.mean_P + shrink_P * mu_P,
+        "group_mean": b.mean_P,
+        "group_size": b.n_P,
+        "mu_glob": mu_K,
+        "sigma2": sigma2_K,
+        "tau2": tau2_K,
+    }
 
 
 def eb_diagnostics(rewards, state: EBState, *, mask=None, cluster_ids=None, eps=1e-6):
@@ -149,30 +181,7 @@ def eb_diagnostics(rewards, state: EBState, *, mask=None, cluster_ids=None, eps=
     Returns a dict: `shrinkage` [P], `baseline` [P], `group_mean` [P], `group_size` [P],
     and the per-cluster `mu_glob`, `sigma2`, `tau2` [K].
     """
-    num_clusters = state.reward.count.shape[0]
-    rewards_PG, mask_PG = _check_inputs(rewards, mask, cluster_ids, num_clusters)
-    onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], num_clusters)
-    _, n_P, mean_P = _row_stats(rewards_PG, mask_PG)
-    mu_K, sigma2_K, tau2_K = (
-        state.reward.mean,
-        _population_var(state.reward),
-        _population_var(state.group),
-    )
-    mu_P, sigma2_P, tau2_P = onehot_PK @ mu_K, onehot_PK @ sigma2_K, onehot_PK @ tau2_K
-    noise_P = sigma2_P / jnp.where(n_P > 0, n_P, 1.0)
-    denom_P = noise_P + tau2_P
-    # A (numerically) zero denominator means no evidence of spread at all: trust the prior.
-    shrink_P = jnp.where(denom_P > eps, noise_P / jnp.where(denom_P > eps, denom_P, 1.0), 1.0)
-    baseline_P = (1.0 - shrink_P) * mean_P + shrink_P * mu_P
-    return {
-        "shrinkage": shrink_P,
-        "baseline": baseline_P,
-        "group_mean": mean_P,
-        "group_size": n_P,
-        "mu_glob": mu_K,
-        "sigma2": sigma2_K,
-        "tau2": tau2_K,
-    }
+    return _posterior(state, _prepare(state, rewards, mask, cluster_ids), eps)
 
 
 def _masked_mean_std(x_PG, mask_PG, axis=None):
@@ -200,6 +209,21 @@ def _normalize(adv_PG, mask_PG, how: str, eps: float, fallback_std_P=None):
     raise ValueError(f"normalize must be 'batch', 'group' or 'none', got {how!r}")
 
 
+def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize):
+    """EBPO core: (advantages, merged state, posterior diagnostics, prepared batch)."""
+    if not 0.0 < forgetting <= 1.0:
+        raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
+    if per_batch:
+        state = jax.tree.map(jnp.zeros_like, state)
+    b = _prepare(state, rewards, mask, cluster_ids)
+    new_state = _merge_prepared(state, b, forgetting)
+    diag = _posterior(new_state, b, eps)
+    adv_PG = jnp.where(b.mask_PG, b.rewards_PG - diag["baseline"][:, None], 0.0)
+    prior_std_P = b.onehot_PK @ jnp.sqrt(diag["sigma2"])
+    adv_PG = _normalize(adv_PG, b.mask_PG, normalize, eps, prior_std_P)
+    return jnp.where(b.mask_PG, adv_PG, 0.0), new_state, diag, b
+
+
 def eb_advantage(
     rewards,
     state: EBState,
@@ -217,20 +241,10 @@ def eb_advantage(
     shrunk toward its cluster's running mean. `per_batch=True` resets the statistics
     every call (the authors' released code); `forgetting` < 1 decays the history.
     """
-    if not 0.0 < forgetting <= 1.0:
-        raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-    if per_batch:
-        state = jax.tree.map(jnp.zeros_like, state)
-    new_state = merge_batch(
-        state, rewards, mask=mask, cluster_ids=cluster_ids, forgetting=forgetting
+    adv_PG, new_state, _, _ = _eb(
+        rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize
     )
-    diag = eb_diagnostics(rewards, new_state, mask=mask, cluster_ids=cluster_ids, eps=eps)
-    rewards_PG, mask_PG = _check_inputs(rewards, mask)
-    adv_PG = rewards_PG - diag["baseline"][:, None]
-    onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], state.reward.count.shape[0])
-    prior_std_P = onehot_PK @ jnp.sqrt(diag["sigma2"])
-    adv_PG = _normalize(jnp.where(mask_PG, adv_PG, 0.0), mask_PG, normalize, eps, prior_std_P)
-    return jnp.where(mask_PG, adv_PG, 0.0), new_state
+    return adv_PG, new_state
 
 
 # ---------------------------------------------------------------------------
@@ -318,16 +332,17 @@ def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None,
     fn = get(name)
     if name not in _STATEFUL:
         return fn(rewards, mask=mask, **options), state, {}
-    adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
-    eps = options.get("eps", 1e-6)
-    diag = eb_diagnostics(rewards, new_state, mask=mask, cluster_ids=cluster_ids, eps=eps)
-    onehot_PK = _onehot(cluster_ids, adv_PG.shape[0], new_state.reward.count.shape[0])
-    valid_P = (diag["group_size"] > 0).astype(jnp.float32)
+    if fn is not eb_advantage:
+        adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
+        return adv_PG, new_state, {}
+    opts = {"eps": 1e-6, "per_batch": False, "forgetting": 1.0, "normalize": "batch"} | options
+    adv_PG, new_state, diag, b = _eb(rewards, state, mask, cluster_ids, **opts)
+    valid_P = (b.n_P > 0).astype(jnp.float32)
     row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)
     metrics = {
         "eb/shrinkage_mean": row_mean(diag["shrinkage"]),
-        "eb/mu_glob": row_mean(onehot_PK @ diag["mu_glob"]),
-        "eb/sigma2": row_mean(onehot_PK @ diag["sigma2"]),
-        "eb/tau2": row_mean(onehot_PK @ diag["tau2"]),
+        "eb/mu_glob": row_mean(b.onehot_PK @ diag["mu_glob"]),
+        "eb/sigma2": row_mean(b.onehot_PK @ diag["sigma2"]),
+        "eb/tau2": row_mean(b.onehot_PK @ diag["tau2"]),
     }
     return adv_PG, new_state, metrics
