@@ -42,7 +42,6 @@ def encode_problems(
     *,
     prompt_len: int | None = None,
     answer_len: int | None = None,
-    index: np.ndarray | None = None,
 ) -> PromptBatch:
     """All `problems` as one PromptBatch (e.g. the whole test split for evaluation)."""
     prompt_tokens, prompt_lengths = tokenizer.encode_batch(
@@ -58,7 +57,7 @@ def encode_problems(
         answer_lengths,
         np.array([p.topic_id for p in problems], np.int32),
         np.array([p.difficulty for p in problems], np.int32),
-        np.arange(len(problems), dtype=np.int32) if index is None else np.asarray(index, np.int32),
+        np.arange(len(problems), dtype=np.int32),
     )
 
 
