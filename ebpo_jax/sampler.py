@@ -161,17 +161,16 @@ def _decode(
     token_B,
     logp_B,
     rng,
+    eos_E,
     *,
     config,
     prompt_len,
     max_new_tokens,
     sampling,
-    eos,
     batch_sharding,
 ):
     """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t."""
     batch = token_B.shape[0]
-    eos_E = jnp.asarray(eos, jnp.int32)
     rows_B = jnp.arange(batch)
     tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
     logps_BN = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(logp_B)
@@ -231,7 +230,7 @@ _prefill_jit = jax.jit(
 # it the cache would live twice, which is what runs out of memory at scale.
 _decode_jit = jax.jit(
     _decode,
-    static_argnames=("config", "prompt_len", "max_new_tokens", "sampling", "eos", "batch_sharding"),
+    static_argnames=("config", "prompt_len", "max_new_tokens", "sampling", "batch_sharding"),
     donate_argnums=(1,),
 )
 
@@ -354,11 +353,11 @@ def _generate_with_steps(
         token_B,
         logp_B,
         rng,
+        jnp.asarray(eos, jnp.int32).reshape(-1),
         config=config,
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
-        eos=eos,
         batch_sharding=row_sharding,
     )
     return generation, steps

@@ -30,26 +30,39 @@ def params():
     return jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, p)
 
 
-def reference_logprobs(params, prompt, completion):
-    """log_softmax of models.forward on prompt + completion, at the completion tokens."""
-    seq = np.concatenate([prompt, completion]).astype(np.int32)
-    logp_TV = jax.nn.log_softmax(models.forward(CONFIG, params, jnp.asarray(seq)[None])[0], -1)
-    steps = np.arange(len(completion))
-    return np.asarray(logp_TV)[len(prompt) - 1 + steps, completion], np.asarray(logp_TV)
+N = 6  # new tokens; one value keeps the number of compiles down
+
+
+@jax.jit
+def _forward_logp(params, seq_BT):
+    return jax.nn.log_softmax(models.forward(CONFIG, params, seq_BT), -1)
+
+
+def reference(params, tokens, prompts, lengths, num_samples=1):
+    """(log-probs of tokens, greedy argmax) from one models.forward on prompt + completion."""
+    tokens = np.asarray(tokens)
+    rows, n = tokens.shape
+    prompt_rows = np.repeat(np.arange(len(prompts)), num_samples)
+    seq = np.zeros((rows, prompts.shape[1] + n), np.int32)
+    for r, b in enumerate(prompt_rows):
+        seq[r, : lengths[b]] = prompts[b, : lengths[b]]
+        seq[r, lengths[b] : lengths[b] + n] = tokens[r]
+    logp_BTV = np.asarray(_forward_logp(params, jnp.asarray(seq)))
+    # Causal attention: the zeros after each sequence do not change what precedes them.
+    at_BN = lengths[prompt_rows][:, None] - 1 + np.arange(n)[None]
+    logp_BNV = np.take_along_axis(logp_BTV, at_BN[..., None], axis=1)
+    return np.take_along_axis(logp_BNV, tokens[..., None], -1)[..., 0], logp_BNV.argmax(-1)
 
 
 def check_against_forward(params, gen, prompts, lengths, num_samples=1):
-    """Each row's tokens/log-probs agree with a full forward pass; padding is 0."""
+    """Each row's log-probs agree with a full forward pass; padding is 0."""
     tokens, logprobs, gen_len = map(np.asarray, gen)
-    n = tokens.shape[1]
-    for r in range(tokens.shape[0]):
-        b = r // num_samples
-        k = gen_len[r]
-        assert 1 <= k <= n
-        np.testing.assert_array_equal(tokens[r, k:], 0)
-        np.testing.assert_array_equal(logprobs[r, k:], 0.0)
-        ref, _ = reference_logprobs(params, prompts[b, : lengths[b]], tokens[r, :k])
-        np.testing.assert_allclose(logprobs[r, :k], ref, rtol=0, atol=1e-4)
+    real = np.arange(tokens.shape[1])[None] < gen_len[:, None]
+    assert np.all((gen_len >= 1) & (gen_len <= tokens.shape[1]))
+    np.testing.assert_array_equal(tokens[~real], 0)
+    np.testing.assert_array_equal(logprobs[~real], 0.0)
+    ref, _ = reference(params, tokens, prompts, lengths, num_samples)
+    np.testing.assert_allclose(logprobs[real], ref[real], rtol=0, atol=1e-4)
 
 
 def test_logprobs_match_forward_when_sampling(params):
@@ -58,61 +71,49 @@ def test_logprobs_match_forward_when_sampling(params):
         params,
         PROMPTS,
         LENGTHS,
-        max_new_tokens=7,
+        max_new_tokens=N,
         rng=jax.random.key(3),
         temperature=0.8,
         top_k=20,
         top_p=0.9,
         num_samples=2,
     )
-    assert gen.tokens.shape == (8, 7) and gen.tokens.dtype == jnp.int32
+    assert gen.tokens.shape == (8, N) and gen.tokens.dtype == jnp.int32
     assert gen.logprobs.dtype == jnp.float32 and gen.lengths.shape == (8,)
-    np.testing.assert_array_equal(gen.lengths, 7)
+    np.testing.assert_array_equal(gen.lengths, N)
     check_against_forward(params, gen, PROMPTS, LENGTHS, num_samples=2)
 
 
-def test_greedy_is_argmax_of_forward(params):
-    gen = sampler.generate(
-        CONFIG, params, PROMPTS, LENGTHS, max_new_tokens=7, rng=jax.random.key(0), temperature=0.0
-    )
-    for b in range(len(PROMPTS)):
-        prompt = PROMPTS[b, : LENGTHS[b]]
-        _, logp_TV = reference_logprobs(params, prompt, np.asarray(gen.tokens[b]))
-        argmax = logp_TV[len(prompt) - 1 : len(prompt) - 1 + 7].argmax(-1)
-        np.testing.assert_array_equal(gen.tokens[b], argmax)
-    # Rows do not depend on their neighbours or on the padding width.
-    alone = sampler.generate(
+def greedy(params, prompts=PROMPTS, lengths=LENGTHS, **kwargs):
+    return sampler.generate(
         CONFIG,
         params,
-        PROMPTS[1:2, :3],
-        LENGTHS[1:2],
-        max_new_tokens=7,
+        prompts,
+        lengths,
+        max_new_tokens=N,
         rng=jax.random.key(0),
         temperature=0.0,
+        **kwargs,
     )
+
+
+def test_greedy_is_argmax_of_forward(params):
+    gen = greedy(params)
+    _, argmax = reference(params, gen.tokens, PROMPTS, LENGTHS)
+    np.testing.assert_array_equal(gen.tokens, argmax)
+    # Rows do not depend on their neighbours or on the padding width.
+    alone = greedy(params, PROMPTS[1:2, :3], LENGTHS[1:2])
     np.testing.assert_array_equal(alone.tokens[0], gen.tokens[1])
 
 
 def test_eos_stops_rows_and_pads(params):
-    greedy = sampler.generate(
-        CONFIG, params, PROMPTS, LENGTHS, max_new_tokens=6, rng=jax.random.key(0), temperature=0.0
-    )
-    tokens = np.asarray(greedy.tokens)
+    tokens = np.asarray(greedy(params).tokens)
     # Stop ids: row 0's third token and row 2's first; the other rows may hit them too.
     eos = [int(tokens[0, 2]), int(tokens[2, 0])]
-    gen = sampler.generate(
-        CONFIG,
-        params,
-        PROMPTS,
-        LENGTHS,
-        max_new_tokens=6,
-        rng=jax.random.key(0),
-        temperature=0.0,
-        eos_id=eos,
-    )
+    gen = greedy(params, eos_id=eos)
     for r in range(len(PROMPTS)):
         hits = np.flatnonzero(np.isin(tokens[r], eos))
-        want = hits[0] + 1 if hits.size else 6
+        want = hits[0] + 1 if hits.size else N
         assert gen.lengths[r] == want
         np.testing.assert_array_equal(gen.tokens[r, :want], tokens[r, :want])
     assert gen.lengths[0] <= 3 and gen.lengths[2] == 1
@@ -120,28 +121,26 @@ def test_eos_stops_rows_and_pads(params):
 
 
 def test_early_stop_when_all_rows_finish(params):
-    prompts, lengths = PROMPTS[:2], LENGTHS[:2]
-    first = sampler.generate(
-        CONFIG, params, prompts, lengths, max_new_tokens=3, rng=jax.random.key(0), temperature=0.0
-    )
-    eos = sorted({int(first.tokens[0, 1]), int(first.tokens[1, 1])})
+    tokens = np.asarray(greedy(params).tokens)
+    eos = sorted(set(tokens[:, 1].tolist()))
     gen, steps = sampler._generate_with_steps(
         CONFIG,
         params,
-        prompts,
-        lengths,
-        max_new_tokens=50,
+        PROMPTS,
+        LENGTHS,
+        max_new_tokens=N,
         rng=jax.random.key(0),
         temperature=0.0,
         eos_id=eos,
     )
     assert int(gen.lengths.max()) <= 2
-    assert int(steps) == int(gen.lengths.max())
+    # The loop ran only as long as some row was still going.
+    assert int(steps) == int(gen.lengths.max()) < N
     np.testing.assert_array_equal(gen.tokens[:, 2:], 0)
 
 
 def test_shared_prefill_equals_repeated_prompts(params):
-    kwargs = {"max_new_tokens": 6, "rng": jax.random.key(7), "temperature": 1.0, "top_p": 0.95}
+    kwargs = {"max_new_tokens": N, "rng": jax.random.key(7), "temperature": 1.0, "top_p": 0.95}
     shared = sampler.generate(CONFIG, params, PROMPTS, LENGTHS, num_samples=3, **kwargs)
     plain = sampler.generate(
         CONFIG, params, np.repeat(PROMPTS, 3, 0), np.repeat(LENGTHS, 3), **kwargs
@@ -155,7 +154,13 @@ def test_shared_prefill_equals_repeated_prompts(params):
 
 def test_sharded_equals_unsharded(params):
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-    kwargs = {"max_new_tokens": 5, "rng": jax.random.key(5), "temperature": 1.0, "num_samples": 2, "eos_id": 3}
+    kwargs = {
+        "max_new_tokens": N,
+        "rng": jax.random.key(5),
+        "temperature": 1.0,
+        "num_samples": 2,
+        "eos_id": 3,
+    }
     single = jax.devices()[0]
     ref = sampler.generate(CONFIG, jax.device_put(params, single), PROMPTS, LENGTHS, **kwargs)
     replicated = jax.device_put(params, NamedSharding(mesh, P()))
