@@ -1,0 +1,23 @@
+"""Llama-3 / Qwen3 decoder in Flax NNX with a functional (params-pytree) interface."""
+
+from ebpo_jax.models.config import PRESETS, ModelConfig, get_config
+from ebpo_jax.models.model import (
+    abstract_params,
+    forward,
+    forward_cached,
+    init_cache,
+    init_params,
+    output_embedding,
+)
+
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "abstract_params",
+    "forward",
+    "forward_cached",
+    "get_config",
+    "init_cache",
+    "init_params",
+    "output_embedding",
+]

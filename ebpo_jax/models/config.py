@@ -1,0 +1,178 @@
+"""Decoder hyper-parameters (a hashable dataclass) and named presets."""
+
+import dataclasses
+from typing import Any
+
+_DTYPES = ("float32", "bfloat16", "float16")
+_REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+_MODEL_TYPES = ("llama", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-3 / Qwen3 decoder shape; frozen so it can be a jit static argument."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 500000.0
+    # Hashable form of HF's rope_scaling dict: sorted (key, value) pairs, or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    model_type: str = "llama"
+    param_dtype: str = "float32"
+    dtype: str = "float32"
+    remat: str = "none"
+    max_position_embeddings: int = 8192
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(
+                    f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {_DTYPES}"
+                )
+        if self.remat not in _REMAT:
+            raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {_REMAT}")
+        if self.model_type not in _MODEL_TYPES:
+            raise ValueError(
+                f"ModelConfig.model_type={self.model_type!r}; expected one of {_MODEL_TYPES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        rope_type = self.rope_scaling_dict.get("rope_type", "default")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type={rope_type!r} unsupported; expected 'default' or 'llama3'")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any]:
+        return dict(self.rope_scaling or ())
+
+    def replace(self, **overrides) -> "ModelConfig":
+        return dataclasses.replace(self, **overrides)
+
+
+_LLAMA3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "model_type": "llama",
+    "max_position_embeddings": 8192,
+    "param_dtype": "bfloat16",
+    "dtype": "bfloat16",
+    "remat": "dots_with_no_batch_dims_saveable",
+}
+_QWEN3 = {
+    "vocab_size": 151936,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "qk_norm": True,
+    "model_type": "qwen3",
+    "max_position_embeddings": 40960,
+    "param_dtype": "bfloat16",
+    "dtype": "bfloat16",
+    "remat": "dots_with_no_batch_dims_saveable",
+}
+_LLAMA31_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+# Hyper-parameters copied from each model's config.json on the Hugging Face hub.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_layers": 2,
+        "num_heads": 4,
+        "num_kv_heads": 2,
+        "head_dim": 16,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+    },
+    "tiny_qwen3": dict(
+        _QWEN3,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        param_dtype="float32",
+        dtype="float32",
+        remat="none",
+    ),
+    "llama3_8b": _LLAMA3_8B,
+    "llama3_1_8b": dict(_LLAMA3_8B, rope_scaling=_LLAMA31_SCALING, max_position_embeddings=131072),
+    "qwen3_0_6b": dict(
+        _QWEN3,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_layers=28,
+        num_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_1_7b": dict(
+        _QWEN3,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=28,
+        num_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_8b": dict(
+        _QWEN3,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_14b": dict(
+        _QWEN3,
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=40,
+        num_heads=40,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """Returns the preset `name` with `overrides` applied."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    bad = sorted(set(overrides) - fields)
+    if bad:
+        raise ValueError(f"unknown ModelConfig field(s) {bad}; known: {sorted(fields)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})

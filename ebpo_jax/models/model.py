@@ -1,0 +1,175 @@
+"""Functional entry points: init_params, forward, and the KV-cache path (prefill/decode)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.modules import Decoder, rope_cos_sin
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@functools.lru_cache(maxsize=64)
+def graphdefs(config: ModelConfig):
+    """(decoder graphdef, stacked-block graphdef) for `config`, built without allocating."""
+    abstract = nnx.eval_shape(lambda: Decoder(config))
+    return nnx.graphdef(abstract), nnx.graphdef(abstract.layers)
+
+
+def _randomize(state, rng, stddev=0.02):
+    """Norm scales stay 1; every other leaf ~ N(0, stddev^2) (transformers' initializer_range)."""
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    draw = [
+        i for i, (path, _) in enumerate(paths_leaves) if "'scale'" not in jax.tree_util.keystr(path)
+    ]
+    leaves = [leaf for _, leaf in paths_leaves]
+    sizes = [leaves[i].size for i in draw]
+    if sum(sizes) <= 2**26:  # one flat draw compiles fast; huge models draw per leaf
+        flat = jax.random.normal(rng, (sum(sizes),), jnp.float32)
+        chunks = jnp.split(flat, np.cumsum(sizes)[:-1])
+    else:
+        keys = jax.random.split(rng, len(draw))
+        chunks = [jax.random.normal(k, (n,), jnp.float32) for k, n in zip(keys, sizes)]
+    for i, chunk in zip(draw, chunks):
+        leaves[i] = (stddev * chunk).reshape(leaves[i].shape).astype(leaves[i].dtype)
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def init_params(config: ModelConfig, rng: jax.Array) -> nnx.State:
+    """Random parameters (the nnx.Param state of a Decoder), layers stacked on a leading axis."""
+    return jax.jit(lambda r: _randomize(nnx.state(Decoder(config)), r))(rng)
+
+
+def abstract_params(config: ModelConfig) -> nnx.State:
+    """Parameter shapes/dtypes (jax.ShapeDtypeStruct leaves) without allocating anything."""
+    return jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+
+
+def output_embedding(config: ModelConfig, params) -> jax.Array:
+    """The output head matrix [D, V] (the transposed embedding when tied)."""
+    if config.tie_word_embeddings:
+        return params["embed"][...].T
+    return params["lm_head"][...]
+
+
+def _check_tokens(config, tokens_BT, name="tokens_BT"):
+    if tokens_BT.ndim != 2:
+        raise ValueError(f"{name} must be [batch, time]; got shape {tokens_BT.shape}")
+    if not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+        raise ValueError(f"{name} must be integer token ids; got dtype {tokens_BT.dtype}")
+
+
+def _check_shape(name, x, shape):
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; expected {tuple(shape)}")
+
+
+def _remat(config, fn):
+    if config.remat == "none":
+        return fn
+    return jax.checkpoint(fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
+
+
+def _embed(config, params, tokens_BT):
+    return jnp.take(params["embed"][...], tokens_BT, axis=0).astype(config.dtype)
+
+
+def _head(config, params, x_BTD, return_hidden):
+    final_norm = nnx.merge(graphdefs(config)[0], params).final_norm
+    h_BTD = final_norm(x_BTD)
+    if return_hidden:
+        return h_BTD
+    w_DV = output_embedding(config, params).astype(config.dtype)
+    return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+
+
+def _block_step(block, x_BTD, cos_BTd, sin_BTd, attend_kv):
+    """One layer; `attend_kv(k, v) -> (k_all, v_all, allowed_BTS)` supplies the keys to read."""
+    q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), cos_BTd, sin_BTd)
+    k_all, v_all, allowed_BTS = attend_kv(k_BTKd, v_BTKd)
+    x_BTD = x_BTD + block.attn.attend(q_BTHd, k_all, v_all, allowed_BTS)
+    return x_BTD + block.mlp(block.mlp_norm(x_BTD))
+
+
+def forward(
+    config: ModelConfig, params, tokens_BT, *, positions=None, mask=None, return_hidden=False
+):
+    """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked."""
+    _check_tokens(config, tokens_BT)
+    B, T = tokens_BT.shape
+    positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
+    mask_BT = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
+    _check_shape("positions", positions_BT, (B, T))
+    _check_shape("mask", mask_BT, (B, T))
+    cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
+    causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    allowed_BTS = causal_TS[None] & mask_BT[:, None, :]
+    block_def = graphdefs(config)[1]
+
+    def layer(x_BTD, layer_params):
+        block = nnx.merge(block_def, layer_params)
+        attend_kv = lambda k, v: (k, v, allowed_BTS)
+        return _block_step(block, x_BTD, cos_BTd, sin_BTd, attend_kv), None
+
+    x_BTD, _ = jax.lax.scan(
+        _remat(config, layer), _embed(config, params, tokens_BT), params["layers"]
+    )
+    return _head(config, params, x_BTD, return_hidden)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
+    """Empty KV cache {'k','v'}: [layers, batch, max_len, kv_heads, head_dim] in the compute dtype."""
+    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    return {"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
+
+
+def forward_cached(
+    config: ModelConfig, params, tokens_BT, positions_BT, cache, *, start, kv_mask_BS
+):
+    """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
+
+    Query slot start+t attends cache slots j <= start+t with kv_mask_BS[b, j]; the caller
+    owns kv_mask_BS and must already mark the new slots valid.
+    """
+    _check_tokens(config, tokens_BT)
+    B, T = tokens_BT.shape
+    L, _, S = cache["k"].shape[:3]
+    _check_shape(
+        "cache['k']", cache["k"], (config.num_layers, B, S, config.num_kv_heads, config.head_dim)
+    )
+    _check_shape("cache['v']", cache["v"], cache["k"].shape)
+    _check_shape("positions_BT", positions_BT, (B, T))
+    _check_shape("kv_mask_BS", kv_mask_BS, (B, S))
+    start = jnp.asarray(start, jnp.int32)
+    cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
+    slots_T = start + jnp.arange(T)
+    allowed_BTS = (jnp.arange(S)[None, :] <= slots_T[:, None])[None] & kv_mask_BS[:, None, :]
+    block_def = graphdefs(config)[1]
+
+    def layer(carry, xs):
+        # The whole cache rides in the carry and is updated in place (no per-layer copy).
+        x_BTD, k_LBSKd, v_LBSKd = carry
+        layer_params, i = xs
+        block = nnx.merge(block_def, layer_params)
+        new = {}
+
+        def attend_kv(k_BTKd, v_BTKd):
+            at = (i, 0, start, 0, 0)
+            new["k"] = jax.lax.dynamic_update_slice(k_LBSKd, k_BTKd[None].astype(k_LBSKd.dtype), at)
+            new["v"] = jax.lax.dynamic_update_slice(v_LBSKd, v_BTKd[None].astype(v_LBSKd.dtype), at)
+            return new["k"][i], new["v"][i], allowed_BTS
+
+        x_BTD = _block_step(block, x_BTD, cos_BTd, sin_BTd, attend_kv)
+        return (x_BTD, new["k"], new["v"]), None
+
+    carry = (_embed(config, params, tokens_BT), cache["k"], cache["v"])
+    (x_BTD, k, v), _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(L)))
+    return _head(config, params, x_BTD, False), {"k": k, "v": v}

@@ -1,0 +1,140 @@
+"""Decoder core: shapes, masking semantics, and KV-cache path == full forward."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebpo_jax import models
+
+CONFIGS = ["tiny", "tiny_qwen3"]
+FORWARD = jax.jit(models.forward, static_argnums=0, static_argnames=("return_hidden",))
+FORWARD_CACHED = jax.jit(models.forward_cached, static_argnums=0)
+_PARAMS = {}
+
+
+def _params(config):
+    if config not in _PARAMS:
+        _PARAMS[config] = models.init_params(config, jax.random.key(0))
+    return _PARAMS[config]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_forward_shapes_and_hidden(name):
+    config = models.get_config(name)
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.key(1), (2, 7), 0, config.vocab_size)
+    logits = FORWARD(config, params, tokens)
+    assert logits.shape == (2, 7, config.vocab_size) and logits.dtype == jnp.float32
+    hidden = FORWARD(config, params, tokens, return_hidden=True)
+    assert hidden.shape == (2, 7, config.hidden_size)
+    head = models.output_embedding(config, params)
+    np.testing.assert_allclose(hidden @ head, logits, atol=1e-5)
+
+
+def test_causal_future_tokens_do_not_matter():
+    config = models.get_config("tiny")
+    params = _params(config)
+    a = jnp.array([[1, 2, 3, 4, 5, 6]])
+    b = a.at[0, 4:].set(jnp.array([9, 9]))
+    la, lb = FORWARD(config, params, a), FORWARD(config, params, b)
+    np.testing.assert_allclose(la[:, :4], lb[:, :4], atol=1e-6)
+    assert not np.allclose(la[:, 4:], lb[:, 4:], atol=1e-3)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_left_padding_with_positions_matches_unpadded(name):
+    config = models.get_config(name)
+    params = _params(config)
+    seq = jax.random.randint(jax.random.key(2), (1, 5), 1, config.vocab_size)
+    ref = FORWARD(config, params, seq)
+    padded = jnp.concatenate([jnp.zeros((1, 3), jnp.int32), seq], axis=1)
+    mask = padded != 0
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    out = FORWARD(config, params, padded, positions=positions, mask=mask)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(out[:, 3:], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_cache_prefill_then_decode_matches_forward(name):
+    """Right-padded prompts of different lengths, then N shared-slot decode steps."""
+    config = models.get_config(name)
+    params = _params(config)
+    lengths = np.array([5, 3, 1])
+    B, Tp, N, S = 3, 5, 4, 12
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(1, config.vocab_size, (B, Tp)) * (np.arange(Tp) < lengths[:, None])
+    new = rng.integers(1, config.vocab_size, (B, N))
+
+    cache = models.init_cache(config, B, S)
+    kv_mask = np.zeros((B, S), bool)
+    kv_mask[:, :Tp] = np.arange(Tp) < lengths[:, None]
+    positions = np.broadcast_to(np.arange(Tp), (B, Tp))
+    prefill_logits, cache = FORWARD_CACHED(
+        config,
+        params,
+        jnp.asarray(prompts),
+        jnp.asarray(positions),
+        cache,
+        start=0,
+        kv_mask_BS=jnp.asarray(kv_mask),
+    )
+    decode_logits = []
+    for n in range(N):
+        kv_mask[:, Tp + n] = True
+        pos = jnp.asarray(lengths[:, None] + n)
+        logits, cache = FORWARD_CACHED(
+            config,
+            params,
+            jnp.asarray(new[:, n : n + 1]),
+            pos,
+            cache,
+            start=jnp.int32(Tp + n),
+            kv_mask_BS=jnp.asarray(kv_mask),
+        )
+        decode_logits.append(logits[:, 0])
+    decode_logits = np.stack(decode_logits, axis=1)
+
+    # Reference: each row's real tokens packed left, one right-padded batch.
+    packed = np.zeros((B, Tp + N), np.int64)
+    for b in range(B):
+        packed[b, : lengths[b] + N] = np.concatenate([prompts[b, : lengths[b]], new[b]])
+    refs = np.asarray(FORWARD(config, params, jnp.asarray(packed), mask=jnp.asarray(packed != 0)))
+    for b in range(B):
+        ref, L = refs[b], lengths[b]
+        np.testing.assert_allclose(prefill_logits[b, :L], ref[:L], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(decode_logits[b], ref[L : L + N], atol=1e-5, rtol=1e-5)
+
+    # forward on the same gapped slot layout, with mask and positions, agrees too.
+    full = np.concatenate([prompts, new], axis=1)
+    full_pos = np.concatenate([positions, lengths[:, None] + np.arange(N)], axis=1)
+    out = FORWARD(
+        config,
+        params,
+        jnp.asarray(full),
+        positions=jnp.asarray(full_pos),
+        mask=jnp.asarray(kv_mask[:, : Tp + N]),
+    )
+    np.testing.assert_allclose(out[:, Tp:], decode_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_get_config_errors():
+    with pytest.raises(ValueError, match="unknown model preset"):
+        models.get_config("gpt5")
+    with pytest.raises(ValueError, match="hiden_size"):
+        models.get_config("tiny", hiden_size=3)
+    with pytest.raises(ValueError, match="remat"):
+        models.get_config("tiny", remat="sometimes")
+    config = models.get_config("llama3_1_8b")
+    assert hash(config) == hash(models.get_config("llama3_1_8b"))
+    assert config.rope_scaling_dict["rope_type"] == "llama3"
+
+
+def test_bad_shapes_are_clear_errors():
+    config = models.get_config("tiny")
+    params = _params(config)
+    with pytest.raises(ValueError, match="tokens_BT"):
+        models.forward(config, params, jnp.zeros((3,), jnp.int32))
+    with pytest.raises(ValueError, match="mask"):
+        models.forward(config, params, jnp.zeros((2, 3), jnp.int32), mask=jnp.ones((2, 4), bool))
