@@ -1,6 +1,7 @@
 """Llama-3 / Qwen3 decoder in Flax NNX with a functional (params-pytree) interface."""
 
 from ebpo_jax.models.config import PRESETS, ModelConfig, get_config
+from ebpo_jax.models.hf import from_hf, to_hf
 from ebpo_jax.models.model import (
     abstract_params,
     forward,
@@ -16,8 +17,10 @@ __all__ = [
     "abstract_params",
     "forward",
     "forward_cached",
+    "from_hf",
     "get_config",
     "init_cache",
     "init_params",
     "output_embedding",
+    "to_hf",
 ]

@@ -1,0 +1,310 @@
+"""Hugging Face interop: read/write Llama-3 and Qwen3 config.json + safetensors, tensor by tensor."""
+
+import json
+import math
+import os
+from contextlib import ExitStack
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.model import abstract_params
+
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# Floating safetensors dtypes we convert exactly enough; quantised ones (I8, F8_*) are refused.
+_LOADABLE = ("F64", "F32", "BF16", "F16")
+_INDEX = "model.safetensors.index.json"
+
+# Our param path -> (HF tensor name, layout). Layouts: "same"; "linear" (HF [out, in] is our
+# [in, out]); "heads_in" (HF [N*Dh, D] is our [D, N, Dh]); "heads_out" (HF [D, H*Dh] is our
+# [H, Dh, D]). Names with {i} are stacked over layers on our side.
+_TENSORS = {
+    ("embed",): ("model.embed_tokens.weight", "same"),
+    ("final_norm", "scale"): ("model.norm.weight", "same"),
+    ("lm_head",): ("lm_head.weight", "linear"),
+    ("layers", "attn_norm", "scale"): ("model.layers.{i}.input_layernorm.weight", "same"),
+    ("layers", "mlp_norm", "scale"): ("model.layers.{i}.post_attention_layernorm.weight", "same"),
+    ("layers", "attn", "q"): ("model.layers.{i}.self_attn.q_proj.weight", "heads_in"),
+    ("layers", "attn", "k"): ("model.layers.{i}.self_attn.k_proj.weight", "heads_in"),
+    ("layers", "attn", "v"): ("model.layers.{i}.self_attn.v_proj.weight", "heads_in"),
+    ("layers", "attn", "o"): ("model.layers.{i}.self_attn.o_proj.weight", "heads_out"),
+    ("layers", "attn", "q_norm", "scale"): ("model.layers.{i}.self_attn.q_norm.weight", "same"),
+    ("layers", "attn", "k_norm", "scale"): ("model.layers.{i}.self_attn.k_norm.weight", "same"),
+    ("layers", "mlp", "gate"): ("model.layers.{i}.mlp.gate_proj.weight", "linear"),
+    ("layers", "mlp", "up"): ("model.layers.{i}.mlp.up_proj.weight", "linear"),
+    ("layers", "mlp", "down"): ("model.layers.{i}.mlp.down_proj.weight", "linear"),
+}
+
+
+def _hf_shape(layout, shape):
+    if layout == "same":
+        return tuple(shape)
+    if layout == "linear":
+        return tuple(shape[::-1])
+    if layout == "heads_in":
+        D, N, Dh = shape
+        return (N * Dh, D)
+    H, Dh, D = shape
+    return (D, H * Dh)
+
+
+def _from_hf_layout(layout, w, shape):
+    if layout == "same":
+        return w
+    if layout == "linear":
+        return w.T
+    if layout == "heads_in":
+        D, N, Dh = shape
+        return w.reshape(N, Dh, D).transpose(2, 0, 1)
+    H, Dh, D = shape
+    return w.reshape(D, H, Dh).transpose(1, 2, 0)
+
+
+def _to_hf_layout(layout, w):
+    if layout == "same":
+        return w
+    if layout == "linear":
+        return w.T
+    if layout == "heads_in":
+        D, N, Dh = w.shape
+        return w.transpose(1, 2, 0).reshape(N * Dh, D)
+    H, Dh, D = w.shape
+    return w.transpose(2, 0, 1).reshape(D, H * Dh)
+
+
+def _dtype_name(dtype) -> str:
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _NP_DTYPES:
+        raise ValueError(f"dtype {dtype!r} can't be honoured; supported: {sorted(_NP_DTYPES)}")
+    return name
+
+
+def config_from_hf_dict(hf: dict, *, dtype=None, source="config.json") -> ModelConfig:
+    """ModelConfig from a transformers config dict (rope_parameters or rope_theta/rope_scaling)."""
+    model_type = hf.get("model_type")
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(
+            f"{source}: model_type {model_type!r} unsupported; expected one of {sorted(_ARCHITECTURES)}"
+        )
+    for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+        if hf.get(flag):
+            raise ValueError(f"{source}: {flag}=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} unsupported (only silu)")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{source}: rope_type {rope_type!r} unsupported (default or llama3)")
+    heads = hf["num_attention_heads"]
+    if dtype is None:
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    dtype = _dtype_name(dtype)
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rope_theta=float(theta),
+        rope_scaling=tuple(sorted(rope.items())) if rope_type == "llama3" else None,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qk_norm=model_type == "qwen3",
+        model_type=model_type,
+        param_dtype=dtype,
+        dtype=dtype,
+        max_position_embeddings=hf.get("max_position_embeddings", 8192),
+    )
+
+
+def config_to_hf_dict(config: ModelConfig, dtype: str) -> dict:
+    """transformers config.json; writes rope both ways so old and new readers agree."""
+    scaling = config.rope_scaling_dict
+    out = {
+        "architectures": [_ARCHITECTURES[config.model_type]],
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": False,
+        "rope_parameters": {"rope_theta": config.rope_theta, "rope_type": "default", **scaling},
+        "rope_theta": config.rope_theta,
+        "rope_scaling": scaling or None,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    if config.model_type == "llama":
+        out["mlp_bias"] = False
+    return out
+
+
+def _param_paths(config):
+    """[(our path tuple, keypath, leaf ShapeDtypeStruct)] for every parameter of `config`."""
+    abstract = abstract_params(config)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    paths = [tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey)) for path, _ in flat]
+    return paths, [leaf for _, leaf in flat], treedef
+
+
+class _Reader:
+    """Resolves HF tensor names to files (index.json or single file) and reads them lazily."""
+
+    def __init__(self, path, stack: ExitStack):
+        self.path, self.stack, self.handles = path, stack, {}
+        index = os.path.join(path, _INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                self.weight_map = json.load(f)["weight_map"]
+            self.source = index
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no *.safetensors or {_INDEX} in {path}")
+            self.weight_map = {}
+            for name in files:
+                for key in self._open(name):
+                    self.weight_map[key] = name
+            self.source = ", ".join(files)
+
+    def _open(self, name):
+        if name not in self.handles:
+            file = os.path.join(self.path, name)
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"{file} (listed in {_INDEX}) does not exist")
+            self.handles[name] = self.stack.enter_context(safe_open(file, framework="numpy"))
+        return self.handles[name]
+
+    def read(self, name, expected_shape, np_dtype):
+        if name not in self.weight_map:
+            raise KeyError(f"tensor {name} missing from checkpoint {self.path} ({self.source})")
+        file = self.weight_map[name]
+        where = f"{os.path.join(self.path, file)}: tensor {name}"
+        tensor = self._open(file).get_slice(name)
+        if tuple(tensor.get_shape()) != tuple(expected_shape):
+            raise ValueError(
+                f"{where} has shape {tuple(tensor.get_shape())}, expected {expected_shape}"
+            )
+        if tensor.get_dtype() not in _LOADABLE:
+            raise ValueError(
+                f"{where} has dtype {tensor.get_dtype()}; only {_LOADABLE} can be loaded"
+            )
+        return self._open(file).get_tensor(name).astype(np_dtype)
+
+
+def from_hf(path: str, dtype=None) -> tuple[ModelConfig, object]:
+    """Loads a local HF Llama-3/Qwen3 checkpoint folder; params in `dtype` (default: the file's)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.exists(config_file):
+        raise FileNotFoundError(f"{config_file} not found")
+    with open(config_file) as f:
+        config = config_from_hf_dict(json.load(f), dtype=dtype, source=config_file)
+    np_dtype = _NP_DTYPES[config.param_dtype]
+    paths, leaves, treedef = _param_paths(config)
+    with ExitStack() as stack:
+        reader = _Reader(path, stack)
+        known = {"model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"}
+        out = []
+        for ours, leaf in zip(paths, leaves):
+            name, layout = _TENSORS[ours]
+            known.add(name)
+            if ours[0] == "layers":
+                # Fill the stacked array layer by layer: one HF tensor in flight at a time.
+                stacked = np.empty(leaf.shape, np_dtype)
+                hf_shape = _hf_shape(layout, leaf.shape[1:])
+                for i in range(config.num_layers):
+                    w = reader.read(name.format(i=i), hf_shape, np_dtype)
+                    stacked[i] = _from_hf_layout(layout, w, leaf.shape[1:])
+                out.append(jnp.asarray(stacked))
+            else:
+                w = reader.read(name, _hf_shape(layout, leaf.shape), np_dtype)
+                out.append(jnp.asarray(_from_hf_layout(layout, w, leaf.shape)))
+        patterns = [k.split("{i}") for k in known]
+        for name in reader.weight_map:
+            if not any(name.startswith(p[0]) and name.endswith(p[-1]) for p in patterns):
+                raise ValueError(f"{path}: unexpected tensor {name} ({reader.weight_map[name]})")
+    return config, jax.tree_util.tree_unflatten(treedef, out)
+
+
+def to_hf(
+    config: ModelConfig,
+    params,
+    path: str,
+    *,
+    dtype=None,
+    max_shard_bytes=5 * 2**30,
+    extra_config=None,
+) -> None:
+    """Writes config.json and safetensors (sharded with an index past max_shard_bytes)."""
+    dtype = _dtype_name(dtype or config.param_dtype)
+    np_dtype = _NP_DTYPES[dtype]
+    expected, _, _ = _param_paths(config)
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    got = [tuple(k.key for k in p if isinstance(k, jax.tree_util.DictKey)) for p, _ in flat]
+    if got != expected:
+        raise ValueError(
+            f"params do not match the config: got {sorted(got)}, expected {sorted(expected)}"
+        )
+    os.makedirs(path, exist_ok=True)
+
+    def tensors():
+        for ours, (_, leaf) in zip(expected, flat):
+            name, layout = _TENSORS[ours]
+            w = np.asarray(jax.device_get(leaf)).astype(np_dtype)
+            if ours[0] == "layers":
+                for i in range(config.num_layers):
+                    yield name.format(i=i), np.ascontiguousarray(_to_hf_layout(layout, w[i]))
+            else:
+                yield name, np.ascontiguousarray(_to_hf_layout(layout, w))
+
+    # Shards are flushed as they fill, so only one shard is held in host memory; their final
+    # names (…-of-N) are known only at the end.
+    written, shard, size = [], {}, 0
+
+    def flush():
+        file = os.path.join(path, f"shard-{len(written):05d}.tmp")
+        save_file(shard, file, metadata={"format": "pt"})
+        written.append((file, list(shard), sum(v.nbytes for v in shard.values())))
+
+    for name, w in tensors():
+        if shard and size + w.nbytes > max_shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name], size = w, size + w.nbytes
+    flush()
+    if len(written) == 1:
+        os.replace(written[0][0], os.path.join(path, "model.safetensors"))
+    else:
+        weight_map = {}
+        for n, (tmp, names, _) in enumerate(written):
+            file = f"model-{n + 1:05d}-of-{len(written):05d}.safetensors"
+            os.replace(tmp, os.path.join(path, file))
+            weight_map.update(dict.fromkeys(names, file))
+        index = {"metadata": {"total_size": sum(w[2] for w in written)}, "weight_map": weight_map}
+        with open(os.path.join(path, _INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    hf = {**config_to_hf_dict(config, dtype), **(extra_config or {})}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+
+
+def param_count(config: ModelConfig) -> int:
+    return sum(math.prod(leaf.shape) for leaf in _param_paths(config)[1])
