@@ -1,5 +1,6 @@
 """HF interop: logit parity with transformers (torch CPU f32), to_hf round trip, clear errors."""
 
+import functools
 import json
 import os
 
@@ -168,3 +169,53 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
     os.remove(os.path.join(bad, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         models.from_hf(bad)
+
+
+@functools.cache
+def _convert_module():
+    import importlib.util
+
+    file = os.path.join(os.path.dirname(__file__), "..", "experiments", "convert_hf.py")
+    spec = importlib.util.spec_from_file_location("convert_hf", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("fmt", ["npz", "orbax"])
+def test_convert_hf_script_both_ways(checkpoint, tmp_path, fmt):
+    _, path, ref = checkpoint
+    convert = _convert_module().convert
+    mid = str(tmp_path / ("params.npz" if fmt == "npz" else "params_orbax"))
+    convert(path, mid)
+    back = str(tmp_path / "hf_again")
+    convert(mid, back, max_shard_gb=1e-5, tokenizer_from=path)
+    assert os.path.exists(os.path.join(back, "model.safetensors.index.json"))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
+    np.testing.assert_array_equal(_torch_logits(reloaded.eval(), TOKENS), ref)
+
+
+def test_convert_hf_command_line(checkpoint, tmp_path):
+    import subprocess
+    import sys
+
+    kind, path, _ = checkpoint
+    if kind != "llama":
+        pytest.skip("one command-line run is enough")
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "convert_hf.py")
+    dst = str(tmp_path / "p.npz")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, script, f"--src={path}", f"--dst={dst}", "--dtype=bfloat16"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    config, params = _convert_module().load_params(dst)
+    assert config.param_dtype == "bfloat16"
+    assert params["layers"]["attn"]["q"][...].dtype == jnp.bfloat16
+    _, ref = models.from_hf(path, dtype="bfloat16")
+    jax.tree.map(np.testing.assert_array_equal, params, ref)

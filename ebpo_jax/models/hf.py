@@ -181,7 +181,7 @@ class _Reader:
                 raise FileNotFoundError(f"no *.safetensors or {_INDEX} in {path}")
             self.weight_map = {}
             for name in files:
-                for key in self._open(name):
+                for key in self._open(name).keys():  # noqa: SIM118 (safe_open is not iterable)
                     self.weight_map[key] = name
             self.source = ", ".join(files)
 

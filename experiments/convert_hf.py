@@ -1,0 +1,138 @@
+"""Convert checkpoints: HF folder -> params (orbax dir or .npz) and back.
+
+  python experiments/convert_hf.py --src=/ckpt/Qwen3-0.6B --dst=/tmp/qwen.npz [--dtype=float32]
+  python experiments/convert_hf.py --src=/tmp/qwen.npz --dst=/tmp/qwen_hf --tokenizer_from=/ckpt/Qwen3-0.6B
+A source folder with config.json is read as HF; anything else as our params (orbax dir or .npz).
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+
+from absl import app, flags
+
+_SRC = flags.DEFINE_string("src", None, "HF checkpoint folder, or params (.npz / orbax folder).")
+_DST = flags.DEFINE_string("dst", None, "Output: params (.npz / orbax folder) or HF folder.")
+_DTYPE = flags.DEFINE_string("dtype", None, "float32 | bfloat16 | float16 (default: source's).")
+_SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "HF output shard size in GiB.")
+_TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "Copy tokenizer files from this folder.")
+
+_CONFIG_KEY = "__model_config__"
+_TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "generation_config", "vocab", "merges")
+
+
+def _config_json(config) -> str:
+    return json.dumps({**dataclasses.asdict(config), "rope_scaling": config.rope_scaling_dict})
+
+
+def _config_from_json(text):
+    from ebpo_jax.models import ModelConfig
+
+    fields = json.loads(text)
+    return ModelConfig(**{**fields, "rope_scaling": fields["rope_scaling"] or None})
+
+
+def _bits(x):
+    return x.view("uint16") if x.dtype.name == "bfloat16" else x
+
+
+def save_params(config, params, dst):
+    """Writes params to `dst`: one .npz (keys like layers/attn/q), else an orbax folder."""
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    pure = nnx.to_pure_dict(params)
+    if dst.endswith(".npz"):
+        flat = jax.tree_util.tree_flatten_with_path(pure)[0]
+        # npz has no bfloat16: such arrays are stored as their uint16 bits (see load_params).
+        arrays = {"/".join(k.key for k in path): _bits(np.asarray(v)) for path, v in flat}
+        np.savez(dst, **arrays, **{_CONFIG_KEY: np.array(_config_json(config))})
+        return
+    os.makedirs(dst, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(os.path.abspath(dst), "params"), pure)
+    with open(os.path.join(dst, "model_config.json"), "w") as f:
+        f.write(_config_json(config))
+
+
+def load_params(src):
+    """Reads (config, params) written by save_params."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from ebpo_jax import models
+
+    if src.endswith(".npz"):
+        with np.load(src) as data:
+            config = _config_from_json(str(data[_CONFIG_KEY]))
+            arrays = {k: data[k] for k in data.files if k != _CONFIG_KEY}
+        abstract = models.abstract_params(config)
+
+        def leaf(path, x):
+            name = "/".join(k.key for k in path)
+            if name not in arrays:
+                raise KeyError(f"{src}: array {name} missing")
+            if arrays[name].shape != x.shape:
+                raise ValueError(
+                    f"{src}: array {name} has shape {arrays[name].shape}, expected {x.shape}"
+                )
+            if x.dtype == jnp.bfloat16:
+                return jnp.asarray(arrays[name].view(jnp.bfloat16))
+            return jnp.asarray(arrays[name], x.dtype)
+
+        pure = jax.tree_util.tree_map_with_path(leaf, nnx.to_pure_dict(abstract))
+    else:
+        config_file = os.path.join(src, "model_config.json")
+        if not os.path.exists(config_file):
+            raise FileNotFoundError(f"{config_file} not found (not an HF folder nor our params)")
+        with open(config_file) as f:
+            config = _config_from_json(f.read())
+        abstract = models.abstract_params(config)
+        with ocp.StandardCheckpointer() as ckpt:
+            pure = ckpt.restore(
+                os.path.join(os.path.abspath(src), "params"), nnx.to_pure_dict(abstract)
+            )
+    nnx.replace_by_pure_dict(abstract, pure)
+    return config, abstract
+
+
+def convert(src, dst, *, dtype=None, max_shard_gb=5.0, tokenizer_from=None):
+    """One conversion; the direction follows from whether `src` holds an HF config.json."""
+    from ebpo_jax import models
+
+    if os.path.exists(os.path.join(src, "config.json")):
+        config, params = models.from_hf(src, dtype=dtype)
+        save_params(config, params, dst)
+    else:
+        config, params = load_params(src)
+        models.to_hf(config, params, dst, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+        if tokenizer_from:
+            for name in os.listdir(tokenizer_from):
+                if name.startswith(_TOKENIZER_FILES):
+                    shutil.copy(os.path.join(tokenizer_from, name), dst)
+    return config
+
+
+def main(argv):
+    del argv
+    config = convert(
+        _SRC.value,
+        _DST.value,
+        dtype=_DTYPE.value,
+        max_shard_gb=_SHARD_GB.value,
+        tokenizer_from=_TOKENIZER.value,
+    )
+    print(
+        f"wrote {_DST.value} ({config.model_type}, {config.num_layers} layers, {config.param_dtype})"
+    )
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["src", "dst"])
+    app.run(main)
