@@ -5,7 +5,7 @@ from ebpo_jax.config import default_config, finalize
 
 def get_config():
     c = default_config()
-    c.workdir = "/tmp/ebpo_jax/tiny"
+    c.workdir = "/tmp/ebpo_runs/tiny"
     c.seed = 0
     c.total_steps = 200
     c.prompts_per_step = 32
@@ -38,5 +38,5 @@ def get_config():
     c.sft.steps = 300
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
-    c.sft.cache_dir = "/tmp/ebpo_jax/sft_cache"
+    c.sft.cache_dir = "/tmp/ebpo_runs/sft_cache"
     return finalize(c)

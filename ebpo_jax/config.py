@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 def default_config() -> ml_collections.ConfigDict:
     """Every field the trainer reads, with defaults; config files start from this."""
     c = ml_collections.ConfigDict()
-    c.workdir = "/tmp/ebpo_jax/run"
+    c.workdir = "/tmp/ebpo_runs/run"
     c.seed = 0
     c.total_steps = 100
     c.prompts_per_step = 32  # P
@@ -70,6 +70,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.loss.kl_coef = 0.0
     c.loss.kl_estimator = "k3"
     c.loss.entropy_coef = 0.0
+    c.loss.logits_chunk = 0  # >0: completion logits in chunks of this many positions (big vocab)
 
     c.dapo = ml_collections.ConfigDict()
     c.dapo.dynamic_sampling = False  # drop all-equal groups, refill from further prompts
@@ -169,6 +170,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     need(
         per_mb % loss.num_microbatches == 0,
         f"prompts per mini-batch ({per_mb}) is not divisible by loss.num_microbatches={loss.num_microbatches}",
+    )
+    n = c.sampler.max_new_tokens
+    need(
+        loss.logits_chunk >= 0 and (loss.logits_chunk == 0 or n % loss.logits_chunk == 0),
+        f"loss.logits_chunk={loss.logits_chunk} must be 0 or divide sampler.max_new_tokens={n}",
     )
     need(loss.agg in LOSS_AGGS, f"loss.agg={loss.agg!r} is not one of {LOSS_AGGS}")
     need(loss.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {loss.kl_coef}")

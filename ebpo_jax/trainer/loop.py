@@ -94,8 +94,21 @@ def _state_for_checkpoint(state: TrainState) -> dict:
     return {k: v for k, v in state._asdict().items() if v is not None}
 
 
-def train(config, *, reward_fn=None, log=print) -> dict:
-    """Run (or resume) training as `config` says; returns pass@1 before/after and paths."""
+def load_params(workdir: str):
+    """The policy params of the latest checkpoint in `workdir` (host numpy arrays)."""
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+        state, _ = ckpt.restore()
+    return state["params"]
+
+
+def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=None) -> dict:
+    """Run (or resume) training as `config` says; returns pass@1 before/after and paths.
+
+    `reward_fn` replaces the task's jittable exact-answer reward (same signature).
+    `host_reward(rollout) -> rewards [P, G]` is a Python reward on host arrays (e.g.
+    math-verify): the step then runs as jit (sample) -> host (reward) -> jit (update).
+    `stop_after=n` stops after n steps of this call as SIGTERM would (checkpoint, return).
+    """
     config_lib.validate(config, jax.device_count())
     t_start = time.time()
     os.makedirs(config.workdir, exist_ok=True)
@@ -106,7 +119,9 @@ def train(config, *, reward_fn=None, log=print) -> dict:
     tokenizer, train_problems, test_problems = load_tasks(config)
     model_config = model_config_from(config, tokenizer)
     eos = tokenizer.eos_id
-    if reward_fn is None:
+    if host_reward is not None and config.steps_per_jit != 1:
+        raise config_lib.ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
+    if reward_fn is None and host_reward is None:
         reward_fn = lambda *a: tasks.reward_fn(*a, eos_id=eos)
 
     params = models.init_params(model_config, jax.random.key(config.seed))
@@ -142,6 +157,7 @@ def train(config, *, reward_fn=None, log=print) -> dict:
         state = state._replace(**restored)
         source.restore(extra["data"])
         log(f"resumed from step {int(state.step)} in {ckpt.directory}")
+    resumed_from = int(state.step) if extra else None
 
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     if K == 1:
@@ -165,7 +181,7 @@ def train(config, *, reward_fn=None, log=print) -> dict:
         pass_start = evaluate(state.params)
         writer.write(step, {"eval/pass@1": pass_start})
     log(f"held-out pass@1 at the warm start: {100 * pass_start:.1f}%")
-    pass_now = pass_start
+    pass_now, first, stopped = pass_start, step, False
     with PreemptionGuard() as guard:
         while step < config.total_steps:
             batches = source.next_batches(K)
@@ -175,6 +191,9 @@ def train(config, *, reward_fn=None, log=print) -> dict:
                 one = jax.tree.map(lambda x: x[0], batches)
                 key = jax.random.wrap_key_data(state.rng)
                 ro = jax.block_until_ready(rollout(state.params, one, jax.random.fold_in(key, 1)))
+                if host_reward is not None:
+                    rewards_PG = np.asarray(host_reward(jax.device_get(ro)), np.float32)
+                    ro = ro._replace(rewards=jax.device_put(rewards_PG, replicated))
                 t1 = time.perf_counter()
                 state, m = update(state, ro)
                 m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
@@ -206,9 +225,11 @@ def train(config, *, reward_fn=None, log=print) -> dict:
                     f"gradient (max_nonfinite_steps={config.max_nonfinite_steps}); stopped at step "
                     f"{step}, last good checkpoint in {ckpt.directory}"
                 )
-            if guard.requested:
+            stopped = guard.requested or (stop_after is not None and step - first >= stop_after)
+            if stopped:
                 ckpt.save(step, _state_for_checkpoint(state), extra, force=True)
-                log(f"signal {guard.signum}: saved step {step} to {ckpt.directory}; exiting")
+                why = f"signal {guard.signum}" if guard.requested else f"stop_after={stop_after}"
+                log(f"{why}: saved step {step} to {ckpt.directory}; exiting")
                 break
     ckpt.close()
     writer.close()
@@ -217,6 +238,8 @@ def train(config, *, reward_fn=None, log=print) -> dict:
         "pass@1_start": pass_start,
         "pass@1_end": pass_now,
         "step": step,
+        "stopped_early": stopped,
+        "resumed_from": resumed_from,
         "wall_time_s": time.time() - t_start,
         "workdir": config.workdir,
         "metrics": metrics_path,

@@ -26,7 +26,15 @@ def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
 
 
 def completion_logprobs(
-    model_config, params, prompt_BTp, prompt_len_B, comp_BN, comp_len_B, *, with_entropy
+    model_config,
+    params,
+    prompt_BTp,
+    prompt_len_B,
+    comp_BN,
+    comp_len_B,
+    *,
+    with_entropy,
+    chunk_size=0,
 ):
     """Per-token log-probs [B, N] (and entropy) of the completion given the prompt."""
     tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
@@ -36,7 +44,13 @@ def completion_logprobs(
     idx_BN = jnp.minimum(prompt_len_B[:, None] - 1 + jnp.arange(N)[None], tokens_BT.shape[1] - 1)
     h_BND = jnp.take_along_axis(hidden_BTD, idx_BN[..., None], axis=1)
     w_DV = models.output_embedding(model_config, params)
-    return losses.logprobs_from_hidden(h_BND, w_DV, comp_BN, with_entropy=with_entropy)
+    if chunk_size:  # large vocabularies: never hold all [B, N, V] logits at once
+        return losses.logprobs_from_hidden(
+            h_BND, w_DV, comp_BN, chunk_size=chunk_size, with_entropy=with_entropy
+        )
+    logits_BNV = jnp.einsum("bnd,dv->bnv", h_BND, w_DV, preferred_element_type=jnp.float32)
+    logp_BN = losses.token_logprobs(logits_BNV, comp_BN)
+    return (logp_BN, losses.token_entropy(logits_BNV)) if with_entropy else logp_BN
 
 
 def overlong_penalty(lengths, max_new_tokens: int, buffer: int, factor: float):
@@ -70,7 +84,14 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
         plen_B = jnp.repeat(mb["prompt_lengths"], G, 0)
         comp_BN, clen_B = mb["tokens"].reshape(-1, N), mb["lengths"].reshape(-1)
         logp_BN, ent_BN = completion_logprobs(
-            model_config, params, prompt_BTp, plen_B, comp_BN, clen_B, with_entropy=True
+            model_config,
+            params,
+            prompt_BTp,
+            plen_B,
+            comp_BN,
+            clen_B,
+            with_entropy=True,
+            chunk_size=lc.logits_chunk,
         )
         if lc.entropy_coef == 0:
             ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
@@ -123,14 +144,14 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
 
         def accumulate(acc, one):
             (loss, metrics), grads = grad_fn(params, ref_params, one, denom)
-            return jax.tree.map(jnp.add, acc, (loss, metrics, grads)), None
+            return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
-        first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(lambda: grad_fn(params, ref_params, first, denom))
-        (loss0, metrics0), grads0 = shapes
-        acc0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, metrics0, grads0))
-        (loss, metrics, grads), _ = jax.lax.scan(accumulate, acc0, micro)
-        grad_norm = optax.global_norm(grads)
+        # Every micro-batch is normalised by the whole mini-batch's denominator, so the sums
+        # below are exactly the full mini-batch's loss, metrics and gradient.
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        grads, (loss_U, metrics_U) = jax.lax.scan(accumulate, zeros, micro, unroll=U == 1)
+        loss, metrics = loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
@@ -174,7 +195,10 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
             lambda x: x[perms_EP.reshape(-1)].reshape(E * M, per_mb, *x.shape[1:]), data
         )
         (params, opt_state, _), upd = jax.lax.scan(
-            minibatch_update, (state.params, state.opt_state, state.ref_params), mbs
+            minibatch_update,
+            (state.params, state.opt_state, state.ref_params),
+            mbs,
+            unroll=E * M == 1,
         )
         skipped = upd.pop("skipped").sum()
         new_tokens = state.generated_tokens + ro.generated_tokens

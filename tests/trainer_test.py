@@ -1,0 +1,271 @@
+"""Trainer: loss decreases, scan == loop, accumulation == full batch, EBPO vs GRPO gradients,
+sharded == single device, interrupt-and-resume == uninterrupted, config errors."""
+
+import itertools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ml_collections import config_dict
+
+from configs import micro
+from ebpo_jax import advantages, models, tasks
+from ebpo_jax import config as config_lib
+from ebpo_jax.trainer import loop
+from ebpo_jax.trainer.rollout import make_rollout_fn
+from ebpo_jax.trainer.state import init_train_state, make_optimizer
+from ebpo_jax.trainer.step import (
+    completion_logprobs,
+    make_multi_step,
+    make_train_step,
+    make_update_fn,
+    pack_sequences,
+)
+
+EOS = tasks.EOS_ID
+
+
+def _config(**overrides):
+    c = micro.get_config()
+    c.unlock()
+    c.prompts_per_step, c.group_size = 4, 4
+    c.optimizer.learning_rate = 3e-3
+    for k, v in overrides.items():
+        node = c
+        *path, last = k.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = v
+    return c
+
+
+def _reward(*a):
+    return tasks.reward_fn(*a, eos_id=EOS)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    c = _config()
+    tok, train, _ = loop.load_tasks(c)
+    mc = loop.model_config_from(c, tok)
+    params = models.init_params(mc, jax.random.key(0))
+    source = tasks.PromptSource(train, tok, c.prompts_per_step, seed=0)
+    batches = jax.tree.map(jnp.asarray, source.next_batches(2))
+    return c, mc, params, batches
+
+
+def _state(c, params, **kw):
+    return init_train_state(jax.tree.map(jnp.copy, params), make_optimizer(c), seed=0, **kw)
+
+
+def _rollout(c, mc, params, batch, rewards_PG=None):
+    ro = jax.jit(make_rollout_fn(c, mc, _reward, EOS))(params, batch, jax.random.key(1))
+    if rewards_PG is not None:
+        ro = ro._replace(rewards=jnp.asarray(rewards_PG, jnp.float32))
+    return ro
+
+
+MIXED = [[1, 0, 0, 1], [0, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0]]
+
+
+def test_pack_sequences_places_completion_after_prompt():
+    tokens, mask = pack_sequences(
+        jnp.array([[5, 6, 0], [7, 0, 0]]),
+        jnp.array([2, 1]),
+        jnp.array([[8, 9], [3, 0]]),
+        jnp.array([2, 1]),
+    )
+    np.testing.assert_array_equal(tokens, [[5, 6, 8, 9, 9], [7, 3, 0, 0, 0]])
+    np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
+
+
+def test_sampler_logprobs_equal_training_forward(setup):
+    c, mc, params, batches = setup
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches))
+    G, N = c.group_size, ro.tokens.shape[-1]
+    logp_BN = completion_logprobs(
+        mc,
+        params,
+        jnp.repeat(ro.prompt_tokens, G, 0),
+        jnp.repeat(ro.prompt_lengths, G, 0),
+        ro.tokens.reshape(-1, N),
+        ro.lengths.reshape(-1),
+        with_entropy=False,
+    )
+    mask_BN = jnp.arange(N) < ro.lengths.reshape(-1, 1)
+    assert int(mask_BN.sum()) > 0
+    diff = jnp.where(mask_BN, logp_BN - ro.logprobs.reshape(-1, N), 0.0)
+    np.testing.assert_allclose(diff, 0.0, atol=1e-5)
+
+
+def test_update_decreases_loss_on_fixed_batch(setup):
+    c, mc, params, batches = setup
+    c = _config(**{"loss.ppo_epochs": 1, "loss.clip_low": 10.0, "loss.clip_high": 10.0})
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    update = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))
+    state, losses = _state(c, params), []
+    for _ in range(4):
+        state, m = update(state, ro)
+        losses.append(float(m["actor/pg_loss"]))
+    assert all(b < a for a, b in itertools.pairwise(losses)), losses
+    assert losses[-1] < losses[0] - 0.05, losses
+
+
+def test_microbatch_accumulation_equals_full_batch(setup):
+    c, mc, params, batches = setup
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    outs = []
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        for micro_n in (1, 2, 4):
+            cc = _config(**{"loss.num_microbatches": micro_n, "loss.agg": agg})
+            state, m = jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))(
+                _state(cc, params), ro
+            )
+            outs.append((agg, micro_n, state.params, m))
+    for agg, micro_n, p, m in outs:
+        ref_p, ref_m = next((o[2], o[3]) for o in outs if o[0] == agg)
+        assert float(m["actor/grad_norm"]) > 0
+        for name in ("actor/pg_loss", "actor/grad_norm", "actor/clip_frac_low", "actor/entropy"):
+            np.testing.assert_allclose(
+                m[name], ref_m[name], rtol=1e-5, atol=1e-6, err_msg=f"{agg} {micro_n} {name}"
+            )
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, ref_p)
+
+
+def test_scan_of_k_steps_equals_k_calls(setup):
+    c, mc, params, batches = setup
+    opt = make_optimizer(c)
+    step = make_train_step(c, mc, opt, _reward, EOS)
+    scanned, m_scan = jax.jit(make_multi_step(step))(_state(c, params), batches)
+    state, one = _state(c, params), jax.jit(step)
+    rows = []
+    for k in range(2):
+        state, m = one(state, jax.tree.map(lambda x, k=k: x[k], batches))
+        rows.append(m)
+    assert int(scanned.step) == int(state.step) == 2
+    for k, m in enumerate(rows):
+        for name, v in m.items():
+            np.testing.assert_allclose(m_scan[name][k], v, rtol=1e-5, atol=1e-6, err_msg=name)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        scanned.params,
+        state.params,
+    )
+    np.testing.assert_array_equal(scanned.rng, state.rng)
+
+
+def _eb_history():
+    """An EB state that has seen successes, so mu_glob > 0."""
+    hist = jnp.array([[1, 0, 1, 0], [1, 1, 0, 0], [0, 0, 0, 1]], jnp.float32)
+    return advantages.eb_advantage(hist, advantages.init_eb_state())[1]
+
+
+def test_ebpo_all_fail_group_has_gradient_where_grpo_has_none(setup):
+    _, mc, params, batches = setup
+    rewards = [[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
+    norms, advs = {}, {}
+    for name in ("ebpo", "grpo"):
+        c = _config(estimator=name)
+        ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), rewards)
+        state = _state(c, params)._replace(eb_state=_eb_history())
+        new, m = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))(state, ro)
+        norms[name] = float(m["actor/grad_norm"])
+        advs[name] = advantages.estimate(name, ro.rewards, state.eb_state)[0]
+        moved = jax.tree.leaves(
+            jax.tree.map(lambda a, b: jnp.any(a != b), new.params, state.params)
+        )
+        assert any(bool(x) for x in moved) == (name == "ebpo")
+    assert norms["grpo"] == 0.0
+    assert norms["ebpo"] > 1e-3
+    assert np.all(np.asarray(advs["ebpo"])[0] < 0)  # the all-fail group is pushed down
+
+
+def test_sharded_step_equals_single_device(setup):
+    c, mc, params, _batches = setup
+    c = _config(**{"mesh.shape": (8,), "mesh.axes": ("data",), "prompts_per_step": 8})
+    config_lib.validate(c, 8)
+    tok, train, _ = loop.load_tasks(c)
+    batch = jax.tree.map(jnp.asarray, tasks.PromptSource(train, tok, 8, seed=3).next_batch())
+    opt = make_optimizer(c)
+    single_dev = jax.devices()[0]
+    state1 = jax.device_put(_state(c, params), single_dev)
+    ref, m_ref = jax.jit(make_train_step(c, mc, opt, _reward, EOS))(
+        state1, jax.device_put(batch, single_dev)
+    )
+    mesh = loop.make_mesh(c)
+    repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    step = jax.jit(make_train_step(c, mc, opt, _reward, EOS, mesh=mesh), out_shardings=(repl, repl))
+    out, m = step(jax.device_put(_state(c, params), repl), jax.device_put(batch, rows))
+    assert len(out.params["embed"][...].sharding.device_set) == 8
+    for name, v in m_ref.items():
+        np.testing.assert_allclose(m[name], v, rtol=1e-4, atol=1e-5, err_msg=name)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), out.params, ref.params
+    )
+
+
+def _rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    return [
+        {k: v for k, v in r.items() if not k.startswith("perf/") or "tokens_total" in k}
+        for r in rows
+    ]
+
+
+def test_interrupt_and_resume_equals_uninterrupted(tmp_path):
+    def cfg(name):
+        c = _config(workdir=str(tmp_path / name), total_steps=4, checkpoint_every=2, eval_every=2)
+        c.unlock()
+        return c
+
+    loop.train(cfg("full"), log=lambda *_: None)
+    first = loop.train(cfg("resumed"), log=lambda *_: None, stop_after=3)
+    assert first["step"] == 3 and first["stopped_early"]
+    resumed = loop.train(cfg("resumed"), log=lambda *_: None)
+    assert resumed["step"] == 4 and resumed["resumed_from"] == 3
+    assert _rows(tmp_path / "full") == _rows(tmp_path / "resumed")
+    assert [r["step"] for r in _rows(tmp_path / "resumed")] == [0, 1, 2, 3, 4]
+    a, b = (loop.load_params(str(tmp_path / n)) for n in ("full", "resumed"))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("group_size", 0, "group_size must be >= 1"),
+        ("prompts_per_step", 6, "not divisible by loss.num_minibatches"),
+        ("mesh.shape", (3,), "needs 3 devices"),
+        ("estimator", "ebpoo", "not in the advantages registry"),
+        ("eval_every", 3, "multiple of steps_per_jit"),
+    ],
+)
+def test_impossible_values_are_one_line_errors(field, value, message):
+    c = _config(
+        **{
+            "loss.num_minibatches": 4 if field == "prompts_per_step" else 1,
+            "steps_per_jit": 2 if field == "eval_every" else 1,
+        }
+    )
+    node, *rest = field.split(".")
+    if rest:
+        c[node][rest[0]] = value
+    else:
+        c[node] = value
+    with pytest.raises(config_lib.ConfigError, match=message) as e:
+        config_lib.validate(c, 8)
+    assert "\n" not in str(e.value)
+
+
+def test_misspelt_field_is_an_error():
+    c = micro.get_config()
+    with pytest.raises(AttributeError):
+        c.gruop_size = 4  # a locked config refuses new fields
+    raw = config_dict.ConfigDict(c.to_dict())
+    raw.gruop_size = 4
+    with pytest.raises(config_lib.ConfigError, match="unknown config field.*gruop_size"):
+        config_lib.validate(raw)
