@@ -1,0 +1,103 @@
+"""Evaluation metrics against brute-force enumeration and hand-computed values."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from ebpo_jax import evaluation as ev
+
+
+def brute_pass_at_k(row, k):
+    """Share of all k-subsets of the n samples that contain a correct one."""
+    subsets = list(itertools.combinations(range(len(row)), k))
+    return np.mean([any(row[i] for i in s) for s in subsets])
+
+
+def test_pass_at_k_matches_brute_force():
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 5, 8):
+        correct = rng.random((12, n)) < rng.random((12, 1))
+        correct[0] = False
+        correct[-1] = True
+        for k in range(1, n + 1):
+            got = ev.pass_at_k_per_problem(correct, k)
+            want = [brute_pass_at_k(row, k) for row in correct]
+            np.testing.assert_allclose(got, want, atol=1e-12)
+
+
+def test_pass_at_k_large_n_is_stable():
+    correct = np.zeros((1, 200), bool)
+    correct[0, :3] = True
+    # C(197, 10) / C(200, 10) by exact integer arithmetic.
+    from math import comb
+
+    want = 1 - comb(197, 10) / comb(200, 10)
+    np.testing.assert_allclose(ev.pass_at_k_per_problem(correct, 10), [want], rtol=1e-12)
+
+
+def test_pass_at_1_equals_mean():
+    correct = np.random.default_rng(1).random((30, 6)) < 0.4
+    np.testing.assert_allclose(
+        ev.pass_at_k_per_problem(correct, 1), ev.mean_at_k_per_problem(correct)
+    )
+
+
+def test_maj_at_k():
+    answers = [
+        ["1", "2", "2", None],
+        ["3", "3", "4", "4"],
+        [None, None, None, None],
+        ["5", "6", "6", "6"],
+    ]
+    correct = np.array([[1, 0, 0, 0], [0, 0, 1, 1], [0, 0, 0, 0], [1, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(ev.maj_at_k_per_problem(correct, answers, 4), [0, 0, 0, 0])
+    np.testing.assert_array_equal(ev.maj_at_k_per_problem(correct, answers, 1), [1, 0, 0, 1])
+    # Problem 1 with k=4: a 2-2 tie goes to the answer seen first ("3", wrong).
+    answers[1] = ["4", "3", "3", "4"]
+    correct[1] = [1, 0, 0, 1]
+    np.testing.assert_array_equal(ev.maj_at_k_per_problem(correct, answers, 4), [0, 1, 0, 0])
+    with pytest.raises(ValueError, match="both correct and wrong"):
+        ev.maj_at_k_per_problem(np.array([[1, 0]]), [["7", "7"]], 2)
+
+
+def test_bootstrap_contains_point_estimate():
+    rng = np.random.default_rng(2)
+    for seed in range(5):
+        correct = rng.random((40, 8)) < rng.random((40, 1))
+        for k in (1, 4, 8):
+            v = ev.pass_at_k_per_problem(correct, k)
+            lo, hi = ev.bootstrap_interval(v, seed=seed)
+            assert lo <= v.mean() <= hi
+            assert hi - lo < 0.5
+    assert ev.bootstrap_interval(np.ones(10)) == (1.0, 1.0)
+
+
+def test_bootstrap_coverage_shrinks_with_more_problems():
+    rng = np.random.default_rng(3)
+    small = ev.bootstrap_interval(rng.random(20) < 0.5)
+    large = ev.bootstrap_interval(rng.random(2000) < 0.5)
+    assert large[1] - large[0] < (small[1] - small[0]) / 5
+
+
+def test_summarize_and_table():
+    correct = np.array([[1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)
+    answers = [["a", "b", "a", "b"], ["x", "y", "x", None], ["c", "c", "c", "c"]]
+    out = ev.summarize(correct, answers, num_resamples=200)
+    assert set(out) == {"mean@4", "pass@1", "pass@2", "pass@4", "maj@1", "maj@2", "maj@4"}
+    assert out["mean@4"]["value"] == pytest.approx(6 / 12)
+    assert out["pass@4"]["value"] == pytest.approx(2 / 3)
+    assert out["maj@4"]["value"] == pytest.approx(2 / 3)
+    for m in out.values():
+        assert m["lo"] <= m["value"] <= m["hi"]
+    table = ev.format_table({"math500": out, "aime24": {"mean@4": out["mean@4"]}})
+    assert "math500" in table and "50.00" in table and table.count("\n") == 2
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="k must be in"):
+        ev.pass_at_k_per_problem(np.ones((2, 3)), 4)
+    with pytest.raises(ValueError, match="non-empty"):
+        ev.pass_at_k_per_problem(np.ones((0, 3)), 1)
+    with pytest.raises(ValueError, match="answers must be"):
+        ev.maj_at_k_per_problem(np.ones((2, 3)), [["a"] * 3], 1)

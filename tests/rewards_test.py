@@ -1,0 +1,161 @@
+"""Math rewards: a table of equivalent/wrong/garbage answers, the timeout, the registry."""
+
+import time
+
+import numpy as np
+import pytest
+
+from ebpo_jax import rewards
+
+LONG = "Let me think about this carefully. " * 3000  # ~100k characters of reasoning
+
+# (response, gold answer, expected reward of math_reward)
+CASES = [
+    # plain and "Answer:" lines (the paper's prompt format)
+    ("Answer: 72", "72", 1.0),
+    ("We compute 8*9.\nAnswer: 72", "72", 1.0),
+    ("answer: 72", "72", 1.0),
+    ("Answer: $72$", "72", 1.0),
+    ("Answer: 72.", "72", 1.0),
+    ("Answer: 1,000,000", "1000000", 1.0),
+    ("Answer: 71", "72", 0.0),
+    ("Answer: 72\nAnswer: 73", "72", 0.0),  # the last answer line counts
+    # equivalent fractions and decimals
+    (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+    (r"\boxed{\dfrac{1}{2}}", r"\frac12", 1.0),
+    ("Answer: 1/2", r"\frac{1}{2}", 1.0),
+    ("Answer: 0.50", "1/2", 1.0),
+    ("Answer: 2/4", "0.5", 1.0),
+    (r"\boxed{\frac{3}{4}}", "0.75", 1.0),
+    (r"\boxed{\frac{2}{3}}", "0.5", 0.0),
+    (r"\boxed{-\frac{1}{3}}", r"-\frac{1}{3}", 1.0),
+    (r"\boxed{\frac{1}{3}}", r"-\frac{1}{3}", 0.0),
+    # boxed, nested braces, nested boxes
+    (r"The answer is $\boxed{3}$.", "3", 1.0),
+    (r"\boxed{\boxed{3}}", "3", 1.0),
+    (r"first \boxed{2}, finally \boxed{5}", "5", 1.0),
+    (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt{3}}{2}", 1.0),
+    (r"\boxed{\sqrt{2}}", r"2^{1/2}", 1.0),
+    (r"\boxed{2\sqrt{2}}", r"\sqrt{8}", 1.0),
+    (r"\boxed{\pi}", r"\pi", 1.0),
+    (r"\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    (r"\boxed{x^2+1}", "(x+1)^2", 0.0),
+    # units and text
+    (r"\boxed{5\text{ cm}}", "5", 1.0),
+    ("Answer: 5 cm", "5", 1.0),
+    (r"\boxed{30^\circ}", "30", 1.0),
+    (r"Answer: \$12", "12", 1.0),
+    ("Answer: 45 degrees", "45", 1.0),
+    (r"\boxed{50\%}", "50", 1.0),
+    # sets, intervals, tuples
+    (r"\boxed{[1, 2)}", "[1,2)", 1.0),
+    (r"\boxed{(1, 2]}", "[1,2)", 0.0),
+    (r"\boxed{\{1,2,3\}}", r"\{3,2,1\}", 1.0),
+    (r"\boxed{\{1,2\}}", r"\{1,2,3\}", 0.0),
+    (r"\boxed{(-\infty, 0)}", r"(-\infty,0)", 1.0),
+    (r"\boxed{(3, 4)}", "(3,4)", 1.0),
+    (r"\boxed{x = 5}", "5", 1.0),
+    # wrong answers and garbage
+    ("Answer: 12", "13", 0.0),
+    ("I don't know.", "13", 0.0),
+    ("", "13", 0.0),
+    (r"\boxed{", "13", 0.0),
+    (r"\boxed{}}}}{{{", "13", 0.0),
+    ("Answer:", "13", 0.0),
+    ("\x00\x01\x02 ??? $$ \\frac{", "13", 0.0),
+    ("🙂" * 50, "13", 0.0),
+    # very long responses: only the tail is read, fast
+    (LONG + "\nAnswer: 42", "42", 1.0),
+    (LONG + r"\boxed{41}", "42", 0.0),
+    ("x" * 200_000, "42", 0.0),
+]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    # The shared pool, so the fixed-name math_reward below reuses it: one start-up per file.
+    p = rewards.default_pool(2)
+    p.wait_ready()
+    return p
+
+
+def test_math_reward_table(pool):
+    assert len(CASES) >= 40
+    responses, answers, expected = zip(*CASES)
+    t0 = time.monotonic()
+    got = pool.map("math", responses, answers, timeout_s=20.0)
+    assert time.monotonic() - t0 < 30
+    wrong = [(r[:60], a, e, g) for (r, a, e), g in zip(CASES, got) if g != e]
+    assert not wrong, wrong
+    assert got.dtype == np.float32 and got.shape == (len(CASES),)
+
+
+def test_pathological_input_is_cut_by_timeout(pool):
+    # math-verify spends its own 3 s alarm on this power tower; the pool cuts it at 0.5 s.
+    before = pool.num_timeouts
+    t0 = time.monotonic()
+    got = pool.map(
+        "math_verify", [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{4}"], ["1", "4"], timeout_s=0.5
+    )
+    elapsed = time.monotonic() - t0
+    assert got.tolist() == [0.0, 1.0]
+    assert pool.num_timeouts == before + 1
+    assert elapsed < 2.5, elapsed
+    # The killed worker is replaced: the pool keeps scoring.
+    assert pool.map("math", ["Answer: 7"] * 4, ["7"] * 4).tolist() == [1.0] * 4
+
+
+def test_custom_reward_by_import_path(pool):
+    got = pool.map("ebpo_jax.rewards:format_reward", ["x\nAnswer: 3", "no answer"], ["", ""])
+    assert got.tolist() == [1.0, 0.0]
+
+
+def test_failing_custom_reward_raises_with_context(pool):
+    with pytest.raises(RuntimeError, match="item 0"):
+        pool.map("math:sqrt", ["a"], ["b"])  # a TypeError inside the worker
+    assert pool.map("answer_match", ["Answer: 1"], ["1"]).tolist() == [1.0]  # still usable
+
+
+def test_extract_and_normalize():
+    assert rewards.extract_answer("blah\nAnswer: 12 apples") == "12 apples"
+    assert rewards.extract_answer(r"so \boxed{\frac{1}{\sqrt{2}}} done") == r"\frac{1}{\sqrt{2}}"
+    assert rewards.extract_answer("nothing here") is None
+    assert rewards.last_boxed(r"\boxed{a{b}c}") == "a{b}c"
+    assert rewards.normalize_answer(r"$\boxed{\dfrac{1}{2}}$") == "1/2"
+    assert rewards.normalize_answer("0.500") == "1/2"
+    assert rewards.normalize_answer(r"\text{(A)}") == "(A)"
+
+
+def test_format_reward():
+    assert rewards.format_reward("work\nAnswer: 5") == 1.0
+    assert rewards.format_reward(r"so \boxed{5}") == 1.0
+    assert rewards.format_reward("Answer: 5\nmore text") == 0.0
+    assert rewards.format_reward("") == 0.0
+
+
+def test_get_reward():
+    assert rewards.get_reward("math") is rewards.math_reward
+    assert rewards.get_reward("ebpo_jax.rewards:format_reward") is rewards.format_reward
+    fn = lambda r, a: 1.0  # noqa: E731
+    assert rewards.get_reward(fn) is fn
+    with pytest.raises(ValueError, match="known:.*math"):
+        rewards.get_reward("nope")
+    with pytest.raises(ValueError, match="cannot load"):
+        rewards.get_reward("no_such_module_xyz:fn")
+    with pytest.raises(ValueError, match="cannot load"):
+        rewards.get_reward("ebpo_jax.rewards:no_such_fn")
+
+
+def test_map_validates_lengths(pool):
+    with pytest.raises(ValueError, match="2 responses but 1 answers"):
+        pool.map("math", ["a", "b"], ["a"])
+    with pytest.raises(ValueError, match="unknown reward"):
+        pool.map("nope", ["a"], ["a"])
+
+
+def test_math_reward_default_pool(pool):
+    # The fixed-name API: single items through the shared pool, which starts lazily.
+    assert rewards.math_reward(r"\boxed{0.25}", r"\frac{1}{4}") == 1.0
+    assert rewards.math_reward("Answer: 3", "4") == 0.0
+    got = rewards.math_rewards(["Answer: 1", "Answer: 2"], ["1", "1"], timeout_s=10.0, workers=2)
+    assert got.tolist() == [1.0, 0.0]
