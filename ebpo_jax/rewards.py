@@ -134,7 +134,7 @@ def math_verify_reward(response: str, answer: str) -> float:
         if not gold or not pred:
             return 0.0
         return float(verify(gold, pred, timeout_seconds=VERIFY_TIMEOUT_S))
-    except Exception:  # math-verify raises on malformed LaTeX: an unverifiable answer scores 0
+    except Exception:  # noqa: BLE001  math-verify raises on malformed LaTeX: such an answer scores 0
         return 0.0
 
 
@@ -184,7 +184,7 @@ def get_reward(spec: str | RewardFn) -> RewardFn:
     except (ImportError, AttributeError) as e:
         raise ValueError(f"cannot load reward {spec!r}: {e}") from e
     if not callable(fn):
-        raise ValueError(f"reward {spec!r} is not callable")
+        raise TypeError(f"reward {spec!r} is not callable")
     return fn
 
 
@@ -209,7 +209,7 @@ def _worker_loop(conn) -> None:
             if key not in fns:
                 fns[key] = _local_fn(spec) or get_reward(spec)
             conn.send((index, float(fns[key](response, answer)), None))
-        except Exception as e:  # reported to the parent, which raises with context
+        except Exception as e:  # noqa: BLE001  reported to the parent, which raises with context
             conn.send((index, 0.0, f"{type(e).__name__}: {e}"))
 
 

@@ -81,7 +81,7 @@ def pool():
 
 def test_math_reward_table(pool):
     assert len(CASES) >= 40
-    responses, answers, expected = zip(*CASES)
+    responses, answers, _ = zip(*CASES)
     t0 = time.monotonic()
     got = pool.map("math", responses, answers, timeout_s=20.0)
     assert time.monotonic() - t0 < 30
@@ -136,7 +136,7 @@ def test_format_reward():
 def test_get_reward():
     assert rewards.get_reward("math") is rewards.math_reward
     assert rewards.get_reward("ebpo_jax.rewards:format_reward") is rewards.format_reward
-    fn = lambda r, a: 1.0  # noqa: E731
+    fn = lambda r, a: 1.0
     assert rewards.get_reward(fn) is fn
     with pytest.raises(ValueError, match="known:.*math"):
         rewards.get_reward("nope")

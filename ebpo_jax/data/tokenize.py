@@ -1,0 +1,69 @@
+"""Prompts to right-padded token arrays with a checkpoint's tokenizer; over-long prompts dropped or fatal."""
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+OVERFLOW = ("drop", "error")
+
+
+class EncodedPrompts(NamedTuple):
+    """Right-padded prompts: `tokens[i, :lengths[i]]` is kept prompt i (source item `kept[i]`)."""
+
+    tokens: np.ndarray  # [N, max_length] int32
+    lengths: np.ndarray  # [N] int32
+    kept: np.ndarray  # [N] int32 indices into the input texts
+    num_dropped: int
+
+
+def load_tokenizer(path: str):
+    """A `transformers` tokenizer from a local checkpoint folder (never the hub)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def encode_prompts(
+    tokenizer: Any,
+    texts: Sequence[str],
+    *,
+    max_length: int,
+    on_overflow: str = "drop",
+    add_special_tokens: bool | None = None,
+    pad_id: int = 0,
+) -> EncodedPrompts:
+    """Token ids of `texts`, right-padded to `max_length`.
+
+    Texts over `max_length` tokens are dropped and counted (`on_overflow="drop"`) or raise
+    (`"error"`). `add_special_tokens` defaults to False for chat-formatted texts (the chat
+    template already holds BOS) and True otherwise, judged by the text starting with BOS.
+    """
+    if on_overflow not in OVERFLOW:
+        raise ValueError(f"on_overflow must be one of {OVERFLOW}, got {on_overflow!r}")
+    if max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+    if not texts:
+        raise ValueError("no prompts to encode")
+    bos = getattr(tokenizer, "bos_token", None)
+    ids = []
+    for t in texts:
+        special = add_special_tokens
+        if special is None:
+            special = not (bos and t.startswith(bos))
+        ids.append(tokenizer(t, add_special_tokens=special)["input_ids"])
+    lengths = np.array([len(x) for x in ids], np.int32)
+    too_long = np.flatnonzero(lengths > max_length)
+    if too_long.size and on_overflow == "error":
+        i = int(too_long[0])
+        raise ValueError(
+            f"{too_long.size} of {len(texts)} prompts exceed max_length={max_length} tokens; "
+            f"the first is item {i} ({lengths[i]} tokens): {texts[i][:80]!r}..."
+        )
+    kept = np.flatnonzero(lengths <= max_length).astype(np.int32)
+    if kept.size == 0:
+        raise ValueError(f"all {len(texts)} prompts exceed max_length={max_length} tokens")
+    tokens = np.full((kept.size, max_length), pad_id, np.int32)
+    for row, i in enumerate(kept):
+        tokens[row, : lengths[i]] = ids[i]
+    return EncodedPrompts(tokens, lengths[kept], kept, int(too_long.size))
