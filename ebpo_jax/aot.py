@@ -270,3 +270,237 @@ def abstract(tree, shardings):
 
 def bytes_of(tree) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+# ---------------------------------------------------------------- the programs
+
+
+def model_config_of(config):
+    """The policy ModelConfig the trainer would build (the preset's own vocabulary by default)."""
+    from types import SimpleNamespace
+
+    from ebpo_jax import models
+    from ebpo_jax.trainer.loop import model_config_from
+
+    vocab = models.PRESETS[config.model.preset]["vocab_size"]
+    return model_config_from(config, SimpleNamespace(vocab_size=vocab))
+
+
+def batch_sharded(tree, mesh, rows: int, rules=None):
+    """Shardings splitting every leaf whose leading dim is `rows` over the batch axes."""
+    from ebpo_jax import sharding
+
+    def one(x):
+        if x.ndim and x.shape[0] == rows:
+            names = ("batch",) + (None,) * (x.ndim - 1)
+            spec = sharding.logical_to_spec(names, rules, mesh, x.shape, "rollout")
+            return jax.sharding.NamedSharding(mesh, spec)
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    return jax.tree.map(one, tree)
+
+
+def train_state_shardings(config, optimizer, state, mesh):
+    """Shardings of an (abstract) TrainState: params, ref params and Adam moments by the rules."""
+    import optax
+
+    from ebpo_jax import sharding
+
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    p_sh = sharding.param_shardings(config, state.params, mesh)
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, state.opt_state, p_sh, transform_non_params=lambda _: rep
+    )
+    return state._replace(
+        params=p_sh,
+        opt_state=opt_sh,
+        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
+        step=rep,
+        rng=rep,
+        ref_params=None if state.ref_params is None else p_sh,
+        nonfinite_run=rep,
+        generated_tokens=rep,
+    )
+
+
+def abstract_inputs(config, mc, prompt_len: int):
+    """(abstract TrainState, abstract Rollout, optimizer) at the config's shapes: no allocation."""
+    from ebpo_jax import models, tasks
+    from ebpo_jax.trainer.rollout import batch_rounds, make_rollout_fn
+    from ebpo_jax.trainer.state import init_train_state, make_optimizer
+
+    optimizer = make_optimizer(config)
+    params = models.abstract_params(mc)
+    state = jax.eval_shape(
+        lambda p: init_train_state(
+            p, optimizer, seed=config.seed, with_ref=config.loss.kl_coef > 0
+        ),
+        params,
+    )
+    n = batch_rounds(config) * config.prompts_per_step
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+    answer_len = 64  # answers are short; their width does not move the memory
+    batch = tasks.PromptBatch(
+        i32(n, prompt_len), i32(n), i32(n, answer_len), i32(n), i32(n), i32(n), i32(n)
+    )
+    # The rollout's own output structure (host reward: rewards are filled in between jits).
+    rollout = make_rollout_fn(config, mc, None, eos_id=1)
+    ro = jax.eval_shape(rollout, params, batch, jax.random.key(0))
+    return state, ro, optimizer
+
+
+def compile_update(config, mc, mesh, prompt_len: int):
+    """The trainer's own update step (make_update_fn), sharded by the rules and compiled."""
+    from ebpo_jax.trainer.step import make_update_fn
+
+    state, ro, optimizer = abstract_inputs(config, mc, prompt_len)
+    state_sh = train_state_shardings(config, optimizer, state, mesh)
+    ro_sh = batch_sharded(ro, mesh, config.prompts_per_step)
+    update = make_update_fn(config, mc, optimizer, eos_id=1)
+    jitted = jax.jit(
+        update, in_shardings=(state_sh, ro_sh), out_shardings=(state_sh, None), donate_argnums=0
+    )
+    with jax.set_mesh(mesh):
+        return jitted.lower(state, ro).compile(), state.params, state_sh.params
+
+
+def compile_sampler(config, mc, mesh, params, prompts: int, prompt_len: int):
+    """The sampler's own jitted prefill and decode for `prompts` prompts x G samples."""
+    from ebpo_jax import sampler
+
+    G, N = config.group_size, config.sampler.max_new_tokens
+    s = config.sampler
+    sampling = sampler._Sampling(float(s.temperature), int(s.top_k), float(s.top_p))
+    row_sh = sampler._batch_sharding(mesh, None, prompts * G, True)
+    prompt_sh = sampler._batch_sharding(mesh, None, prompts, False)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    tok_sh = prompt_sh or rep
+    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=tok_sh)
+    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=tok_sh)
+    static = {"config": mc, "sampling": sampling}
+    with jax.set_mesh(mesh):
+        prefill = sampler._prefill_jit.lower(
+            params,
+            prompt_PT,
+            lengths_P,
+            rng,
+            num_samples=G,
+            cache_size=prompt_len + N,
+            prompt_sharding=prompt_sh,
+            row_sharding=row_sh,
+            **static,
+        )
+        out = prefill.out_info
+        prefill = prefill.compile()
+        carried = [
+            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
+            for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
+        ]
+        cache = jax.tree.unflatten(
+            jax.tree.structure(out[0]), carried[: len(jax.tree.leaves(out[0]))]
+        )
+        rest = carried[len(jax.tree.leaves(out[0])) :]
+        eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
+        decode = sampler._decode_jit.lower(
+            params,
+            cache,
+            *rest,
+            rng,
+            eos,
+            prompt_len=prompt_len,
+            max_new_tokens=N,
+            batch_sharding=row_sh,
+            **static,
+        ).compile()
+    return prefill, decode
+
+
+def compile_reshard(params, src_shardings, dst_shardings, mesh):
+    """Device-to-device resharding of the weights from the trainer's mesh to the sampler's."""
+    with jax.set_mesh(mesh):
+        return (
+            jax.jit(lambda p: p, out_shardings=dst_shardings)
+            .lower(abstract(params, src_shardings))
+            .compile()
+        )
+
+
+def parse_mesh(text: str):
+    """`data=8,tp=4` -> [("data", 8), ("tp", 4)] (-1 allowed once)."""
+    try:
+        pairs = [p.split("=") for p in text.split(",") if p]
+        return [(a.strip(), int(s)) for a, s in pairs]
+    except ValueError:
+        raise ValueError(f"mesh {text!r} is not like 'data=8,tp=4'") from None
+
+
+def run(config, topology: str, *, prompt_len: int, sampler_prompts=None, sampler_mesh=""):
+    """Compile update, sampler (prefill, decode) and the weight reshard for `topology`.
+
+    Returns (reports, meta). A program that does not fit raises the compiler's
+    RESOURCE_EXHAUSTED error (see is_resource_exhausted) or reports fits=False.
+    """
+    from ebpo_jax import config as config_lib
+    from ebpo_jax import sharding
+
+    spec, chip_name, devices = topology_devices(topology)
+    config_lib.validate(config, len(devices))
+    chips = math.prod(int(x) for x in chip_name.split(":")[1].split("x"))
+    per_chip = max(1, len(devices) // chips)  # v4 topologies list each TensorCore
+    hbm, peak = spec.hbm_bytes // per_chip, spec.peak_flops / per_chip
+    mc = model_config_of(config)
+    mesh = sharding.make_mesh(config.mesh, devices)
+    s_mesh = sharding.make_mesh(parse_mesh(sampler_mesh), devices) if sampler_mesh else mesh
+    prompts = sampler_prompts or config.prompts_per_step
+    G, N = config.group_size, config.sampler.max_new_tokens
+
+    update, params, train_sh = compile_update(config, mc, mesh, prompt_len)
+    reports = [
+        report_from_compiled(
+            "train update",
+            update,
+            mesh,
+            hbm,
+            update_flops(config, mc, prompt_len),
+            peak,
+            note=f"{config.loss.ppo_epochs} epoch(s) x {config.loss.num_minibatches} mini-batches",
+        )
+    ]
+    del update
+    samp_sh = sharding.param_shardings(config, params, s_mesh)
+    if s_mesh is not mesh:
+        reshard = compile_reshard(params, train_sh, samp_sh, s_mesh)
+        reports.append(report_from_compiled("reshard weights", reshard, s_mesh, hbm, 0, peak))
+    sflops = sampler_flops(mc, prompts, G, prompt_len, N)
+    prefill, decode = compile_sampler(
+        config, mc, s_mesh, abstract(params, samp_sh), prompts, prompt_len
+    )
+    calls = math.ceil(config.prompts_per_step / prompts)
+    note = f"{prompts} prompts x {G} per call, {calls} call(s) per step"
+    reports.append(
+        report_from_compiled("sampler prefill", prefill, s_mesh, hbm, sflops["prefill"], peak, note)
+    )
+    decode_r = report_from_compiled(
+        "sampler decode", decode, s_mesh, hbm, sflops["decode"], peak, note
+    )
+    # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
+    decode_r.note += f"; >= {(N - 1) * decode_r.argument_bytes / spec.hbm_bandwidth * per_chip:.0f} s at HBM bandwidth"
+    reports.append(decode_r)
+    meta = {
+        "topology": topology,
+        "chip_topology": chip_name,
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "model": dataclasses.asdict(mc),
+        "params": total_params(mc),
+        "prompt_len": prompt_len,
+        "max_new_tokens": N,
+        "sequences_per_step": config.prompts_per_step * G,
+        "train_mesh": dict(mesh.shape),
+        "sampler_mesh": dict(s_mesh.shape),
+        "flops_note": "analytic model FLOPs (6NT + causal attention); cost_analysis() counts a "
+        "scanned layer once; remat recompute not included",
+    }
+    return reports, meta

@@ -1,0 +1,60 @@
+"""Compile the trainer's and sampler's programs for a TPU topology on this host; report memory.
+
+  python experiments/aot_compile.py --config=configs/qwen3_8b.py --topology=v5p-64
+
+Needs libtpu (`pip install -e '.[tpu]'`), no TPU. Prints a per-device table and writes JSON;
+exits 1 when a program does not fit in HBM.
+"""
+
+import json
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config.", lock_config=True)
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 4096, "Padded prompt width (max prompt tokens).")
+_SAMPLER_PROMPTS = flags.DEFINE_integer(
+    "sampler_prompts", 0, "Prompts per sampler call (0 = prompts_per_step)."
+)
+_SAMPLER_MESH = flags.DEFINE_string(
+    "sampler_mesh", "", "Sampler mesh, e.g. 'data=8,tp=4' ('' = the trainer's mesh)."
+)
+_OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON report.")
+
+
+def main(argv):
+    del argv
+    from ebpo_jax import aot  # after flag parsing, so --help stays fast
+
+    reason = aot.libtpu_available()
+    if reason:
+        sys.exit(f"cannot compile for TPU here: {reason}")
+    try:
+        reports, meta = aot.run(
+            _CONFIG.value,
+            _TOPOLOGY.value,
+            prompt_len=_PROMPT_LEN.value,
+            sampler_prompts=_SAMPLER_PROMPTS.value or None,
+            sampler_mesh=_SAMPLER_MESH.value,
+        )
+    except Exception as e:  # the compiler's out-of-memory error names no program: say which
+        if aot.is_resource_exhausted(e):
+            sys.exit(f"does not fit on {_TOPOLOGY.value}: RESOURCE_EXHAUSTED\n{str(e)[:2000]}")
+        raise
+    print(json.dumps({k: v for k, v in meta.items() if k != "model"}))
+    print(aot.format_table(reports))
+    for r in reports:
+        if r.note:
+            print(f"  {r.name}: {r.note}")
+    aot.write_json(_OUT.value, reports, **meta)
+    print(f"report: {_OUT.value}")
+    bad = [r.name for r in reports if not r.fits]
+    if bad:
+        sys.exit(f"does not fit in {reports[0].hbm_bytes / aot.GiB:.0f} GiB HBM: {', '.join(bad)}")
+
+
+if __name__ == "__main__":
+    flags.mark_flag_as_required("config")
+    app.run(main)
