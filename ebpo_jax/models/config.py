@@ -30,10 +30,18 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     max_position_embeddings: int = 8192
+    # (logical axis, mesh axes) pairs replacing ebpo_jax.sharding.DEFAULT_RULES; None = default.
+    sharding_rules: tuple[tuple[str, Any], ...] | None = None
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.sharding_rules is not None:
+            rules = tuple(
+                (name, tuple(axes) if isinstance(axes, list) else axes)
+                for name, axes in self.sharding_rules
+            )
+            object.__setattr__(self, "sharding_rules", rules)
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.modules import Decoder, rope_cos_sin
 
@@ -78,8 +79,12 @@ def _remat(config, fn):
     return jax.checkpoint(fn, policy=_REMAT_POLICIES[config.remat], prevent_cse=False)
 
 
+def _residual(config, x_BTD):
+    return sharding.constrain(x_BTD, ("batch", "seq", "act_embed"), config.sharding_rules)
+
+
 def _embed(config, params, tokens_BT):
-    return jnp.take(params["embed"][...], tokens_BT, axis=0).astype(config.dtype)
+    return _residual(config, jnp.take(params["embed"][...], tokens_BT, axis=0).astype(config.dtype))
 
 
 def _head(config, params, x_BTD, return_hidden):
@@ -88,15 +93,16 @@ def _head(config, params, x_BTD, return_hidden):
     if return_hidden:
         return h_BTD
     w_DV = output_embedding(config, params).astype(config.dtype)
-    return jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    return sharding.constrain(logits_BTV, ("batch", "seq", "act_vocab"), config.sharding_rules)
 
 
-def _block_step(block, x_BTD, cos_BTd, sin_BTd, attend_kv):
+def _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_kv):
     """One layer; `attend_kv(k, v) -> (k_all, v_all, allowed_BTS)` supplies the keys to read."""
     q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), cos_BTd, sin_BTd)
     k_all, v_all, allowed_BTS = attend_kv(k_BTKd, v_BTKd)
     x_BTD = x_BTD + block.attn.attend(q_BTHd, k_all, v_all, allowed_BTS)
-    return x_BTD + block.mlp(block.mlp_norm(x_BTD))
+    return _residual(config, x_BTD + block.mlp(block.mlp_norm(x_BTD)))
 
 
 def forward(
@@ -117,7 +123,7 @@ def forward(
     def layer(x_BTD, layer_params):
         block = nnx.merge(block_def, layer_params)
         attend_kv = lambda k, v: (k, v, allowed_BTS)
-        return _block_step(block, x_BTD, cos_BTd, sin_BTd, attend_kv), None
+        return _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_kv), None
 
     x_BTD, _ = jax.lax.scan(
         _remat(config, layer), _embed(config, params, tokens_BT), params["layers"]
@@ -167,7 +173,7 @@ def forward_cached(
             new["v"] = jax.lax.dynamic_update_slice(v_LBSKd, v_BTKd[None].astype(v_LBSKd.dtype), at)
             return new["k"][i], new["v"][i], allowed_BTS
 
-        x_BTD = _block_step(block, x_BTD, cos_BTd, sin_BTd, attend_kv)
+        x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_kv)
         return (x_BTD, new["k"], new["v"]), None
 
     carry = (_embed(config, params, tokens_BT), cache["k"], cache["v"])

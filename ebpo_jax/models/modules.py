@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 
 # Masked attention logits get this instead of -inf so that a row with no visible key
@@ -87,6 +88,7 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(Dh, c, lead, "head_dim") if c.qk_norm else None
         self.k_norm = RMSNorm(Dh, c, lead, "head_dim") if c.qk_norm else None
         self.dtype = c.dtype
+        self.rules = c.sharding_rules
         self.num_kv_heads = K
         self.scale = Dh**-0.5
 
@@ -97,6 +99,13 @@ class Attention(nnx.Module):
         v_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, self.v[...].astype(dt))
         if self.q_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
+        heads, kv_heads = (
+            ("batch", "seq", "act_heads", None),
+            ("batch", "seq", "act_kv_heads", None),
+        )
+        q_BTHd = sharding.constrain(q_BTHd, heads, self.rules)
+        k_BTKd = sharding.constrain(k_BTKd, kv_heads, self.rules)
+        v_BTKd = sharding.constrain(v_BTKd, kv_heads, self.rules)
         return apply_rope(q_BTHd, cos_BTd, sin_BTd), apply_rope(k_BTKd, cos_BTd, sin_BTd), v_BTKd
 
     def attend(self, q_BTHd, k_BSKd, v_BSKd, allowed_BTS):
@@ -124,12 +133,16 @@ class MLP(nnx.Module):
         self.up = _param((*lead, D, F), (*la, "embed", "mlp"), pd)
         self.down = _param((*lead, F, D), (*la, "mlp", "embed"), pd)
         self.dtype = config.dtype
+        self.rules = config.sharding_rules
 
     def __call__(self, x_BTD):
         dt = self.dtype
         gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...].astype(dt))
         up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up[...].astype(dt))
-        return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_BTF) * up_BTF, self.down[...].astype(dt))
+        hidden_BTF = sharding.constrain(
+            jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"), self.rules
+        )
+        return jnp.einsum("btf,fd->btd", hidden_BTF, self.down[...].astype(dt))
 
 
 class Block(nnx.Module):

@@ -1,0 +1,162 @@
+"""Device mesh from a config, and logical axis names -> mesh axes through one rules table.
+
+Parameters carry logical axis names (`nnx.Param(..., axes=("embed", "mlp"))`); activations are
+named where they are made (`constrain(x, ("batch", "seq", "act_embed"), rules)`). The rules
+table alone decides the parallelism: the default is FSDP over `fsdp`, tensor parallelism over
+`tp`, and rows over `data` x `fsdp`. Knows nothing of the model.
+"""
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tp")
+
+# Logical name -> mesh axis, tuple of mesh axes, or None (replicated). Activation names are
+# separate from parameter names because FSDP shards the `embed` dim of weights, not of the
+# residual stream (which is already split over rows).
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("seq", None),
+    ("layers", None),
+    ("vocab", "tp"),
+    ("embed", "fsdp"),
+    ("mlp", "tp"),
+    ("heads", "tp"),
+    ("kv_heads", "tp"),
+    ("head_dim", None),
+    ("norm", None),
+    ("act_embed", None),
+    ("act_mlp", "tp"),
+    ("act_heads", "tp"),
+    ("act_kv_heads", "tp"),
+    ("act_vocab", "tp"),
+)
+
+
+def make_mesh(spec, devices=None) -> Mesh:
+    """Mesh with Auto axes from `[(axis, size), ...]` or an object with `.axes` and `.shape`.
+
+    One size may be -1: the devices that remain.
+    """
+    if hasattr(spec, "axes"):
+        axes, shape = tuple(spec.axes), tuple(int(s) for s in spec.shape)
+    else:
+        axes, shape = tuple(a for a, _ in spec), tuple(int(s) for _, s in spec)
+    devices = jax.devices() if devices is None else list(devices)
+    if len(axes) != len(shape) or len(set(axes)) != len(axes):
+        raise ValueError(f"mesh axes {axes} and shape {shape} must pair up, names unique")
+    if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape}: sizes must be positive, with at most one -1")
+    known = math.prod(s for s in shape if s != -1)
+    if -1 in shape:
+        if len(devices) % known:
+            raise ValueError(f"mesh shape {shape} does not divide the {len(devices)} devices")
+        shape = tuple(len(devices) // known if s == -1 else s for s in shape)
+    if math.prod(shape) != len(devices):
+        raise ValueError(
+            f"mesh shape {shape} needs {math.prod(shape)} devices, have {len(devices)}"
+        )
+    grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def rules_from(config=None, rules=None) -> dict:
+    """The rules as a dict: `rules` if given, else `config.sharding_rules`, else DEFAULT_RULES."""
+    if rules is None:
+        rules = getattr(config, "sharding_rules", None) or DEFAULT_RULES
+    if isinstance(rules, dict):
+        return rules
+    table = {}
+    for pair in rules:
+        if len(pair) != 2:
+            raise ValueError(f"sharding rule {pair!r} is not a (logical name, mesh axes) pair")
+        name, axes = pair
+        table[name] = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return table
+
+
+def logical_to_spec(names: Sequence[str | None], rules, mesh=None, shape=None, what="array") -> P:
+    """PartitionSpec for an array whose dims have logical `names`.
+
+    A mesh axis absent from `mesh` is skipped, and one already used by an earlier dim is not
+    reused. With `shape`, a dim its mesh axes don't divide raises (naming `what`).
+    """
+    table = rules_from(rules=rules)
+    mesh_shape = dict(mesh.shape) if mesh is not None else None
+    used, spec = set(), []
+    for d, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(
+                f"{what}: logical axis {name!r} has no sharding rule; known: {sorted(table)}"
+            )
+        axes = tuple(
+            a for a in table[name] if a not in used and (mesh_shape is None or a in mesh_shape)
+        )
+        if shape is not None and mesh_shape is not None:
+            n = math.prod(mesh_shape[a] for a in axes)
+            if shape[d] % n:
+                raise ValueError(
+                    f"{what}: dim {d} ({name}={shape[d]}) does not split over mesh axes {axes} ({n})"
+                )
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return P(*spec)
+
+
+def _is_var(x):
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(params, rules=None, mesh=None):
+    """Pytree (like params) of PartitionSpecs from each Param's `axes` metadata."""
+
+    def spec(path, leaf):
+        names = leaf.get_metadata().get("axes") if _is_var(leaf) else None
+        value = leaf.get_value() if _is_var(leaf) else leaf
+        if names is None:
+            return P()
+        where = "param " + jax.tree_util.keystr(path)
+        return logical_to_spec(names, rules_from(rules=rules), mesh, tuple(value.shape), where)
+
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
+    specs = [spec(path, leaf) for path, leaf in flat]
+    # Unflattened with params' own treedef, so the specs sit inside the same Param wrappers.
+    return jax.tree_util.tree_unflatten(jax.tree.structure(params), specs)
+
+
+def param_shardings(config, params, mesh: Mesh, rules=None):
+    """Pytree (like params) of NamedShardings; rules default to config.sharding_rules."""
+    table = rules_from(config, rules)
+    specs = param_specs(params, table, mesh)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(config, params, mesh: Mesh, rules=None):
+    """`params` placed on `mesh` by the rules (device_put; params may be abstract-free arrays)."""
+    return jax.device_put(params, param_shardings(config, params, mesh, rules))
+
+
+def constrain(x, names: Sequence[str | None], rules=None):
+    """with_sharding_constraint by logical names under the ambient mesh (`jax.set_mesh`); else x.
+
+    Dims the mesh axes don't divide (e.g. a batch of 1 while decoding) are left unconstrained.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    table = rules_from(rules=rules)
+    spec = list(logical_to_spec(names, table, mesh))
+    for d, axes in enumerate(spec):
+        axes_t = (axes,) if isinstance(axes, str) else axes or ()
+        if x.shape[d] % math.prod(mesh.shape[a] for a in axes_t):
+            spec[d] = None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
