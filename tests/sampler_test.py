@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -63,6 +65,77 @@ def check_against_forward(params, gen, prompts, lengths, num_samples=1):
     np.testing.assert_array_equal(logprobs[~real], 0.0)
     ref, _ = reference(params, tokens, prompts, lengths, num_samples)
     np.testing.assert_allclose(logprobs[real], ref[real], rtol=0, atol=1e-4)
+
+
+HF_COMMON = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "rope_theta": 10000.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def hf_checkpoint(request, tmp_path_factory):
+    """A tiny random HF model with far-from-uniform logits, and our (config, params) of it."""
+    if request.param == "llama":
+        hf_config = transformers.LlamaConfig(**HF_COMMON, tie_word_embeddings=False)
+        cls = transformers.LlamaForCausalLM
+    else:
+        hf_config = transformers.Qwen3Config(**HF_COMMON, tie_word_embeddings=True)
+        cls = transformers.Qwen3ForCausalLM
+    torch.manual_seed(0)
+    model = cls(hf_config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.15) if p.ndim > 1 else p.copy_(1.0 + 0.2 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp(request.param))
+    model.save_pretrained(path)
+    return model, *models.from_hf(path, dtype="float32")
+
+
+def hf_greedy(model, prompt_BT, n):
+    """transformers greedy completions (after the prompt), EOS 2 then pad 0, width n."""
+    ids = torch.as_tensor(np.asarray(prompt_BT, np.int64))
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
+    completion = out[:, ids.shape[1] :].numpy()
+    return np.pad(completion, ((0, 0), (0, n - completion.shape[1])))
+
+
+def test_greedy_matches_transformers(hf_checkpoint):
+    model, config, params = hf_checkpoint
+    n = 8
+    rng = np.random.default_rng(1)
+    kwargs = {"max_new_tokens": n, "rng": jax.random.key(0), "temperature": 0.0, "eos_id": 2}
+    # Equal lengths: one batched HF call.
+    equal = rng.integers(3, 128, (3, 7)).astype(np.int32)
+    ours = sampler.generate(config, params, equal, np.full(3, 7), **kwargs)
+    np.testing.assert_array_equal(ours.tokens, hf_greedy(model, equal, n))
+    # Mixed lengths: right-padded for us, each prompt alone (unpadded) for HF.
+    lengths = np.array([7, 2, 5, 4])
+    mixed = np.where(np.arange(7)[None] < lengths[:, None], rng.integers(3, 128, (4, 7)), 9)
+    ours = sampler.generate(config, params, mixed.astype(np.int32), lengths, **kwargs)
+    for b, length in enumerate(lengths):
+        want = hf_greedy(model, mixed[b : b + 1, :length], n)[0]
+        np.testing.assert_array_equal(ours.tokens[b], want)
+        stop = np.flatnonzero(want == 2)
+        assert ours.lengths[b] == (stop[0] + 1 if stop.size else n)
 
 
 def test_logprobs_match_forward_when_sampling(params):
