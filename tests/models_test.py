@@ -1,5 +1,7 @@
 """Decoder core: shapes, masking semantics, and KV-cache path == full forward."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,3 +140,79 @@ def test_bad_shapes_are_clear_errors():
         models.forward(config, params, jnp.zeros((3,), jnp.int32))
     with pytest.raises(ValueError, match="mask"):
         models.forward(config, params, jnp.zeros((2, 3), jnp.int32), mask=jnp.ones((2, 4), bool))
+
+
+# Non-embedding parameter counts from the model cards (Llama 3 8B: 8.03B in all).
+@pytest.mark.parametrize(
+    "name, total, non_embedding",
+    [
+        ("llama3_8b", 8_030_261_248, None),
+        ("llama3_1_8b", 8_030_261_248, None),
+        ("qwen3_0_6b", None, 0.44e9),
+        ("qwen3_1_7b", None, 1.4e9),
+        ("qwen3_8b", None, 6.95e9),
+        ("qwen3_14b", None, 13.2e9),
+    ],
+)
+def test_preset_sizes(name, total, non_embedding):
+    config = models.get_config(name)
+    count = sum(x.size for x in jax.tree.leaves(models.abstract_params(config)))
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    if total is not None:
+        assert count == total
+    if non_embedding is not None:
+        assert abs((count - embeddings) / non_embedding - 1) < 0.01
+
+
+def _compile_seconds(config, seq_len):
+    import time
+
+    params = models.abstract_params(config)
+    tokens = jax.ShapeDtypeStruct((2, seq_len), jnp.int32)
+    start = time.perf_counter()
+    jax.jit(functools.partial(models.forward, config)).lower(params, tokens).compile()
+    return time.perf_counter() - start
+
+
+def test_compile_time_does_not_grow_with_depth():
+    shallow, deep = models.get_config("tiny"), models.get_config("tiny", num_layers=16)
+    # Interleaved and best-of-two, because other processes share the CPUs.
+    times = {2: [], 16: []}
+    for seq_len in (32, 33):
+        times[2].append(_compile_seconds(shallow, seq_len))
+        times[16].append(_compile_seconds(deep, seq_len))
+    ratio = min(times[16]) / min(times[2])
+    print(f"compile (forward): 2 layers {min(times[2]):.2f}s, 16 layers {min(times[16]):.2f}s")
+    assert ratio < 2.0, times
+
+
+@pytest.mark.parametrize("remat", ["full", "dots_saveable"])
+def test_remat_policies_give_the_same_gradients(remat):
+    config = models.get_config("tiny")
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.key(3), (2, 8), 0, config.vocab_size)
+
+    def grads(config):
+        loss = lambda p: jnp.mean(models.forward(config, p, tokens) ** 2)
+        return jax.jit(jax.grad(loss))(params)
+
+    remat_config = config.replace(remat=remat)
+    jaxpr = str(jax.make_jaxpr(lambda p: models.forward(remat_config, p, tokens))(params))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5),
+        grads(remat_config),
+        grads(config),
+    )
+
+
+def test_bfloat16_params_and_compute():
+    config = models.get_config("tiny")
+    bf16 = config.replace(param_dtype="bfloat16", dtype="bfloat16")
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.key(4), (2, 8), 0, config.vocab_size)
+    params_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+    logits = FORWARD(bf16, params_bf16, tokens)
+    assert logits.dtype == jnp.float32
+    ref = FORWARD(config, params, tokens)
+    np.testing.assert_allclose(logits, ref, atol=0.05 * float(jnp.abs(ref).max()))
