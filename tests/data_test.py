@@ -213,7 +213,7 @@ def tiny_tokenizer_path(tmp_path_factory):
     ]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    corpus = ["what is one plus two", "solve for x", "the answer is", "Answer: $Answer"] * 2
+    corpus = ["what is one plus two", "solve for x", "the answer is", "Answer: $Answer 3 5"] * 2
     tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
@@ -301,6 +301,64 @@ def test_topic_ids_from_field():
     assert ids.tolist() == [1, 0, 1] and names == ("a", "b")
     with pytest.raises(DataError, match="1 records have no topic"):
         data.topic_ids_from_field([*recs, data.Record("p", "a", "x")])
+
+
+def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
+    from types import SimpleNamespace
+
+    tok = data.load_tokenizer(tiny_tokenizer_path)
+    records = [
+        data.Record("what is one plus two", "3", "r0", topic="b", difficulty=0.5),
+        data.Record("what is one plus two " * 10, "3", "too-long", topic="a", difficulty=0.1),
+        data.Record("solve for x", "5", "r2", topic="a", difficulty=0.1),
+        data.Record("the answer is", "5", "r3", topic="b", difficulty=0.9),
+    ]
+    kw = {"max_prompt_len": 12, "template": "plain", "order": "topic", "seed": 1}
+    src = data.MathPromptSource(records, tok, 2, **kw)
+    assert src.num_dropped == 1 and [r.id for r in src.records] == ["r0", "r2", "r3"]
+    assert src.topic_names == ("a", "b") and src.topic_ids.tolist() == [1, 0, 1]
+    b = src.next_batch()
+    assert b.prompt_tokens.shape == (2, 12) and b.prompt_tokens.dtype == np.int32
+    np.testing.assert_array_equal(b.answer_tokens[:, 0], b.index)
+    np.testing.assert_array_equal(b.topic_ids, src.topic_ids[b.index])
+    for row, n, i in zip(b.prompt_tokens, b.prompt_lengths, b.index):
+        assert tok.decode(row[:n]).endswith("<|assistant|>")
+        assert src.records[i].prompt in tok.decode(row[:n])
+    # Resume mid-stream, and refuse a state saved for other records.
+    saved = src.state()
+    want = src.next_batches(3)
+    again = data.MathPromptSource(records, tok, 2, **kw)
+    again.restore(saved)
+    np.testing.assert_array_equal(again.next_batches(3).index, want.index)
+    other = data.MathPromptSource(records[::-1], tok, 2, **kw)
+    with pytest.raises(ValueError, match="saved for other records"):
+        other.restore(saved)
+    with pytest.raises(DataError, match="needs every record's difficulty"):
+        data.MathPromptSource(
+            [*records, data.Record("solve for x", "1", "nd", topic="a")],
+            tok,
+            2,
+            max_prompt_len=12,
+            order="difficulty",
+            template="plain",
+        )
+
+    # Host reward: completions decoded and checked against each prompt's record answer.
+    P, G, N = 2, 2, 4
+    texts = [["Answer: 3", "the answer is"], ["Answer: 5", "Answer: 3"]]
+    tokens = np.zeros((P, G, N), np.int32)
+    lengths = np.zeros((P, G), np.int32)
+    for p in range(P):
+        for g in range(G):
+            ids = tok(texts[p][g], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            tokens[p, g, : len(ids)], lengths[p, g] = ids, len(ids)
+    rollout = SimpleNamespace(tokens=tokens, lengths=lengths, answer_tokens=np.array([[0], [1]]))
+    reward = data.make_host_reward(src, tok, reward="answer_match", workers=1)
+    np.testing.assert_array_equal(reward(rollout), [[1, 0], [1, 0]])
+    shaped = data.make_host_reward(src, tok, reward="answer_match", workers=1, format_weight=0.1)
+    np.testing.assert_allclose(shaped(rollout), [[1.1, 0], [1.1, 0.1]], rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown reward"):
+        data.make_host_reward(src, tok, reward="nope")
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from ebpo_jax.data.loading import load_records, save_records
 from ebpo_jax.data.order import ORDERS, RecordOrder
 from ebpo_jax.data.prompts import TEMPLATES, format_prompt, render_prompt
 from ebpo_jax.data.schemas import SCHEMAS, DataError, Record, Schema, get_schema, to_record
+from ebpo_jax.data.source import MathPromptSource, decode_completions, make_host_reward
 from ebpo_jax.data.tokenize import EncodedPrompts, encode_prompts, load_tokenizer
 
 __all__ = [
@@ -13,10 +14,12 @@ __all__ = [
     "TEMPLATES",
     "DataError",
     "EncodedPrompts",
+    "MathPromptSource",
     "Record",
     "RecordOrder",
     "Schema",
     "cluster_texts",
+    "decode_completions",
     "embed_texts",
     "encode_prompts",
     "format_prompt",
@@ -24,6 +27,7 @@ __all__ = [
     "kmeans",
     "load_records",
     "load_tokenizer",
+    "make_host_reward",
     "render_prompt",
     "save_records",
     "to_record",

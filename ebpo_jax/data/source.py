@@ -1,0 +1,198 @@
+"""Math records as the trainer's prompt batches, and the host reward that scores their rollouts.
+
+`MathPromptSource` has the interface of `tasks.PromptSource` (next_batch, next_batches,
+state, restore) and yields `tasks.PromptBatch`es of chat-formatted, tokenised prompts in a
+`RecordOrder`. Math answers are strings, checked on the host: a batch's `answer_tokens[:, 0]`
+holds each prompt's record index (`answer_lengths` is 0), so `make_host_reward` can look the
+answer up from the rollout alone, after any resume.
+"""
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ebpo_jax import rewards
+from ebpo_jax.data.clustering import topic_ids_from_field
+from ebpo_jax.data.order import RecordOrder
+from ebpo_jax.data.prompts import render_prompt
+from ebpo_jax.data.schemas import DataError, Record
+from ebpo_jax.data.tokenize import encode_prompts
+from ebpo_jax.tasks import PromptBatch
+
+
+class MathPromptSource:
+    """Batches of `batch_size` prompts of `records` in `order`, resumable, sharded across hosts.
+
+    Prompts over `max_prompt_len` tokens are dropped (counted in `num_dropped`) or raise, by
+    `on_overflow`. Cluster ids come from `topic_ids` (aligned with `records`, e.g. k-means
+    labels) or else from the records' `topic` field; `difficulty` order needs every record's
+    difficulty.
+    """
+
+    def __init__(
+        self,
+        records: Sequence[Record],
+        tokenizer: Any,
+        batch_size: int,
+        *,
+        max_prompt_len: int,
+        template: str = "answer",
+        chat: bool = True,
+        system: str | None = None,
+        chat_kwargs: dict | None = None,
+        on_overflow: str = "drop",
+        order: str = "naive",
+        seed: int = 0,
+        topic_ids: Sequence[int] | None = None,
+        shuffle_clusters: bool = True,
+        num_hosts: int = 1,
+        host_id: int = 0,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if not records:
+            raise DataError("no records to draw prompts from")
+        texts = [
+            render_prompt(
+                tokenizer,
+                r.prompt,
+                template=template,
+                chat=chat,
+                system=system,
+                chat_kwargs=chat_kwargs,
+            )
+            for r in records
+        ]
+        enc = encode_prompts(tokenizer, texts, max_length=max_prompt_len, on_overflow=on_overflow)
+        kept = enc.kept
+        self.records = [records[i] for i in kept]
+        self.texts = [texts[i] for i in kept]
+        self.num_dropped = enc.num_dropped
+        self.batch_size = batch_size
+        self._tokens, self._lengths = enc.tokens, enc.lengths
+        if topic_ids is not None:
+            if len(topic_ids) != len(records):
+                raise ValueError(f"{len(topic_ids)} topic ids for {len(records)} records")
+            self.topic_ids = np.asarray(topic_ids, np.int32)[kept]
+            self.topic_names = tuple(str(i) for i in range(int(self.topic_ids.max()) + 1))
+        elif any(r.topic is not None for r in self.records) or order == "topic":
+            self.topic_ids, self.topic_names = topic_ids_from_field(self.records)
+        else:
+            self.topic_ids, self.topic_names = np.zeros(len(self.records), np.int32), ("all",)
+        difficulty = None
+        if order == "difficulty":
+            missing = [r.id for r in self.records if r.difficulty is None]
+            if missing:
+                raise DataError(
+                    f"order 'difficulty' needs every record's difficulty; {len(missing)} have none "
+                    f"(first: {missing[:3]}); write it with experiments/estimate_difficulty.py"
+                )
+            difficulty = [r.difficulty for r in self.records]
+        self._difficulty = np.array(
+            [np.nan if r.difficulty is None else r.difficulty for r in self.records], np.float32
+        )
+        self.order = RecordOrder(
+            len(self.records),
+            order=order,
+            seed=seed,
+            topic_ids=self.topic_ids,
+            difficulty=difficulty,
+            shuffle_clusters=shuffle_clusters,
+            num_hosts=num_hosts,
+            host_id=host_id,
+        )
+        key = "\n".join(
+            [str(self.order.fingerprint), *self.texts, *(r.answer for r in self.records)]
+        )
+        self.fingerprint = zlib.crc32(key.encode())
+
+    @property
+    def num_clusters(self) -> int:
+        return len(self.topic_names)
+
+    def state(self) -> dict[str, int]:
+        """The resumable position (JSON-able; save it with the checkpoint)."""
+        return {**self.order.state(), "fingerprint": self.fingerprint}
+
+    def restore(self, state: dict[str, int]) -> None:
+        """Continue from a position returned by `state()`."""
+        if int(state.get("fingerprint", self.fingerprint)) != self.fingerprint:
+            raise ValueError(
+                f"data state {state} was saved for other records, prompts, order or sharding "
+                f"(fingerprint {self.fingerprint})"
+            )
+        self.order.restore({**state, "fingerprint": self.order.fingerprint})
+
+    def batch(self, indices) -> PromptBatch:
+        """The records at `indices` as a PromptBatch (answer_tokens[:, 0] = record index)."""
+        idx = np.asarray(indices, np.int64)
+        return PromptBatch(
+            prompt_tokens=self._tokens[idx],
+            prompt_lengths=self._lengths[idx],
+            answer_tokens=idx.astype(np.int32)[:, None],
+            answer_lengths=np.zeros(idx.size, np.int32),
+            topic_ids=self.topic_ids[idx],
+            difficulty=self._difficulty[idx],
+            index=idx.astype(np.int32),
+        )
+
+    def next_batch(self) -> PromptBatch:
+        """The next `batch_size` prompts of this host's stream."""
+        return self.batch(self.order.next_indices(self.batch_size))
+
+    def next_batches(self, k: int) -> PromptBatch:
+        """The next k batches stacked on a leading axis [k, P, ...]."""
+        batches = [self.next_batch() for _ in range(k)]
+        return PromptBatch(*(np.stack(f) for f in zip(*batches)))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PromptBatch:
+        return self.next_batch()
+
+
+def decode_completions(tokenizer: Any, tokens_BN, lengths_B) -> list[str]:
+    """The text of each completion, cut at its length, special tokens (EOS) dropped."""
+    tokens_BN, lengths_B = np.asarray(tokens_BN), np.asarray(lengths_B)
+    rows = [row[:n].tolist() for row, n in zip(tokens_BN, lengths_B)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
+
+
+def make_host_reward(
+    source: MathPromptSource,
+    tokenizer: Any,
+    *,
+    reward: str = "math",
+    timeout_s: float = 10.0,
+    workers: int | None = None,
+    format_weight: float = 0.0,
+):
+    """host_reward(rollout) -> rewards [P, G] float32: `reward` of each decoded completion.
+
+    `rollout` has answer_tokens [P, >=1] (record indices, as MathPromptSource puts them),
+    tokens [P, G, N] and lengths [P, G]. `format_weight` adds that much for a response with
+    a final "Answer:" line or a \\boxed{} answer.
+    """
+    rewards.get_reward(reward)  # a bad name fails now, not at the first step
+
+    def host_reward(rollout) -> np.ndarray:
+        tokens_PGN = np.asarray(rollout.tokens)
+        P, G, N = tokens_PGN.shape
+        idx_P = np.asarray(rollout.answer_tokens)[:, 0]
+        texts = decode_completions(
+            tokenizer, tokens_PGN.reshape(P * G, N), np.asarray(rollout.lengths).reshape(P * G)
+        )
+        answers = [source.records[int(i)].answer for i in idx_P for _ in range(G)]
+        r_B = rewards.math_rewards(
+            texts, answers, timeout_s=timeout_s, workers=workers, reward=reward
+        )
+        if format_weight:
+            r_B = r_B + format_weight * np.array(
+                [rewards.format_reward(t) for t in texts], np.float32
+            )
+        return r_B.reshape(P, G).astype(np.float32)
+
+    return host_reward
