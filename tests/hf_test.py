@@ -219,3 +219,33 @@ def test_convert_hf_command_line(checkpoint, tmp_path):
     assert params["layers"]["attn"]["q"][...].dtype == jnp.bfloat16
     _, ref = models.from_hf(path, dtype="bfloat16")
     jax.tree.map(np.testing.assert_array_equal, params, ref)
+
+
+def test_from_hf_onto_a_mesh(checkpoint):
+    from jax.sharding import PartitionSpec as P
+
+    from ebpo_jax import sharding
+
+    _, path, _ = checkpoint
+    mesh = sharding.make_mesh([("fsdp", 4), ("tp", 2)])
+    _, params = models.from_hf(path, dtype="float32", mesh=mesh)
+    q = params["layers"]["attn"]["q"][...]
+    assert q.sharding.spec == P(None, "fsdp", "tp", None)
+    _, ref = models.from_hf(path, dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, params, ref)
+
+
+def test_load_tokenizer_from_checkpoint_folder(tmp_path):
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+
+    vocab = {"<unk>": 0, "<eos>": 1, "hello": 2, "world": 3}
+    tok = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.save_pretrained(str(tmp_path))
+    loaded = models.load_tokenizer(str(tmp_path))
+    assert loaded("hello world")["input_ids"] == [2, 3]
+    assert loaded.eos_token_id == 1
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        models.load_tokenizer(str(tmp_path / "nowhere"))

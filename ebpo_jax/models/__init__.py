@@ -1,7 +1,7 @@
 """Llama-3 / Qwen3 decoder in Flax NNX with a functional (params-pytree) interface."""
 
 from ebpo_jax.models.config import PRESETS, ModelConfig, get_config
-from ebpo_jax.models.hf import from_hf, to_hf
+from ebpo_jax.models.hf import from_hf, load_tokenizer, to_hf
 from ebpo_jax.models.model import (
     abstract_params,
     forward,
@@ -21,6 +21,7 @@ __all__ = [
     "get_config",
     "init_cache",
     "init_params",
+    "load_tokenizer",
     "output_embedding",
     "to_hf",
 ]

@@ -12,6 +12,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.model import abstract_params
 
@@ -210,8 +211,12 @@ class _Reader:
         return self._open(file).get_tensor(name).astype(np_dtype)
 
 
-def from_hf(path: str, dtype=None) -> tuple[ModelConfig, object]:
-    """Loads a local HF Llama-3/Qwen3 checkpoint folder; params in `dtype` (default: the file's)."""
+def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfig, object]:
+    """Loads a local HF Llama-3/Qwen3 checkpoint folder; params in `dtype` (default: the file's).
+
+    With `mesh`, each parameter goes straight to its sharding (ebpo_jax.sharding rules), so no
+    device ever holds the whole model.
+    """
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{config_file} not found")
@@ -219,11 +224,16 @@ def from_hf(path: str, dtype=None) -> tuple[ModelConfig, object]:
         config = config_from_hf_dict(json.load(f), dtype=dtype, source=config_file)
     np_dtype = _NP_DTYPES[config.param_dtype]
     paths, leaves, treedef = _param_paths(config)
+    if mesh is None:
+        placements = [None] * len(leaves)
+    else:
+        abstract = jax.tree_util.tree_unflatten(treedef, leaves)
+        placements = jax.tree.leaves(sharding.param_shardings(config, abstract, mesh, rules))
     with ExitStack() as stack:
         reader = _Reader(path, stack)
         known = {"model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"}
         out = []
-        for ours, leaf in zip(paths, leaves):
+        for ours, leaf, placement in zip(paths, leaves, placements):
             name, layout = _TENSORS[ours]
             known.add(name)
             if ours[0] == "layers":
@@ -233,10 +243,10 @@ def from_hf(path: str, dtype=None) -> tuple[ModelConfig, object]:
                 for i in range(config.num_layers):
                     w = reader.read(name.format(i=i), hf_shape, np_dtype)
                     stacked[i] = _from_hf_layout(layout, w, leaf.shape[1:])
-                out.append(jnp.asarray(stacked))
+                out.append(jax.device_put(stacked, placement))
             else:
                 w = reader.read(name, _hf_shape(layout, leaf.shape), np_dtype)
-                out.append(jnp.asarray(_from_hf_layout(layout, w, leaf.shape)))
+                out.append(jax.device_put(_from_hf_layout(layout, w, leaf.shape), placement))
         patterns = [k.split("{i}") for k in known]
         for name in reader.weight_map:
             if not any(name.startswith(p[0]) and name.endswith(p[-1]) for p in patterns):
@@ -308,3 +318,12 @@ def to_hf(
 
 def param_count(config: ModelConfig) -> int:
     return sum(math.prod(leaf.shape) for leaf in _param_paths(config)[1])
+
+
+def load_tokenizer(path: str):
+    """The checkpoint folder's tokenizer, through transformers.AutoTokenizer (local files only)."""
+    import transformers
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"tokenizer folder {path} not found")
+    return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
