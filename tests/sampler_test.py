@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax import models, sampler
+from ebpo_jax import models, sampler, sharding
 
 CONFIG = models.get_config("tiny")
 # Mixed lengths, right-padded with junk ids that must not matter.
@@ -225,23 +225,38 @@ def test_shared_prefill_equals_repeated_prompts(params):
     assert len({tuple(row) for row in np.asarray(shared.tokens[:3])}) == 3
 
 
-def test_sharded_equals_unsharded(params):
-    mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
-    kwargs = {
-        "max_new_tokens": N,
-        "rng": jax.random.key(5),
-        "temperature": 1.0,
-        "num_samples": 2,
-        "eos_id": 3,
-    }
-    single = jax.devices()[0]
-    ref = sampler.generate(CONFIG, jax.device_put(params, single), PROMPTS, LENGTHS, **kwargs)
-    replicated = jax.device_put(params, NamedSharding(mesh, P()))
-    out = sampler.generate(CONFIG, replicated, PROMPTS, LENGTHS, mesh=mesh, **kwargs)
+@pytest.mark.parametrize("layout", ["separate_mesh", "training_mesh"])
+def test_sharded_equals_unsharded(params, layout):
+    kwargs = {"max_new_tokens": N, "rng": jax.random.key(5), "temperature": 1.0, "num_samples": 2}
+    kwargs["eos_id"] = 3
+    ref = sampler.generate(
+        CONFIG, jax.device_put(params, jax.devices()[0]), PROMPTS, LENGTHS, **kwargs
+    )
+    if layout == "separate_mesh":  # a sampling-only mesh: rows over 8 devices, params replicated
+        mesh = sharding.make_mesh([("data", 8)])
+        placed = jax.device_put(params, NamedSharding(mesh, P()))
+    else:  # the trainer's mesh: FSDP + tensor-parallel params, rows over data x fsdp
+        mesh = sharding.make_mesh([("data", 2), ("fsdp", 2), ("tp", 2)])
+        placed = sharding.shard_params(None, params, mesh)
+        assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
+    out = sampler.generate(CONFIG, placed, PROMPTS, LENGTHS, mesh=mesh, **kwargs)
     assert len(out.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
+
+
+def test_generate_inside_jit(params):
+    """The trainer calls generate on traced prompts and keys inside its own jit."""
+
+    @jax.jit
+    def rollout(params, prompts, lengths, rng):
+        return sampler.generate(
+            CONFIG, params, prompts, lengths, max_new_tokens=N, rng=rng, temperature=0.0
+        )
+
+    out = rollout(params, PROMPTS, LENGTHS, jax.random.key(0))
+    np.testing.assert_array_equal(out.tokens, greedy(params).tokens)
 
 
 @pytest.mark.parametrize(
