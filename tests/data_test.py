@@ -377,3 +377,54 @@ def test_minilm_embeddings_cluster_topics():
     np.testing.assert_allclose(np.linalg.norm(emb, axis=1), 1.0, rtol=1e-5)
     labels = data.cluster_texts(texts, 2)
     assert len(set(labels[:3])) == 1 and len(set(labels[3:])) == 1 and labels[0] != labels[3]
+
+
+@pytest.mark.slow  # two compiles, ~30-90 s on a shared 2-core CPU
+def test_math_source_drives_trainer_step(tiny_tokenizer_path):
+    """The tiny policy takes jit -> host -> jit steps on math records with math_reward."""
+    import jax
+
+    from ebpo_jax import models
+    from ebpo_jax.config import default_config
+    from ebpo_jax.trainer.rollout import make_rollout_fn
+    from ebpo_jax.trainer.state import init_train_state, make_optimizer
+    from ebpo_jax.trainer.step import make_update_fn
+
+    tok = data.load_tokenizer(tiny_tokenizer_path)
+    c = default_config()
+    c.prompts_per_step, c.group_size, c.sampler.max_new_tokens = 2, 4, 6
+    c.optimizer.learning_rate = 1e-2
+    mc = models.get_config(
+        "tiny",
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=32,
+    )
+    records = [
+        data.Record(q, a, f"r{i}")
+        for i, (q, a) in enumerate([("what is one plus two", "3"), ("solve for x", "5")] * 2)
+    ]
+    src = data.MathPromptSource(records, tok, 2, max_prompt_len=16, template="plain", seed=0)
+    host_reward = data.make_host_reward(src, tok, reward="math", workers=1)
+    optimizer = make_optimizer(c)
+    params0 = models.init_params(mc, jax.random.key(0))
+    state = init_train_state(params0, optimizer, seed=0)
+    rollout = jax.jit(make_rollout_fn(c, mc, None, tok.eos_token_id))
+    update = jax.jit(make_update_fn(c, mc, optimizer, tok.eos_token_id))
+    for step in range(3):
+        ro = rollout(state.params, src.next_batch(), jax.random.key(step))
+        r_PG = host_reward(jax.device_get(ro))
+        assert r_PG.shape == (2, 4) and set(np.unique(r_PG)) <= {0.0, 1.0}
+        state, m = update(state, ro._replace(rewards=r_PG))
+        assert m["reward/pass_rate"] == pytest.approx(r_PG.mean())
+        assert np.isfinite(float(m["actor/loss"]))
+    assert int(state.step) == 3
+    moved = jax.tree.map(
+        lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), state.params, params0
+    )
+    assert max(jax.tree.leaves(moved)) > 0
