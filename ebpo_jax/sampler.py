@@ -128,6 +128,8 @@ def _prefill(
         models.init_cache(config, num_prompts, cache_size), axes, prompt_sharding
     )
     kv_mask_PS = jnp.arange(cache_size)[None] < lengths_P[:, None]
+    # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
+    prompt_PT = jnp.where(kv_mask_PS[:, :prompt_len], prompt_PT, PAD_ID)
     positions_PT = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt_PT.shape)
     logits_PTV, cache = models.forward_cached(
         config,

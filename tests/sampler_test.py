@@ -174,8 +174,8 @@ def test_greedy_is_argmax_of_forward(params):
     gen = greedy(params)
     _, argmax = reference(params, gen.tokens, PROMPTS, LENGTHS)
     np.testing.assert_array_equal(gen.tokens, argmax)
-    # Rows do not depend on their neighbours or on the padding width.
-    alone = greedy(params, PROMPTS[1:2, :3], LENGTHS[1:2])
+    # Rows do not depend on their neighbours, the padding width or the (even invalid) pad ids.
+    alone = greedy(params, np.array([[11, 12, 13, -1]], np.int32), LENGTHS[1:2])
     np.testing.assert_array_equal(alone.tokens[0], gen.tokens[1])
 
 
