@@ -91,6 +91,11 @@ def bootstrap_interval(
     return float(lo), float(hi)
 
 
+def default_ks(n: int) -> list[int]:
+    """The powers of two up to n, and n."""
+    return sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+
+
 def summarize(
     correct_PN,
     answers_PN: Sequence[Sequence[str | None]] | None = None,
@@ -106,8 +111,7 @@ def summarize(
     """
     c_PN = _check_correct(correct_PN)
     n = c_PN.shape[1]
-    if ks is None:
-        ks = sorted({2**i for i in range(n.bit_length()) if 2**i <= n} | {n})
+    ks = default_ks(n) if ks is None else ks
     per_problem = {f"mean@{n}": mean_at_k_per_problem(c_PN)}
     for k in ks:
         per_problem[f"pass@{k}"] = pass_at_k_per_problem(c_PN, k)

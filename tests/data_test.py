@@ -195,9 +195,8 @@ def test_prompt_templates():
     assert data.format_prompt(rec.prompt, "answer") == DAPO_CONTENT
 
 
-@pytest.fixture(scope="module")
-def tiny_tokenizer_path(tmp_path_factory):
-    """A word-level tokenizer with BOS post-processing and a chat template, saved locally."""
+def save_tiny_tokenizer(path) -> str:
+    """A word-level tokenizer with BOS post-processing and a chat template, saved to `path`."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -230,9 +229,13 @@ def tiny_tokenizer_path(tmp_path_factory):
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
         "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    path = tmp_path_factory.mktemp("tok")
     fast.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer_path(tmp_path_factory):
+    return save_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def test_render_and_encode(tiny_tokenizer_path):

@@ -1,6 +1,7 @@
 """Evaluation metrics against brute-force enumeration and hand-computed values."""
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -101,3 +102,87 @@ def test_bad_input():
         ev.pass_at_k_per_problem(np.ones((0, 3)), 1)
     with pytest.raises(ValueError, match="answers must be"):
         ev.maj_at_k_per_problem(np.ones((2, 3)), [["a"] * 3], 1)
+
+
+def _tiny_policy_folder(path):
+    """A random tiny Llama HF checkpoint with the word-level test tokenizer, saved to `path`."""
+    import jax
+    from data_test import save_tiny_tokenizer
+
+    from ebpo_jax import models
+    from ebpo_jax.data import load_tokenizer
+
+    save_tiny_tokenizer(path)
+    mc = models.get_config(
+        "tiny",
+        vocab_size=len(load_tokenizer(str(path))),
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    models.to_hf(mc, models.init_params(mc, jax.random.key(0)), str(path))
+    return str(path)
+
+
+@pytest.mark.slow  # compiles the sampler and starts reward workers; runs both scripts
+def test_eval_and_difficulty_scripts(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    model = _tiny_policy_folder(tmp_path / "policy")
+    bench = tmp_path / "bench.jsonl"
+    rows = [
+        {"problem": "what is one plus two", "answer": "3"},
+        {"problem": "solve for x", "answer": "5"},
+    ]
+    bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [f"--model={model}", "--max_new_tokens=4", "--max_prompt_len=24", "--template=plain"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = tmp_path / "eval.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "experiments/eval.py",
+            *common,
+            f"--benchmarks=b1:aime2024:{bench}",
+            "--k=4",
+            "--workers=1",
+            f"--out={out}",
+        ],
+        cwd=root,
+        env=env,
+        check=True,
+        timeout=600,
+    )
+    res = json.loads(out.read_text())["b1"]
+    assert set(res) == {"mean@4", "pass@1", "pass@2", "pass@4", "maj@1", "maj@2", "maj@4"}
+    for m in res.values():
+        assert 0 <= m["lo"] <= m["value"] <= m["hi"] <= 1
+    diff = tmp_path / "diff.jsonl"
+    subprocess.run(
+        [
+            sys.executable,
+            "experiments/estimate_difficulty.py",
+            *common,
+            f"--data={bench}",
+            "--schema=aime2024",
+            "--n=2",
+            f"--out={diff}",
+        ],
+        cwd=root,
+        env=env,
+        check=True,
+        timeout=600,
+    )
+    from ebpo_jax.data import load_records
+
+    recs = load_records(str(diff), "record")
+    rates = [json.loads(line)["pass_rate"] for line in diff.read_text().splitlines()]
+    assert [r.prompt for r in recs] == [r["problem"] for r in rows]
+    assert [r.difficulty for r in recs] == [1 - p for p in rates]

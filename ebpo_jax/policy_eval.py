@@ -1,0 +1,151 @@
+"""Sample k responses per math record with a policy and score them: benchmarks and pass-rate difficulty.
+
+Composes the sampler (model side), `data` (prompts), `rewards` (host verification) and
+`evaluation` (metrics); used by experiments/eval.py and experiments/estimate_difficulty.py.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ebpo_jax import evaluation, rewards, sampler
+from ebpo_jax.data import Record, decode_completions, encode_prompts, render_prompt
+
+# End-of-turn tokens of common chat templates, stopped on besides the tokenizer's EOS.
+_STOP_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|end_of_text|>")
+
+
+def stop_ids(tokenizer: Any) -> list[int]:
+    """The tokenizer's EOS id plus the end-of-turn ids its vocabulary has."""
+    vocab = tokenizer.get_vocab()
+    ids = {tokenizer.eos_token_id} | {vocab[t] for t in _STOP_TOKENS if t in vocab}
+    ids.discard(None)
+    if not ids:
+        raise ValueError("tokenizer has no EOS token: generation would never stop")
+    return sorted(ids)
+
+
+def load_policy(model_path: str, *, checkpoint: str | None = None, dtype=None):
+    """(model_config, params, tokenizer) of a local HF folder; params from a trainer workdir's
+    latest checkpoint instead when `checkpoint` is given (same architecture and tokenizer)."""
+    from ebpo_jax import models
+    from ebpo_jax.data import load_tokenizer
+
+    model_config, params = models.from_hf(model_path, dtype=dtype)
+    if checkpoint:
+        from ebpo_jax.trainer.loop import load_params
+
+        params = load_params(checkpoint)
+    return model_config, params, load_tokenizer(model_path)
+
+
+def sample_responses(
+    model_config,
+    params,
+    tokenizer: Any,
+    records: Sequence[Record],
+    *,
+    num_samples: int,
+    max_new_tokens: int,
+    max_prompt_len: int,
+    batch_size: int = 32,
+    template: str = "answer",
+    chat: bool = True,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    mesh=None,
+) -> list[list[str]]:
+    """responses[i][j]: sample j for records[i]. A prompt over `max_prompt_len` tokens raises."""
+    texts = [render_prompt(tokenizer, r.prompt, template=template, chat=chat) for r in records]
+    enc = encode_prompts(tokenizer, texts, max_length=max_prompt_len, on_overflow="error")
+    n, bs = len(records), min(batch_size, len(records))
+    pad = (-n) % bs  # repeat the first rows so every chunk has one shape (one compile)
+    tokens = np.concatenate([enc.tokens, enc.tokens[:pad]])
+    lengths = np.concatenate([enc.lengths, enc.lengths[:pad]])
+    eos = stop_ids(tokenizer)
+    out: list[list[str]] = []
+    for s in range(0, n + pad, bs):
+        gen = sampler.generate(
+            model_config,
+            params,
+            tokens[s : s + bs],
+            lengths[s : s + bs],
+            max_new_tokens=max_new_tokens,
+            # Chunk s's rows get their own stream; row r inside it is fold_in(., r) already.
+            rng=jax.random.fold_in(jax.random.key(seed), s),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            eos_id=eos,
+            num_samples=num_samples,
+            mesh=mesh,
+        )
+        decoded = decode_completions(tokenizer, *jax.device_get((gen.tokens, gen.lengths)))
+        out.extend(decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples))
+    return out[:n]
+
+
+def score_responses(
+    records: Sequence[Record],
+    responses: Sequence[Sequence[str]],
+    *,
+    reward: str = "math",
+    timeout_s: float = 10.0,
+    workers: int | None = None,
+) -> tuple[np.ndarray, list[list[str | None]], np.ndarray]:
+    """(correct [num_records, k] bool, normalised extracted answers, correct for maj@k).
+
+    The verifier may accept two samples with the same extracted answer differently (e.g. one
+    timed out); for maj@k, samples with one answer share one verdict: correct if any is.
+    """
+    if len(records) != len(responses):
+        raise ValueError(f"{len(records)} records but {len(responses)} response lists")
+    k = len(responses[0])
+    flat = [r for rs in responses for r in rs]
+    if len(flat) != k * len(records):
+        raise ValueError("every record needs the same number of responses")
+    answers = [rec.answer for rec in records for _ in range(k)]
+    reward_B = rewards.math_rewards(
+        flat, answers, timeout_s=timeout_s, workers=workers, reward=reward
+    )
+    correct_PK = reward_B.reshape(len(records), k) > 0.5
+    norm = [rewards.extract_answer(r[-rewards.MAX_RESPONSE_CHARS :]) for r in flat]
+    norm = [None if a is None else rewards.normalize_answer(a) for a in norm]
+    answers_PK = [norm[p * k : (p + 1) * k] for p in range(len(records))]
+    verdict = {}
+    for b, a in enumerate(norm):
+        if a is not None:
+            verdict[b // k, a] = verdict.get((b // k, a), False) or bool(correct_PK.flat[b])
+    maj_PK = correct_PK.copy()
+    for b, a in enumerate(norm):
+        if a is not None:
+            maj_PK.flat[b] = verdict[b // k, a]
+    return correct_PK, answers_PK, maj_PK
+
+
+def evaluate_benchmark(
+    records: Sequence[Record],
+    responses: Sequence[Sequence[str]],
+    *,
+    ks: Sequence[int] | None = None,
+    reward: str = "math",
+    timeout_s: float = 10.0,
+    workers: int | None = None,
+    num_resamples: int = 1000,
+    seed: int = 0,
+) -> dict[str, dict[str, float]]:
+    """mean@k, pass@k and maj@k, each {"value", "lo", "hi"} (bootstrap 95%), of one benchmark."""
+    correct_PK, answers_PK, maj_PK = score_responses(
+        records, responses, reward=reward, timeout_s=timeout_s, workers=workers
+    )
+    out = evaluation.summarize(correct_PK, ks=ks, num_resamples=num_resamples, seed=seed)
+    n = correct_PK.shape[1]
+    for k in ks or evaluation.default_ks(n):
+        v_P = evaluation.maj_at_k_per_problem(maj_PK, answers_PK, k)
+        lo, hi = evaluation.bootstrap_interval(v_P, num_resamples=num_resamples, seed=seed)
+        out[f"maj@{k}"] = {"value": float(v_P.mean()), "lo": lo, "hi": hi}
+    return out
