@@ -7,7 +7,12 @@ exits 1 when a program does not fit in HBM.
 """
 
 import json
+import os
 import sys
+
+# Compiling for a topology needs no TPU here: keep JAX on the CPU, and libtpu unlocked.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -26,9 +31,9 @@ _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON re
 
 def main(argv):
     del argv
-    from ebpo_jax import aot  # after flag parsing, so --help stays fast
+    from ebpo_jax import aot, aot_report  # after flag parsing, so --help stays fast
 
-    reason = aot.libtpu_available()
+    reason = aot_report.libtpu_available()
     if reason:
         sys.exit(f"cannot compile for TPU here: {reason}")
     try:
@@ -40,19 +45,21 @@ def main(argv):
             sampler_mesh=_SAMPLER_MESH.value,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
-        if aot.is_resource_exhausted(e):
+        if aot_report.is_resource_exhausted(e):
             sys.exit(f"does not fit on {_TOPOLOGY.value}: RESOURCE_EXHAUSTED\n{str(e)[:2000]}")
         raise
     print(json.dumps({k: v for k, v in meta.items() if k != "model"}))
-    print(aot.format_table(reports))
+    print(aot_report.format_table(reports))
     for r in reports:
         if r.note:
             print(f"  {r.name}: {r.note}")
-    aot.write_json(_OUT.value, reports, **meta)
+    aot_report.write_json(_OUT.value, reports, **meta)
     print(f"report: {_OUT.value}")
     bad = [r.name for r in reports if not r.fits]
     if bad:
-        sys.exit(f"does not fit in {reports[0].hbm_bytes / aot.GiB:.0f} GiB HBM: {', '.join(bad)}")
+        sys.exit(
+            f"does not fit in {reports[0].hbm_bytes / aot_report.GiB:.0f} GiB HBM: {', '.join(bad)}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""AOT: topology names, analytic parameter counts, and a tiny config compiled for TPU v5e 2x2."""
+
+import json
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from ebpo_jax import aot_report as aot
+from ebpo_jax import models
+
+
+@pytest.mark.parametrize(
+    "name, chip_name",
+    [
+        ("v5p-8", "v5p:2x2x1"),
+        ("v5p-16", "v5p:2x2x2"),
+        ("v5p-64", "v5p:2x4x4"),  # 64 TensorCores = 32 chips
+        ("v5p-128", "v5p:4x4x4"),
+        ("v5p-256", "v5p:4x4x8"),
+        ("v4-32", "v4:2x2x4"),
+        ("v5e-4", "v5e:2x2"),
+        ("v5e-32", "v5e:4x8"),
+        ("v5e-64", "v5e:8x8"),  # v5e names count chips
+        ("v5litepod-16", "v5e:4x4"),
+        ("v6e-64", "v6e:8x8"),
+        ("v6e-256", "v6e:16x16"),
+        ("V5P:2x4x4", "v5p:2x4x4"),
+        ("v5e:2x4", "v5e:2x4"),
+    ],
+)
+def test_topology_names_translate_to_chip_topologies(name, chip_name):
+    spec, got = aot.chip_topology(name)
+    assert got == chip_name
+    chips = int(np.prod([int(x) for x in got.split(":")[1].split("x")]))
+    if "-" in name:
+        assert chips * spec.cores_in_name == int(name.split("-")[1])
+
+
+@pytest.mark.parametrize(
+    "name", ["v5p-64x", "tpu-64", "v7-64", "v5p-6", "v5e-2", "v5p:2x4", "v5e:2x2x1"]
+)
+def test_unknown_topology_is_a_clear_error_listing_known_names(name):
+    with pytest.raises(ValueError, match="known: .*v5p-64"):
+        aot.chip_topology(name)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3", "qwen3_8b", "llama3_1_8b"])
+def test_parameter_counts_match_the_model(preset):
+    mc = models.get_config(preset)
+    params = models.abstract_params(mc)  # shapes only: an 8B model costs nothing here
+    sizes = {
+        jax.tree_util.keystr(p): int(np.prod(x.shape))
+        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    assert aot.total_params(mc) == sum(sizes.values())
+    mats = ("'q'", "'k'", "'v'", "'o'", "'gate'", "'up'", "'down'")
+    layers = sum(
+        n for k, n in sizes.items() if k.startswith("['layers']") and any(m in k for m in mats)
+    )
+    assert aot.matmul_params(mc)["layers"] == layers
+
+
+def test_report_fits_and_time_at_peak():
+    r = aot.ProgramReport(
+        "p", "fsdp=4", 10, 6, 4, 3, 1, hbm_bytes=16, flops_per_device=2e12, peak_flops=1e12
+    )
+    assert r.peak_bytes == 15 and r.fits and r.time_at_peak_s == 2.0
+    r.temp_bytes = 5
+    assert not r.fits
+    assert "NO" in aot.format_table([r])
+
+
+_TINY = """
+import importlib.util, os
+def get_config():
+    path = os.path.join({root!r}, "configs", "tiny.py")
+    spec = importlib.util.spec_from_file_location("tiny_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    c = module.get_config()
+    c.unlock()
+    c.mesh.shape, c.mesh.axes = (2, 2), ("fsdp", "tp")
+    c.model.overrides.vocab_size = 256
+    c.loss.kl_coef = 0.001
+    return c
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_config_file(tmp_path_factory):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path_factory.mktemp("cfg") / "tiny_aot.py"
+    path.write_text(_TINY.format(root=root))
+    return root, path
+
+
+def test_tiny_config_compiles_for_tpu_v5e_2x2(tiny_config_file, tmp_path):
+    reason = aot.libtpu_available()
+    if reason:
+        pytest.skip(f"no TPU compiler here: {reason}")
+    root, cfg = tiny_config_file
+    out = tmp_path / "report.json"
+    cmd = [
+        sys.executable,
+        f"{root}/experiments/aot_compile.py",
+        f"--config={cfg}",
+        "--topology=v5e-4",
+        "--prompt_len=16",
+        "--sampler_mesh=data=4",
+        f"--out={out}",
+    ]
+    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["chip_topology"] == "v5e:2x2" and report["device_kind"] == "TPU v5 lite"
+    names = [p["name"] for p in report["programs"]]
+    assert names == ["train update", "reshard weights", "sampler prefill", "sampler decode"]
+    for p in report["programs"]:
+        assert p["fits"] and p["hbm_bytes"] == 16 * 2**30
+        assert p["argument_bytes"] > 0
+    assert "train update" in run.stdout and "t@peak" in run.stdout
