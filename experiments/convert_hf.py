@@ -16,9 +16,12 @@ _SRC = flags.DEFINE_string("src", None, "HF checkpoint folder, or params (.npz /
 _DST = flags.DEFINE_string("dst", None, "Output: params (.npz / orbax folder) or HF folder.")
 _DTYPE = flags.DEFINE_string("dtype", None, "float32 | bfloat16 | float16 (default: source's).")
 _SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "HF output shard size in GiB.")
-_TOKENIZER = flags.DEFINE_string("tokenizer_from", None, "Copy tokenizer files from this folder.")
+_TOKENIZER = flags.DEFINE_string(
+    "tokenizer_from", None, "HF folder to copy tokenizer files and bos/eos/pad ids from."
+)
 
 _CONFIG_KEY = "__model_config__"
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "generation_config", "vocab", "merges")
 
 
@@ -111,7 +114,16 @@ def convert(src, dst, *, dtype=None, max_shard_gb=5.0, tokenizer_from=None):
         save_params(config, params, dst)
     else:
         config, params = load_params(src)
-        models.to_hf(config, params, dst, dtype=dtype, max_shard_bytes=int(max_shard_gb * 2**30))
+        extra = {}
+        source_config = os.path.join(tokenizer_from or "", "config.json")
+        if tokenizer_from and os.path.exists(source_config):
+            with open(source_config) as f:
+                hf = json.load(f)
+            extra = {k: hf[k] for k in _SPECIAL_IDS if k in hf}
+        max_bytes = int(max_shard_gb * 2**30)
+        models.to_hf(
+            config, params, dst, dtype=dtype, max_shard_bytes=max_bytes, extra_config=extra
+        )
         if tokenizer_from:
             for name in os.listdir(tokenizer_from):
                 if name.startswith(_TOKENIZER_FILES):

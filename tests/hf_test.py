@@ -191,6 +191,9 @@ def test_convert_hf_script_both_ways(checkpoint, tmp_path, fmt):
     back = str(tmp_path / "hf_again")
     convert(mid, back, max_shard_gb=1e-5, tokenizer_from=path)
     assert os.path.exists(os.path.join(back, "model.safetensors.index.json"))
+    with open(os.path.join(path, "config.json")) as f, open(os.path.join(back, "config.json")) as g:
+        src, out = json.load(f), json.load(g)
+    assert all(out.get(k) == src.get(k) for k in ("bos_token_id", "eos_token_id"))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back, dtype=torch.float32)
     np.testing.assert_array_equal(_torch_logits(reloaded.eval(), TOKENS), ref)
 

@@ -44,9 +44,17 @@ def _randomize(state, rng, stddev=0.02):
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+@functools.lru_cache(maxsize=64)
+def _init_fn(config: ModelConfig):
+    return jax.jit(lambda rng: _randomize(nnx.state(Decoder(config)), rng))
+
+
 def init_params(config: ModelConfig, rng: jax.Array) -> nnx.State:
-    """Random parameters (the nnx.Param state of a Decoder), layers stacked on a leading axis."""
-    return jax.jit(lambda r: _randomize(nnx.state(Decoder(config)), r))(rng)
+    """Random parameters (the nnx.Param state of a Decoder), layers stacked on a leading axis.
+
+    Jit-able; for a sharded init use `jax.jit(partial(init_params, config), out_shardings=...)`.
+    """
+    return _init_fn(config)(rng)
 
 
 def abstract_params(config: ModelConfig) -> nnx.State:
@@ -143,7 +151,8 @@ def forward_cached(
     """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
 
     Query slot start+t attends cache slots j <= start+t with kv_mask_BS[b, j]; the caller
-    owns kv_mask_BS and must already mark the new slots valid.
+    owns kv_mask_BS and must already mark the new slots valid, and keep start+T <= max_len
+    (a traced `start` can't be checked; XLA would clamp the write).
     """
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
