@@ -15,6 +15,7 @@ import atexit
 import importlib
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import re
 import signal
 import time
@@ -279,6 +280,14 @@ class RewardPool:
             fn = "math"
         if isinstance(fn, str):
             get_reward(fn)  # a bad name fails here, not in every worker
+        else:
+            try:
+                pickle.dumps(fn)
+            except Exception as e:  # noqa: BLE001  lambdas, closures: any pickling failure
+                raise ValueError(
+                    f"reward {fn!r} cannot be sent to worker processes ({e}); pass a "
+                    "module-level function or its import path 'pkg.module:fn'"
+                ) from None
         if not any(w.ready for w in self._workers):
             self.wait_ready()  # replacements for killed workers join while the batch runs
         out = np.zeros(len(responses), np.float32)

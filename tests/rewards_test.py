@@ -108,6 +108,8 @@ def test_pathological_input_is_cut_by_timeout(pool):
 def test_custom_reward_by_import_path(pool):
     got = pool.map("ebpo_jax.rewards:format_reward", ["x\nAnswer: 3", "no answer"], ["", ""])
     assert got.tolist() == [1.0, 0.0]
+    assert pool.map(rewards.format_reward, ["Answer: 1"], [""]).tolist() == [1.0]
+    assert pool.map(rewards.math_reward, ["Answer: 0.5"], ["1/2"]).tolist() == [1.0]
 
 
 def test_failing_custom_reward_raises_with_context(pool):
@@ -147,6 +149,8 @@ def test_get_reward():
 
 
 def test_map_validates_lengths(pool):
+    with pytest.raises(ValueError, match="cannot be sent to worker processes"):
+        pool.map(lambda r, a: 1.0, ["a"], ["a"])
     with pytest.raises(ValueError, match="2 responses but 1 answers"):
         pool.map("math", ["a", "b"], ["a"])
     with pytest.raises(ValueError, match="unknown reward"):
