@@ -1,6 +1,6 @@
 """Sampler speed: generate vs transformers generate, and decode FLOP/s vs a large matmul.
 
-Run: .venv/bin/python benchmarks/sampler_bench.py [--runs 5]
+Run: .venv/bin/python benchmarks/sampler_bench.py [--runs 5] [--decode-runs 3]
 Both generators run greedy on the same random checkpoint (hidden 256, 4 layers, vocab 512),
 batch 64, prompt 32, 64 new tokens, in alternating runs; compile time is excluded (one
 warm-up call each). Then decode alone at batch 256 is timed, its model FLOP/s compared
@@ -20,19 +20,19 @@ import transformers
 
 from ebpo_jax import models, sampler
 
-HF_CONFIG = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    head_dim=64,
-    rope_theta=10000.0,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+HF_CONFIG = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
 
 
 def build_checkpoint(seed=0):
@@ -45,10 +45,10 @@ def build_checkpoint(seed=0):
     return hf, config, params
 
 
-def timed(fn, *args):
-    """(seconds, result) of fn(*args), waiting for device work to finish."""
+def timed(fn, *args, **kwargs):
+    """(seconds, result) of fn(*args, **kwargs), waiting for device work to finish."""
     start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
+    out = jax.block_until_ready(fn(*args, **kwargs))
     return time.perf_counter() - start, out
 
 
@@ -117,7 +117,7 @@ def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
     prompts = jnp.ones((batch, prompt_len), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     sampling = sampler._Sampling(0.0, 0, 1.0)
-    common = dict(config=config, sampling=sampling)
+    common = {"config": config, "sampling": sampling}
     prefill_kw = dict(
         num_samples=1,
         cache_size=prompt_len + new_tokens,
@@ -133,9 +133,7 @@ def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
     for _ in range(runs + 1):
         state = sampler._prefill_jit(params, prompts, lengths, jax.random.key(0), **prefill_kw)
         jax.block_until_ready(state)
-        seconds, _ = timed(
-            lambda: sampler._decode_jit(params, *state, jax.random.key(0), eos, **decode_kw)
-        )
+        seconds, _ = timed(sampler._decode_jit, params, *state, jax.random.key(0), eos, **decode_kw)
         times.append(seconds)
     return batch * decode_flops(config, prompt_len, new_tokens) / statistics.median(times[1:])
 
@@ -151,7 +149,8 @@ def matmul_throughput(n=2048, runs=5):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=5, help="alternating runs vs HF")
+    parser.add_argument("--decode-runs", type=int, default=3, help="timed decode runs")
     args = parser.parse_args()
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
@@ -166,7 +165,7 @@ def main():
         f"token agreement with HF {hf_result['token_agreement']:.3f}"
     )
     matmul = matmul_throughput()
-    decode = decode_throughput(config, params, 256, 32, 64, args.runs)
+    decode = decode_throughput(config, params, 256, 32, 64, args.decode_runs)
     print(
         f"decode batch 256: {decode / 1e9:.1f} GFLOP/s; 2048^3 f32 matmul "
         f"{matmul / 1e9:.1f} GFLOP/s; ratio {decode / matmul:.1%} (target >= 40%)"
