@@ -149,3 +149,18 @@ def evaluate_benchmark(
         lo, hi = evaluation.bootstrap_interval(v_P, num_resamples=num_resamples, seed=seed)
         out[f"maj@{k}"] = {"value": float(v_P.mean()), "lo": lo, "hi": hi}
     return out
+
+
+def make_evaluator(model_config, tokenizer, records: Sequence[Record], **sample_kwargs):
+    """evaluate(params) -> mean@k on `records` (k = num_samples), for periodic eval in training.
+
+    `sample_kwargs` go to `sample_responses` (num_samples, max_new_tokens, max_prompt_len, ...).
+    """
+    sample_kwargs.setdefault("num_samples", 1)
+
+    def evaluate(params) -> float:
+        responses = sample_responses(model_config, params, tokenizer, records, **sample_kwargs)
+        correct, _, _ = score_responses(records, responses)
+        return float(correct.mean())
+
+    return evaluate
