@@ -186,3 +186,20 @@ def test_eval_and_difficulty_scripts(tmp_path):
     rates = [json.loads(line)["pass_rate"] for line in diff.read_text().splitlines()]
     assert [r.prompt for r in recs] == [r["problem"] for r in rows]
     assert [r.difficulty for r in recs] == [1 - p for p in rates]
+
+
+@pytest.mark.slow  # compiles the sampler
+def test_sample_responses_and_evaluator(tmp_path):
+    from ebpo_jax import policy_eval
+    from ebpo_jax.data import Record
+
+    mc, params, tok = policy_eval.load_policy(_tiny_policy_folder(tmp_path / "policy"))
+    records = [Record("what is one plus two", "3", "a"), Record("solve for x", "5", "b")] * 2
+    kw = {"num_samples": 3, "max_new_tokens": 4, "max_prompt_len": 24, "batch_size": 3}
+    kw |= {"template": "plain", "seed": 1}
+    a = policy_eval.sample_responses(mc, params, tok, records, **kw)
+    b = policy_eval.sample_responses(mc, params, tok, records, **kw)
+    assert a == b and len(a) == 4 and all(len(r) == 3 for r in a)
+    assert a[0] != a[2] or a[1] != a[3]  # each chunk and row has its own randomness
+    evaluate = policy_eval.make_evaluator(mc, tok, records, **kw)
+    assert 0.0 <= evaluate(params) <= 1.0
