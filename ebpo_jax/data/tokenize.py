@@ -46,12 +46,17 @@ def encode_prompts(
     if not texts:
         raise ValueError("no prompts to encode")
     bos = getattr(tokenizer, "bos_token", None)
-    ids = []
-    for t in texts:
-        special = add_special_tokens
-        if special is None:
-            special = not (bos and t.startswith(bos))
-        ids.append(tokenizer(t, add_special_tokens=special)["input_ids"])
+    if add_special_tokens is None:
+        special = [not (bos and t.startswith(bos)) for t in texts]
+    else:
+        special = [add_special_tokens] * len(texts)
+    ids: list[list[int]] = [[] for _ in texts]
+    for flag in (False, True):  # one batched (parallel) tokenizer call per setting
+        group = [i for i, s in enumerate(special) if s == flag]
+        if group:
+            out = tokenizer([texts[i] for i in group], add_special_tokens=flag)["input_ids"]
+            for i, x in zip(group, out):
+                ids[i] = x
     lengths = np.array([len(x) for x in ids], np.int32)
     too_long = np.flatnonzero(lengths > max_length)
     if too_long.size and on_overflow == "error":
