@@ -59,7 +59,7 @@ def jax_setup(a):
         prompt_lengths=jnp.full((P,), Tp, jnp.int32),
         answer_tokens=jnp.zeros((P, 1), jnp.int32),
         answer_lengths=jnp.ones((P,), jnp.int32),
-        topic_ids=jnp.zeros((P,), jnp.int32),
+        cluster_ids=jnp.zeros((P,), jnp.int32),
         tokens=jnp.asarray(rng.integers(3, a.vocab, (P, G, N)), jnp.int32),
         logprobs=jnp.full((P, G, N), -np.log(a.vocab), jnp.float32),
         lengths=jnp.full((P, G), N, jnp.int32),

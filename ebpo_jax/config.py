@@ -22,7 +22,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.group_size = 8  # G
     c.estimator = "ebpo"  # any name in ebpo_jax.advantages' registry
     c.estimator_options = ml_collections.ConfigDict()  # keyword options for the estimator
-    c.eb_per_topic = False  # one EB prior per task topic (cluster ids = topic ids)
+    c.eb_clusters = "none"  # EB priors: none (one global) | topic | cell (topic x difficulty)
     c.checkpoint_every = 50
     c.keep_checkpoints = 3
     c.eval_every = 50
@@ -218,6 +218,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     need(
         0 <= c.dapo.overlong_buffer < c.sampler.max_new_tokens,
         f"dapo.overlong_buffer={c.dapo.overlong_buffer} must be in [0, sampler.max_new_tokens)",
+    )
+    need(
+        c.eb_clusters in ("none", "topic", "cell"),
+        f"eb_clusters={c.eb_clusters!r} is not one of none, topic, cell",
     )
     need(c.task.order in ("naive", "topic", "difficulty"), f"task.order={c.task.order!r} unknown")
     need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")

@@ -132,7 +132,7 @@ def test_microbatch_accumulation_equals_full_batch(setup):
             np.testing.assert_allclose(
                 m[name], ref_m[name], rtol=1e-5, atol=1e-6, err_msg=f"{agg} {micro_n} {name}"
             )
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), p, ref_p)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), p, ref_p)
 
 
 def test_scan_of_k_steps_equals_k_calls(setup):

@@ -12,7 +12,7 @@ from ebpo_jax import metrics as metrics_lib
 from ebpo_jax import models, sampler, tasks
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.trainer import sft
-from ebpo_jax.trainer.rollout import batch_rounds, make_rollout_fn
+from ebpo_jax.trainer.rollout import batch_rounds, make_rollout_fn, num_clusters
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import make_multi_step, make_train_step, make_update_fn
 
@@ -127,12 +127,11 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     params = models.init_params(model_config, jax.random.key(config.seed))
     params = sft.warm_start(config, model_config, params, train_problems, tokenizer, log=log)
     optimizer = make_optimizer(config)
-    num_clusters = len(tasks.TOPICS) if config.eb_per_topic else 1
     state = init_train_state(
         params,
         optimizer,
         seed=config.seed,
-        num_clusters=num_clusters,
+        num_clusters=num_clusters(config),
         with_ref=config.loss.kl_coef > 0,
     )
     state = jax.device_put(state, replicated)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax import sampler
+from ebpo_jax.tasks import DIFFICULTIES, TOPICS
 
 
 class Rollout(NamedTuple):
@@ -16,7 +17,7 @@ class Rollout(NamedTuple):
     prompt_lengths: jax.Array  # [P]
     answer_tokens: jax.Array  # [P, A]
     answer_lengths: jax.Array  # [P]
-    topic_ids: jax.Array  # [P] cluster ids for per-cluster EB
+    cluster_ids: jax.Array  # [P] EB cluster of each prompt (see num_clusters)
     tokens: jax.Array  # [P, G, N] completions, pad 0 after the stop
     logprobs: jax.Array  # [P, G, N] sampler log-probs at temperature 1 (old policy)
     lengths: jax.Array  # [P, G] generated tokens including EOS
@@ -44,6 +45,23 @@ def compact(buffer: Rollout, filled_P, new: Rollout, keep_P) -> tuple[Rollout, j
         lambda a, b: pick(a, b) if getattr(a, "ndim", 0) and a.shape[0] == P else a, buffer, new
     )
     return merged, keys_2P[order_P]
+
+
+def num_clusters(config) -> int:
+    """How many EB priors `config.eb_clusters` asks for: none, per topic, per (topic, level)."""
+    return {"none": 1, "topic": len(TOPICS), "cell": len(TOPICS) * len(DIFFICULTIES)}[
+        config.eb_clusters
+    ]
+
+
+def cluster_ids(config, batch) -> jax.Array:
+    """[P] int32 EB cluster of each prompt of a PromptBatch."""
+    topic = jnp.asarray(batch.topic_ids, jnp.int32)
+    if config.eb_clusters == "topic":
+        return topic
+    if config.eb_clusters == "cell":
+        return topic * len(DIFFICULTIES) + jnp.asarray(batch.difficulty, jnp.int32) - 1
+    return jnp.zeros_like(topic)
 
 
 def make_rollout_fn(config, model_config, reward_fn: RewardFn | None, eos_id: int, mesh=None):
@@ -90,7 +108,7 @@ def make_rollout_fn(config, model_config, reward_fn: RewardFn | None, eos_id: in
             prompt_lengths=b.prompt_lengths,
             answer_tokens=b.answer_tokens,
             answer_lengths=b.answer_lengths,
-            topic_ids=b.topic_ids,
+            cluster_ids=cluster_ids(config, b),
             tokens=gen.tokens.reshape(P, G, N),
             logprobs=gen.logprobs.reshape(P, G, N).astype(jnp.float32),
             lengths=gen.lengths.reshape(P, G).astype(jnp.int32),

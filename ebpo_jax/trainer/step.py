@@ -174,7 +174,7 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
             shaped_PG,
             state.eb_state,
             mask=valid_PG,
-            cluster_ids=ro.topic_ids if config.eb_per_topic else None,
+            cluster_ids=ro.cluster_ids if config.eb_clusters != "none" else None,
             **est_options,
         )
         trunc_PG = truncated(ro.tokens, ro.lengths, eos_id)
