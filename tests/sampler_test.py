@@ -246,6 +246,38 @@ def test_sharded_equals_unsharded(params, layout):
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
 
 
+def test_decode_takes_over_the_prefill_cache(params, recwarn):
+    """The cache is donated into the decode loop: no second copy of it stays alive."""
+    sampling = sampler._Sampling(0.0, 0, 1.0)
+    cache, *state = sampler._prefill_jit(
+        params,
+        jnp.asarray(PROMPTS),
+        jnp.asarray(LENGTHS),
+        jax.random.key(0),
+        config=CONFIG,
+        num_samples=1,
+        cache_size=PROMPTS.shape[1] + N,
+        sampling=sampling,
+        prompt_sharding=None,
+        row_sharding=None,
+    )
+    gen, _, _ = sampler._decode_jit(
+        params,
+        cache,
+        *state,
+        jax.random.key(0),
+        jnp.zeros((0,), jnp.int32),
+        config=CONFIG,
+        prompt_len=PROMPTS.shape[1],
+        max_new_tokens=N,
+        sampling=sampling,
+        batch_sharding=None,
+    )
+    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
+    assert not [w for w in recwarn if "donated" in str(w.message)]
+    np.testing.assert_array_equal(gen.tokens, greedy(params).tokens)
+
+
 def test_generate_inside_jit(params):
     """The trainer calls generate on traced prompts and keys inside its own jit."""
 
