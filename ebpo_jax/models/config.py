@@ -6,6 +6,7 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 _MODEL_TYPES = ("llama", "qwen3")
+_ATTENTION = ("xla", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,9 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     max_position_embeddings: int = 8192
+    # "splash": the Pallas kernel (models/splash.py) for full-sequence forward on TPU; the KV-cache
+    # path always uses the XLA attention.
+    attention: str = "xla"
     # (logical axis, mesh axes) pairs replacing ebpo_jax.sharding.DEFAULT_RULES; None = default.
     sharding_rules: tuple[tuple[str, Any], ...] | None = None
 
@@ -49,6 +53,10 @@ class ModelConfig:
                 )
         if self.remat not in _REMAT:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {_REMAT}")
+        if self.attention not in _ATTENTION:
+            raise ValueError(
+                f"ModelConfig.attention={self.attention!r}; expected one of {_ATTENTION}"
+            )
         if self.model_type not in _MODEL_TYPES:
             raise ValueError(
                 f"ModelConfig.model_type={self.model_type!r}; expected one of {_MODEL_TYPES}"

@@ -105,12 +105,31 @@ def _head(config, params, x_BTD, return_hidden):
     return sharding.constrain(logits_BTV, ("batch", "seq", "act_vocab"), config.sharding_rules)
 
 
-def _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_kv):
-    """One layer; `attend_kv(k, v) -> (k_all, v_all, allowed_BTS)` supplies the keys to read."""
+def _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend):
+    """One layer; `attend(attn, q, k, v) -> [B, T, D]` is the attention over the new q/k/v."""
     q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), cos_BTd, sin_BTd)
-    k_all, v_all, allowed_BTS = attend_kv(k_BTKd, v_BTKd)
-    x_BTD = x_BTD + block.attn.attend(q_BTHd, k_all, v_all, allowed_BTS)
+    x_BTD = x_BTD + attend(block.attn, q_BTHd, k_BTKd, v_BTKd)
     return _residual(config, x_BTD + block.mlp(block.mlp_norm(x_BTD)))
+
+
+def _self_attention(config, mask_BT):
+    """attend(attn, q, k, v) for a whole sequence: XLA einsums, or the splash kernel."""
+    if config.attention == "splash":
+        from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
+
+        interpret = jax.default_backend() != "tpu"  # CPU tests run the kernel interpreted
+
+        def attend(attn, q_BTHd, k_BTKd, v_BTKd):
+            out_BTHd = splash.attention(
+                q_BTHd, k_BTKd, v_BTKd, mask_BT, scale=attn.scale, interpret=interpret
+            )
+            return attn.output(out_BTHd.astype(attn.dtype))
+
+        return attend
+    T = mask_BT.shape[1]
+    causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
+    allowed_BTS = causal_TS[None] & mask_BT[:, None, :]
+    return lambda attn, q, k, v: attn.attend(q, k, v, allowed_BTS)
 
 
 def forward(
@@ -124,14 +143,12 @@ def forward(
     _check_shape("positions", positions_BT, (B, T))
     _check_shape("mask", mask_BT, (B, T))
     cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
-    causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-    allowed_BTS = causal_TS[None] & mask_BT[:, None, :]
+    attend = _self_attention(config, mask_BT)
     block_def = graphdefs(config)[1]
 
     def layer(x_BTD, layer_params):
         block = nnx.merge(block_def, layer_params)
-        attend_kv = lambda k, v: (k, v, allowed_BTS)
-        return _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_kv), None
+        return _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend), None
 
     x_BTD, _ = jax.lax.scan(
         _remat(config, layer), _embed(config, params, tokens_BT), params["layers"]
@@ -176,13 +193,13 @@ def forward_cached(
         block = nnx.merge(block_def, layer_params)
         new = {}
 
-        def attend_kv(k_BTKd, v_BTKd):
+        def attend(attn, q_BTHd, k_BTKd, v_BTKd):
             at = (i, 0, start, 0, 0)
             new["k"] = jax.lax.dynamic_update_slice(k_LBSKd, k_BTKd[None].astype(k_LBSKd.dtype), at)
             new["v"] = jax.lax.dynamic_update_slice(v_LBSKd, v_BTKd[None].astype(v_LBSKd.dtype), at)
-            return new["k"][i], new["v"][i], allowed_BTS
+            return attn.attend(q_BTHd, new["k"][i], new["v"][i], allowed_BTS)
 
-        x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_kv)
+        x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend)
         return (x_BTD, new["k"], new["v"]), None
 
     carry = (_embed(config, params, tokens_BT), cache["k"], cache["v"])

@@ -119,7 +119,9 @@ class Attention(nnx.Module):
         logits_BKGTS = jnp.where(allowed_BTS[:, None, None], logits_BKGTS * self.scale, _MASKED)
         probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(self.dtype)
         out_BTKGd = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKd)
-        out_BTHd = out_BTKGd.reshape(B, T, H, Dh)
+        return self.output(out_BTKGd.reshape(B, T, H, Dh))
+
+    def output(self, out_BTHd):
         return jnp.einsum("bthk,hkd->btd", out_BTHd, self.o[...].astype(self.dtype))
 
 
