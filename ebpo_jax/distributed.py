@@ -22,8 +22,9 @@ def needs_initialize(env=None) -> bool:
     env = os.environ if env is None else env
     if any(env.get(k) for k in _MULTI_PROCESS_ENV):
         return True
-    hosts = env.get("TPU_WORKER_HOSTNAMES", "")
-    if len([h for h in hosts.split(",") if h.strip()]) > 1:
+    # libtpu's own fallback value is a sentence ("WARNING: could not determine ..."): not hosts.
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) > 1 and not any(" " in h.strip() for h in hosts):
         return True
     return int(env.get("SLURM_NTASKS", "1")) > 1 or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
 

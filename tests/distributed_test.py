@@ -42,6 +42,8 @@ def test_needs_initialize_only_with_several_processes():
     assert not distributed.needs_initialize({})
     assert not distributed.needs_initialize({"TPU_WORKER_HOSTNAMES": "10.0.0.2"})
     assert distributed.needs_initialize({"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3"})
+    warning = "WARNING: could not determine TPU worker hostnames, please set it, otherwise ..."
+    assert not distributed.needs_initialize({"TPU_WORKER_HOSTNAMES": warning})
     assert distributed.needs_initialize({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"})
     assert distributed.needs_initialize({"SLURM_NTASKS": "4"})
     assert not distributed.needs_initialize({"SLURM_NTASKS": "1"})
