@@ -156,10 +156,12 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
         ("shape", lambda t: {**t, name: t[name][:-1]}),
         ("dtype", lambda t: {**t, name: t[name].astype(np.int8)}),
         ("missing", lambda t: {k: v for k, v in t.items() if k != name}),
+        ("unexpected", lambda t: {**t, name.replace("weight", "bias"): t[name][:, 0]}),
     ]:
         bad = _copy(good, str(tmp_path / case))
         save_file(change(load_file(file)), os.path.join(bad, "model.safetensors"))
-        with pytest.raises((ValueError, KeyError), match=name.replace(".", r"\.")) as err:
+        culprit = name.replace("weight", "bias") if case == "unexpected" else name
+        with pytest.raises((ValueError, KeyError), match=culprit.replace(".", r"\.")) as err:
             models.from_hf(bad)
         assert case in str(err.value) or case == "missing"
 

@@ -208,7 +208,7 @@ class _Reader:
             raise ValueError(
                 f"{where} has dtype {tensor.get_dtype()}; only {_LOADABLE} can be loaded"
             )
-        return self._open(file).get_tensor(name).astype(np_dtype)
+        return self._open(file).get_tensor(name).astype(np_dtype, copy=False)
 
 
 def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfig, object]:
@@ -231,11 +231,15 @@ def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfi
         placements = jax.tree.leaves(sharding.param_shardings(config, abstract, mesh, rules))
     with ExitStack() as stack:
         reader = _Reader(path, stack)
+        # Refuse tensors we would drop (biases, extra modules) before reading any weights.
         known = {"model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"}
+        patterns = [name.split("{i}") for name in known | {_TENSORS[p][0] for p in paths}]
+        for name in reader.weight_map:
+            if not any(name.startswith(p[0]) and name.endswith(p[-1]) for p in patterns):
+                raise ValueError(f"{path}: unexpected tensor {name} ({reader.weight_map[name]})")
         out = []
         for ours, leaf, placement in zip(paths, leaves, placements):
             name, layout = _TENSORS[ours]
-            known.add(name)
             if ours[0] == "layers":
                 # Fill the stacked array layer by layer: one HF tensor in flight at a time.
                 stacked = np.empty(leaf.shape, np_dtype)
@@ -247,10 +251,6 @@ def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfi
             else:
                 w = reader.read(name, _hf_shape(layout, leaf.shape), np_dtype)
                 out.append(jax.device_put(_from_hf_layout(layout, w, leaf.shape), placement))
-        patterns = [k.split("{i}") for k in known]
-        for name in reader.weight_map:
-            if not any(name.startswith(p[0]) and name.endswith(p[-1]) for p in patterns):
-                raise ValueError(f"{path}: unexpected tensor {name} ({reader.weight_map[name]})")
     return config, jax.tree_util.tree_unflatten(treedef, out)
 
 
