@@ -117,12 +117,10 @@ def _self_attention(config, mask_BT):
     if config.attention == "splash":
         from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
 
-        interpret = jax.default_backend() != "tpu"  # CPU tests run the kernel interpreted
-
+        # splash picks interpret mode itself: off when compiling for TPU (AOT from a CPU host
+        # included), on otherwise so CPU tests run the kernel interpreted.
         def attend(attn, q_BTHd, k_BTKd, v_BTKd):
-            out_BTHd = splash.attention(
-                q_BTHd, k_BTKd, v_BTKd, mask_BT, scale=attn.scale, interpret=interpret
-            )
+            out_BTHd = splash.attention(q_BTHd, k_BTKd, v_BTKd, mask_BT, scale=attn.scale)
             return attn.output(out_BTHd.astype(attn.dtype))
 
         return attend
