@@ -70,13 +70,24 @@ def mesh_specs(mesh, batch: int, num_heads: int, num_kv_heads: int):
     return (rows or None), heads
 
 
-def attention(q_BTHd, k_BTKd, v_BTKd, segment_ids_BT, *, scale, block=512, interpret=False):
+def _compiling_for_tpu() -> bool:
+    """The ambient mesh's device platform (AOT: a TPU topology on a CPU host), else the backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    if device is not None:
+        return device.platform == "tpu"
+    return jax.default_backend() == "tpu"
+
+
+def attention(q_BTHd, k_BTKd, v_BTKd, segment_ids_BT, *, scale, block=512, interpret=None):
     """softmax(q k^T * scale) v, causal, query t seeing keys of its own segment id: [B, T, H, Dh].
 
     Rows are right-padded: with segment id 1 for real tokens and 0 for padding, every real
     query sees exactly the real keys at or before it (the XLA path's mask); padded queries
-    see other padding (their outputs are never read). `interpret=True` runs on CPU.
+    see other padding (their outputs are never read). `interpret=True` runs on CPU; None
+    means "unless compiling for TPU" (which an AOT compile on a CPU host is).
     """
+    if interpret is None:
+        interpret = not _compiling_for_tpu()
     B, _, H, _ = q_BTHd.shape
     K = k_BTKd.shape[2]
     to_heads = lambda x: jnp.swapaxes(x, 1, 2)  # [B, T, H, d] -> [B, H, T, d]
