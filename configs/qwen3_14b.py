@@ -1,0 +1,23 @@
+"""The paper's EBPO recipe on Qwen3-14B for a v5p-64 slice (32 chips); see qwen3_8b.py.
+
+Only the model differs from qwen3_8b.py, whose comment block explains every number. The
+same layout holds: pure FSDP (14.8B params + Adam + reference in bf16 are ~4 GB per chip),
+one 12288-token row per chip per micro-batch, full remat (40 layers x 120 MiB per row).
+"""
+
+import importlib.util
+import os
+
+from ebpo_jax.config import finalize
+
+
+def _qwen3_8b():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b.py")
+    spec = importlib.util.spec_from_file_location("qwen3_8b_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config():
+    return finalize(_qwen3_8b().recipe("qwen3_14b"))
