@@ -27,6 +27,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.eval_every = 50
     c.eval_batch_size = 128
+    # eval/pass@1 = mean reward over eval_samples samples per held-out problem at this
+    # temperature (the paper's protocol: temperature 1.0); 0.0 = greedy, one sample.
+    c.eval_temperature = 1.0
+    c.eval_samples = 4
     c.steps_per_jit = 1  # K steps per lax.scan; 1 = jit -> host -> jit with per-phase timing
     c.max_nonfinite_steps = 5  # stop after this many non-finite steps in a row
     c.log_every = 1
@@ -223,6 +227,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         c.eb_clusters in ("none", "topic", "cell"),
         f"eb_clusters={c.eb_clusters!r} is not one of none, topic, cell",
     )
+    need(c.eval_temperature >= 0, f"eval_temperature must be >= 0, got {c.eval_temperature}")
+    need(c.eval_samples >= 1, f"eval_samples must be >= 1, got {c.eval_samples}")
     need(c.task.order in ("naive", "topic", "difficulty"), f"task.order={c.task.order!r} unknown")
     need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")
 

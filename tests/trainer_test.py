@@ -103,15 +103,18 @@ def test_sampler_logprobs_equal_training_forward(setup):
 
 def test_update_decreases_loss_on_fixed_batch(setup):
     c, mc, params, batches = setup
-    c = _config(**{"loss.ppo_epochs": 1, "loss.clip_low": 10.0, "loss.clip_high": 10.0})
+    c = _config(**{"loss.clip_low": 10.0, "loss.clip_high": 10.0, "loss.kl_coef": 0.01})
     ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
     update = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))
-    state, losses = _state(c, params), []
+    state, losses, kls = _state(c, params, with_ref=True), [], []
     for _ in range(4):
         state, m = update(state, ro)
         losses.append(float(m["actor/pg_loss"]))
+        kls.append(float(m["actor/kl"]))
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
     assert losses[-1] < losses[0] - 0.05, losses
+    assert abs(kls[0]) < 1e-6 < kls[-1], kls  # the frozen reference starts equal, then drifts
+    jax.tree.map(np.testing.assert_array_equal, state.ref_params, params)
 
 
 def test_microbatch_accumulation_equals_full_batch(setup):
@@ -217,9 +220,11 @@ def _rows(workdir):
     ]
 
 
+@pytest.mark.slow  # three short training runs, each compiling its own step
 def test_interrupt_and_resume_equals_uninterrupted(tmp_path):
     def cfg(name):
         c = _config(workdir=str(tmp_path / name), total_steps=4, checkpoint_every=2, eval_every=2)
+        c.mesh.shape = (-1,)  # the loop insists the mesh covers every (fake) device
         c.unlock()
         return c
 

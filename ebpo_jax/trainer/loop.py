@@ -51,16 +51,19 @@ def model_config_from(config, tokenizer):
 
 
 def make_evaluator(config, model_config, problems, tokenizer, mesh=None):
-    """evaluate(params) -> held-out pass@1: greedy decoding, exact-answer reward."""
+    """evaluate(params) -> held-out pass@1: the mean exact-answer reward over
+    `eval_samples` samples per problem at `eval_temperature` (0 = greedy, one sample)."""
     data = tasks.encode_problems(problems, tokenizer)
     n, bs = len(problems), min(config.eval_batch_size, len(problems))
     pad = (-n) % bs  # repeat the first rows so every chunk has one shape (one compile)
     arrays = [np.concatenate([a, a[:pad]]) for a in data]
+    temperature = config.eval_temperature
+    k = config.eval_samples if temperature > 0 else 1
     reward = jax.jit(lambda *a: tasks.reward_fn(*a, eos_id=tokenizer.eos_id))
 
     def evaluate(params) -> float:
         total = []
-        for s in range(0, n + pad, bs):
+        for i, s in enumerate(range(0, n + pad, bs)):
             chunk = tasks.PromptBatch(*(a[s : s + bs] for a in arrays))
             gen = sampler.generate(
                 model_config,
@@ -68,16 +71,15 @@ def make_evaluator(config, model_config, problems, tokenizer, mesh=None):
                 chunk.prompt_tokens,
                 chunk.prompt_lengths,
                 max_new_tokens=config.sampler.max_new_tokens,
-                rng=jax.random.key(0),
-                temperature=0.0,
+                rng=jax.random.fold_in(jax.random.key(config.seed), i),  # same draws every eval
+                temperature=temperature,
                 eos_id=tokenizer.eos_id,
+                num_samples=k,
                 mesh=mesh,
             )
-            total.append(
-                np.asarray(
-                    reward(gen.tokens, gen.lengths, chunk.answer_tokens, chunk.answer_lengths)
-                )
-            )
+            rep = lambda x: np.repeat(x, k, axis=0)
+            r = reward(gen.tokens, gen.lengths, rep(chunk.answer_tokens), rep(chunk.answer_lengths))
+            total.append(np.asarray(r).reshape(bs, k))
         return float(np.concatenate(total)[:n].mean())
 
     return evaluate
@@ -215,7 +217,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
                 writer.write(step, row)
                 bar.update(step - 1, row)
             extra = {"data": source.state(), "pass@1_start": pass_start}
-            ckpt.save(step, _state_for_checkpoint(state), extra)
+            if ckpt.should_save(step):
+                ckpt.save(step, _state_for_checkpoint(state), extra)
             if rows[-1]["train/nonfinite_run"] >= config.max_nonfinite_steps:
                 writer.close()
                 bar.close()

@@ -106,6 +106,7 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
                     comp_BN,
                     clen_B,
                     with_entropy=False,
+                    chunk_size=lc.logits_chunk,
                 )
             )
         mask_BN = mb["loss_mask"].reshape(-1, N)
