@@ -6,7 +6,9 @@ Run: python benchmarks/train_bench.py [--hidden 256 --layers 4 --prompts 4 --gro
 """
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 import transformers
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 from configs import micro
 from ebpo_jax import models
 from ebpo_jax.trainer.rollout import Rollout
