@@ -15,14 +15,16 @@ from configs import micro
 from ebpo_jax import advantages, models, tasks
 from ebpo_jax import config as config_lib
 from ebpo_jax.trainer import loop
-from ebpo_jax.trainer.rollout import make_rollout_fn
+from ebpo_jax.trainer.rollout import compact, make_rollout_fn
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.step import (
     completion_logprobs,
     make_multi_step,
     make_train_step,
     make_update_fn,
+    overlong_penalty,
     pack_sequences,
+    truncated,
 )
 
 EOS = tasks.EOS_ID
@@ -171,7 +173,7 @@ def test_ebpo_all_fail_group_has_gradient_where_grpo_has_none(setup):
     rewards = [[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
     norms, advs = {}, {}
     for name in ("ebpo", "grpo"):
-        c = _config(estimator=name)
+        c = _config(estimator=name, **{"optimizer.weight_decay": 0.0})  # decay alone moves params
         ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), rewards)
         state = _state(c, params)._replace(eb_state=_eb_history())
         new, m = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))(state, ro)
@@ -274,3 +276,40 @@ def test_misspelt_field_is_an_error():
     raw.gruop_size = 4
     with pytest.raises(config_lib.ConfigError, match="unknown config field.*gruop_size"):
         config_lib.validate(raw)
+
+
+def test_compact_fills_empty_slots_in_order():
+    buf = {"x": jnp.array([10, 11, 12, 13])}
+    new = {"x": jnp.array([20, 21, 22, 23])}
+    merged, filled = compact(
+        buf, jnp.array([True, False, True, False]), new, jnp.array([False, True, True, False])
+    )
+    np.testing.assert_array_equal(merged["x"], [10, 12, 21, 22])
+    np.testing.assert_array_equal(filled, [True, True, True, True])
+
+
+def test_overlong_penalty_and_truncation():
+    np.testing.assert_allclose(
+        overlong_penalty(jnp.array([2, 6, 7, 8]), 8, 4, 1.0), [0, -0.5, -0.75, -1]
+    )
+    tokens = jnp.array([[[5, 2, 0], [5, 6, 7], [5, 6, 2]]])
+    np.testing.assert_array_equal(
+        truncated(tokens, jnp.array([[2, 3, 3]]), EOS), [[False, True, False]]
+    )
+
+
+def test_dapo_dynamic_sampling_keeps_mixed_groups_and_counts_all_tokens(setup):
+    _, mc, params, _ = setup
+    c = _config(**{"dapo.dynamic_sampling": True, "dapo.max_extra_rounds": 2})
+    tok, train, _ = loop.load_tasks(c)
+    batch = jax.tree.map(jnp.asarray, tasks.PromptSource(train, tok, 12, seed=1).next_batch())
+
+    def coin_reward(tokens_BN, *_):  # a reward with mixed and all-equal groups
+        return (tokens_BN[:, 0] % 2).astype(jnp.float32)
+
+    ro = jax.jit(make_rollout_fn(c, mc, coin_reward, EOS))(params, batch, jax.random.key(4))
+    valid = np.asarray(ro.group_valid)
+    rewards = np.asarray(ro.rewards)
+    assert valid.any()
+    assert all(rewards[p].min() != rewards[p].max() for p in np.flatnonzero(valid))
+    assert int(ro.generated_tokens) >= int(np.asarray(ro.lengths)[valid].sum())
