@@ -131,16 +131,18 @@ def _prefill(
     # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
     prompt_PT = jnp.where(kv_mask_PS[:, :prompt_len], prompt_PT, PAD_ID)
     positions_PT = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt_PT.shape)
-    logits_PTV, cache = models.forward_cached(
+    # Logits at each prompt's last token only: [P, Tp, V] float32 would not fit at scale.
+    # A Python-int start lets attention skip the (empty) cache.
+    last_PV, cache = models.forward_cached(
         config,
         params,
         prompt_PT,
         positions_PT,
         cache,
-        start=jnp.int32(0),
+        start=0,
         kv_mask_BS=kv_mask_PS,
+        logits_at=lengths_P - 1,
     )
-    last_PV = jnp.take_along_axis(logits_PTV, (lengths_P - 1)[:, None, None], axis=1)[:, 0]
 
     # Samples of a prompt reuse its prefilled cache rows: no repeated prefill compute.
     def share(x, a):

@@ -155,51 +155,95 @@ def forward(
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
-    """Empty KV cache {'k','v'}: [layers, batch, max_len, kv_heads, head_dim] in the compute dtype."""
-    shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
+    """Empty KV cache {'k','v'}: [layers, batch, kv_heads, max_len, head_dim], compute dtype.
+
+    Head-major (slots inside heads) so that decode attention reads each (row, head) as one
+    contiguous [max_len, head_dim] matrix; a slot-major cache made XLA transpose it per step.
+    """
+    shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
     return {"k": jnp.zeros(shape, config.dtype), "v": jnp.zeros(shape, config.dtype)}
 
 
+def _static_int(x):
+    """x as a Python int when it is concrete (not traced), else None."""
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    return None
+
+
 def forward_cached(
-    config: ModelConfig, params, tokens_BT, positions_BT, cache, *, start, kv_mask_BS
+    config: ModelConfig,
+    params,
+    tokens_BT,
+    positions_BT,
+    cache,
+    *,
+    start,
+    kv_mask_BS,
+    logits_at=None,
 ):
     """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
 
     Query slot start+t attends cache slots j <= start+t with kv_mask_BS[b, j]; the caller
     owns kv_mask_BS and must already mark the new slots valid, and keep start+T <= max_len
-    (a traced `start` can't be checked; XLA would clamp the write).
+    (checked when `start` is a Python int; a traced one can't be, XLA would clamp the write).
+    A Python int `start` also lets attention skip the slots >= start (all of them in a
+    prefill at 0). `logits_at` [B] int: return only logits [B, V] at time index
+    logits_at[b] of each row (e.g. a prefill's last prompt token) instead of [B, T, V].
     """
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
-    L, _, S = cache["k"].shape[:3]
+    if jnp.ndim(cache["k"]) != 5:
+        raise ValueError(f"cache['k'] must be 5-d (see init_cache); got {jnp.shape(cache['k'])}")
+    S = cache["k"].shape[3]
     _check_shape(
-        "cache['k']", cache["k"], (config.num_layers, B, S, config.num_kv_heads, config.head_dim)
+        "cache['k']", cache["k"], (config.num_layers, B, config.num_kv_heads, S, config.head_dim)
     )
     _check_shape("cache['v']", cache["v"], cache["k"].shape)
     _check_shape("positions_BT", positions_BT, (B, T))
     _check_shape("kv_mask_BS", kv_mask_BS, (B, S))
+    if logits_at is not None:
+        _check_shape("logits_at", logits_at, (B,))
+    static_start = _static_int(start)
+    if static_start is not None and not 0 <= static_start <= S - T:
+        raise ValueError(f"start {static_start} + {T} new tokens does not fit a cache of {S} slots")
+    # Cached slots a query may see: all S for a traced start, only [0, start) when known.
+    S_old = S if static_start is None else static_start
     start = jnp.asarray(start, jnp.int32)
+    kv_mask_BS = kv_mask_BS.astype(bool)
     cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
-    slots_T = start + jnp.arange(T)
-    allowed_BTS = (jnp.arange(S)[None, :] <= slots_T[:, None])[None] & kv_mask_BS[:, None, :]
+    old_BTS = (jnp.arange(S_old) < start)[None, None, :] & kv_mask_BS[:, None, :S_old]
+    new_mask_BT = jax.lax.dynamic_slice_in_dim(kv_mask_BS, start, T, axis=1)
+    new_BTT = (jnp.arange(T)[None, :] <= jnp.arange(T)[:, None])[None] & new_mask_BT[:, None, :]
     block_def = graphdefs(config)[1]
+    dtype = cache["k"].dtype
 
-    def layer(carry, xs):
-        # The whole cache rides in the carry and is updated in place (no per-layer copy).
-        x_BTD, k_LBSKd, v_LBSKd = carry
-        layer_params, i = xs
+    def layer(x_BTD, xs):
+        # The layer's cache is a read-only scan input; the new k/v leave as scan outputs and
+        # are written once after the scan, so the loop never copies or concatenates the cache.
+        layer_params, k_BKSd, v_BKSd = xs
         block = nnx.merge(block_def, layer_params)
         new = {}
 
         def attend(attn, q_BTHd, k_BTKd, v_BTKd):
-            at = (i, 0, start, 0, 0)
-            new["k"] = jax.lax.dynamic_update_slice(k_LBSKd, k_BTKd[None].astype(k_LBSKd.dtype), at)
-            new["v"] = jax.lax.dynamic_update_slice(v_LBSKd, v_BTKd[None].astype(v_LBSKd.dtype), at)
-            return attn.attend(q_BTHd, new["k"][i], new["v"][i], allowed_BTS)
+            new["k"], new["v"] = k_BTKd.astype(dtype), v_BTKd.astype(dtype)
+            return attn.attend_cached(
+                q_BTHd, (k_BKSd, v_BKSd), old_BTS, new["k"], new["v"], new_BTT
+            )
 
         x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend)
-        return (x_BTD, new["k"], new["v"]), None
+        return x_BTD, (new["k"].transpose(0, 2, 1, 3), new["v"].transpose(0, 2, 1, 3))
 
-    carry = (_embed(config, params, tokens_BT), cache["k"], cache["v"])
-    (x_BTD, k, v), _ = jax.lax.scan(layer, carry, (params["layers"], jnp.arange(L)))
-    return _head(config, params, x_BTD, False), {"k": k, "v": v}
+    old_cache = (cache["k"][:, :, :, :S_old], cache["v"][:, :, :, :S_old])
+    x_BTD, (k_LBKTd, v_LBKTd) = jax.lax.scan(
+        layer, _embed(config, params, tokens_BT), (params["layers"], *old_cache)
+    )
+    at = (0, 0, 0, start, 0)
+    new_cache = {
+        "k": jax.lax.dynamic_update_slice(cache["k"], k_LBKTd, at),
+        "v": jax.lax.dynamic_update_slice(cache["v"], v_LBKTd, at),
+    }
+    if logits_at is not None:
+        x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+        return _head(config, params, x_B1D, False)[:, 0], new_cache
+    return _head(config, params, x_BTD, False), new_cache

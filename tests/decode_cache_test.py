@@ -1,0 +1,72 @@
+"""forward_cached options: logits_at, a Python-int start, and its bound check."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebpo_jax import models
+
+
+@functools.lru_cache(maxsize=1)
+def _setup():
+    config = models.get_config("tiny_qwen3")
+    params = models.init_params(config, jax.random.key(0))
+    B, T, S = 2, 4, 7
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 1, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    kv_mask = jnp.arange(S)[None] < jnp.array([[4], [2]])
+    return config, params, tokens, positions, kv_mask, models.init_cache(config, B, S)
+
+
+def test_static_start_and_logits_at_match_traced_full_logits():
+    config, params, tokens, positions, kv_mask, cache = _setup()
+    traced = jax.jit(models.forward_cached, static_argnums=0)
+    ref_logits, ref_cache = traced(
+        config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
+    )
+    # Un-jitted: start stays a Python int, so attention skips the cache entirely.
+    logits, cache_out = models.forward_cached(
+        config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
+    )
+    np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
+    for name in ("k", "v"):
+        np.testing.assert_allclose(cache_out[name], ref_cache[name], atol=1e-6)
+        assert np.abs(np.asarray(cache_out[name][:, :, :, 4:])).max() == 0
+    at = jnp.array([3, 1])
+    last, _ = models.forward_cached(
+        config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask, logits_at=at
+    )
+    assert last.shape == (2, config.vocab_size)
+    np.testing.assert_allclose(last, ref_logits[jnp.arange(2), at], atol=1e-5)
+
+    # A decode step at a static start reads only slots < start; same as a traced start.
+    step_tok, step_pos = tokens[:, :1], jnp.array([[4], [2]])
+    mask = kv_mask.at[:, 4].set(True)
+    want, want_cache = traced(
+        config, params, step_tok, step_pos, ref_cache, start=jnp.int32(4), kv_mask_BS=mask
+    )
+    got, got_cache = models.forward_cached(
+        config, params, step_tok, step_pos, ref_cache, start=4, kv_mask_BS=mask
+    )
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got_cache["k"], want_cache["k"], atol=1e-6)
+
+
+def test_static_start_out_of_range_and_bad_logits_at_are_clear_errors():
+    config, params, tokens, positions, kv_mask, cache = _setup()
+    with pytest.raises(ValueError, match="does not fit a cache of 7"):
+        models.forward_cached(config, params, tokens, positions, cache, start=4, kv_mask_BS=kv_mask)
+    with pytest.raises(ValueError, match="logits_at"):
+        models.forward_cached(
+            config,
+            params,
+            tokens,
+            positions,
+            cache,
+            start=0,
+            kv_mask_BS=kv_mask,
+            logits_at=jnp.zeros((3,), jnp.int32),
+        )
