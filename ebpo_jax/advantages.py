@@ -30,8 +30,8 @@ class EBState(NamedTuple):
 
 
 def _zeros_welford(num_clusters: int) -> Welford:
-    z_K = jnp.zeros((num_clusters,), jnp.float32)
-    return Welford(z_K, z_K, z_K)
+    # Three distinct buffers, so a trainer can donate the state.
+    return Welford(*(jnp.zeros((num_clusters,), jnp.float32) for _ in range(3)))
 
 
 def init_eb_state(num_clusters: int = 1) -> EBState:

@@ -297,3 +297,11 @@ def test_registry_and_estimate_metrics():
         assert metrics == {} and not adv.any() and state.reward.count[0] == 0
     finally:
         advantages._REGISTRY.pop("zero_test")
+
+
+def test_init_state_can_be_donated():
+    state = ebpo_jax.init_eb_state(2)
+    leaves = jax.tree.leaves(state)
+    assert len({id(x) for x in leaves}) == len({x.unsafe_buffer_pointer() for x in leaves})
+    out = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(state)
+    np.testing.assert_array_equal(out.reward.count, [1.0, 1.0])
