@@ -12,9 +12,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT), 
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
+    from ebpo_jax import distributed
+
+    distributed.initialize()  # pods: every worker runs this command; no-op on one host
     from ebpo_jax.trainer.loop import train  # after flag parsing, so --help stays fast
 
     s = train(_CONFIG.value)
+    if not distributed.is_main_process():
+        return
     print(
         f"held-out pass@1: {100 * s['pass@1_start']:.1f}% (warm start) -> "
         f"{100 * s['pass@1_end']:.1f}% (step {s['step']}), {s['wall_time_s']:.0f} s\n"
