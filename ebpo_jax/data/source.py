@@ -20,9 +20,10 @@ from ebpo_jax.data.prompts import render_prompt
 from ebpo_jax.data.schemas import DataError, Record
 from ebpo_jax.data.tokenize import encode_prompts
 from ebpo_jax.tasks import PromptBatch
+from ebpo_jax.tasks.data import BatchStream
 
 
-class MathPromptSource:
+class MathPromptSource(BatchStream):
     """Batches of `batch_size` prompts of `records` in `order`, resumable, sharded across hosts.
 
     Prompts over `max_prompt_len` tokens are dropped (counted in `num_dropped`) or raise, by
@@ -141,17 +142,6 @@ class MathPromptSource:
     def next_batch(self) -> PromptBatch:
         """The next `batch_size` prompts of this host's stream."""
         return self.batch(self.order.next_indices(self.batch_size))
-
-    def next_batches(self, k: int) -> PromptBatch:
-        """The next k batches stacked on a leading axis [k, P, ...]."""
-        batches = [self.next_batch() for _ in range(k)]
-        return PromptBatch(*(np.stack(f) for f in zip(*batches)))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> PromptBatch:
-        return self.next_batch()
 
 
 def decode_completions(tokenizer: Any, tokens_BN, lengths_B) -> list[str]:

@@ -73,7 +73,25 @@ def sft_examples(
     return SFTBatch(tokens, loss_mask, lengths)
 
 
-class PromptSource:
+class BatchStream:
+    """Iterator protocol and K-step stacking for any source with `next_batch()`."""
+
+    def next_batch(self) -> PromptBatch:
+        raise NotImplementedError
+
+    def next_batches(self, k: int) -> PromptBatch:
+        """The next k batches stacked on a leading axis [k, P, ...], for a scanned K-step loop."""
+        batches = [self.next_batch() for _ in range(k)]
+        return PromptBatch(*(np.stack(f) for f in zip(*batches)))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> PromptBatch:
+        return self.next_batch()
+
+
+class PromptSource(BatchStream):
     """Batches of P problems in a seeded order per epoch; its whole state is {epoch, position}.
 
     Orders: `naive` shuffles each epoch; `topic` and `difficulty` stably sort that shuffle by
@@ -153,14 +171,3 @@ class PromptSource:
         """The next P problems as arrays."""
         idx = self.next_indices()
         return PromptBatch(*(np.asarray(a)[idx] for a in self._encoded))
-
-    def next_batches(self, k: int) -> PromptBatch:
-        """The next k batches stacked on a leading axis [k, P, ...], for a scanned K-step loop."""
-        batches = [self.next_batch() for _ in range(k)]
-        return PromptBatch(*(np.stack(f) for f in zip(*batches)))
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> PromptBatch:
-        return self.next_batch()
