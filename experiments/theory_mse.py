@@ -1,6 +1,6 @@
 """Monte-Carlo MSE of EBPO's shrunk baseline vs the group mean, with the closed forms overlaid.
 
-python experiments/theory_mse.py [--out=results/theory] [--trials=400] [--group_sizes=2,4,8,16,32]
+python experiments/theory_mse.py [--out=results/theory] [--trials=1000] [--group_sizes=2,4,8,16,32]
 Prompts have pass rates p ~ Beta(alpha, beta) and G Bernoulli(p) rewards each. Per G, the
 library's EBState is warmed on `--warm_batches` batches of the same population, then each
 trial draws a fresh batch, merges it (as a training step does) and reads the shrunk
@@ -101,7 +101,7 @@ def summarise(alpha, beta, g, sims: dict) -> dict:
     return row
 
 
-def plot(rows, path):
+def plot(rows, path, title=""):
     """Three panels vs G: both MSEs (log-log), their ratio, and the share of zero-signal groups."""
     import matplotlib
 
@@ -135,6 +135,7 @@ def plot(rows, path):
         ax.set_xticks(g, [str(x) for x in g])
         ax.xaxis.set_minor_locator(NullLocator())
         ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -143,7 +144,7 @@ def plot(rows, path):
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="results/theory", help="Output folder.")
-    ap.add_argument("--trials", type=int, default=400, help="Independent batches per G.")
+    ap.add_argument("--trials", type=int, default=1000, help="Independent batches per G.")
     ap.add_argument("--group_sizes", default="2,4,8,16,32", help="Comma-separated G values.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=512, help="Prompts per batch (paper: 512).")
@@ -191,13 +192,16 @@ def main(argv=None) -> list[dict]:
     with open(os.path.join(args.out, "theory_mse.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=_COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, os.path.join(args.out, "theory_mse.png"))
-    print(
+        writer.writerows(
+            {k: f"{v:.6g}" if isinstance(v, float) else v for k, v in r.items()} for r in rows
+        )
+    setup = (
         f"p ~ Beta({args.alpha}, {args.beta}): mean {pop['mu']:.3f}, tau2 = Var(p) = "
         f"{pop['tau2']:.4f}, sigma2 = E[p(1-p)] = {pop['sigma2']:.4f}; {args.trials} trials "
         f"x {args.prompts} prompts per G, EB state warmed on {args.warm_batches} batches"
     )
+    plot(rows, os.path.join(args.out, "theory_mse.png"), setup)
+    print(setup)
     print(
         f"{'G':>3} {'MSE group':>16} {'sigma2/G':>9} {'MSE EB':>16} {'(1-S)s2/G':>9} "
         f"{'lib-S form':>10} {'ratio':>6} {'S orac':>6} {'S lib':>6} {'zero sig':>14} {'closed':>6}"
