@@ -1,0 +1,41 @@
+"""Which EBPO variant: the paper's carried prior, the released code's per-batch statistics,
+per-cluster priors, or a forgetting factor? GRPO as the reference, at G=2 and G=4.
+
+CPU scale: the tiny default on the arithmetic tasks, 128 responses per step.
+`--config=configs/ablations/estimator_variants.py:paper` runs it on configs/qwen3_8b.py.
+"""
+
+import ml_collections
+
+
+def get_config(scale: str = "cpu"):
+    c = ml_collections.ConfigDict()
+    c.name = "estimator_variants"
+    if scale == "paper":
+        c.base_config = "configs/qwen3_8b.py"
+        c.out_dir = "results/ablations/estimator_variants_paper"
+        c.fixed = {"total_steps": 300, "eval_every": 50}
+        budget, groups = 2048, [4, 8]
+    else:
+        c.base_config = "configs/tiny.py"
+        c.out_dir = "results/ablations/estimator_variants"
+        c.fixed = {
+            "total_steps": 100,
+            "eval_every": 25,
+            "checkpoint_every": 25,
+            "keep_checkpoints": 1,
+            "lr": 5e-4,
+        }
+        budget, groups = 128, [2, 4]
+    c.blocks = [
+        {
+            "name": "variant",
+            "axes": {
+                "method": ["grpo", "ebpo", "ebpo_per_batch", "ebpo_cluster", "ebpo_forget"],
+                "group_size": groups,
+                "seed": [0, 1, 2],
+            },
+            "rollouts_per_step": budget,
+        }
+    ]
+    return c

@@ -1,0 +1,55 @@
+"""Does EBPO beat GRPO / Dr. GRPO / DAPO at small group sizes, and does the gap close by G=16?
+
+Blocks (CPU scale, the tiny default's warm-started policy on the arithmetic tasks):
+  budget   method x G at equal sample budget: P x G = 128 responses per step for every G;
+  prompts  grpo vs ebpo at equal prompts (P = 16, so G=16 generates 8x the responses of G=2);
+  lr       a learning-rate sweep at G=4 for grpo, ebpo and the rpp control, separating the
+           shrunk baseline from the change of step size (EBPO standardises over the batch,
+           GRPO per group; rpp = batch-standardised group-mean baseline).
+`--config=configs/ablations/group_size.py:paper` is the same grid on configs/qwen3_8b.py.
+"""
+
+import ml_collections
+
+METHODS = ["grpo", "dr_grpo", "dapo", "ebpo", "rpp"]
+
+
+def get_config(scale: str = "cpu"):
+    c = ml_collections.ConfigDict()
+    c.name = "group_size"
+    seeds = [0, 1, 2]
+    if scale == "paper":
+        c.base_config = "configs/qwen3_8b.py"
+        c.out_dir = "results/ablations/group_size_paper"
+        c.fixed = {"total_steps": 300, "eval_every": 50}
+        budget, groups, lrs = 2048, [2, 4, 8, 16, 32], [5e-7, 2e-6]
+    else:
+        c.base_config = "configs/tiny.py"
+        c.out_dir = "results/ablations/group_size"
+        c.fixed = {
+            "total_steps": 100,
+            "eval_every": 25,
+            "checkpoint_every": 25,
+            "keep_checkpoints": 1,
+            "lr": 5e-4,
+        }
+        budget, groups, lrs = 128, [2, 4, 8, 16], [2.5e-4, 1e-3]
+    c.blocks = [
+        {
+            "name": "budget",
+            "axes": {"method": METHODS, "group_size": groups, "seed": seeds},
+            "rollouts_per_step": budget,
+        },
+        {
+            "name": "prompts",
+            "axes": {"method": ["grpo", "ebpo"], "group_size": groups, "seed": seeds},
+            "fixed": {"prompts_per_step": budget // 8},
+        },
+        {
+            "name": "lr",
+            "axes": {"method": ["grpo", "ebpo", "rpp"], "lr": lrs, "seed": seeds},
+            "fixed": {"group_size": 4},
+            "rollouts_per_step": budget,
+        },
+    ]
+    return c

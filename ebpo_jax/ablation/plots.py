@@ -1,0 +1,122 @@
+"""PNG plots of an ablation's results with matplotlib (one set per grid block)."""
+
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on pods or CI
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from ebpo_jax.ablation.results import CURVES, summarize
+
+TRAIN_PANELS = (
+    ("actor/grad_norm", "grad norm"),
+    ("actor/entropy", "entropy"),
+    ("actor/kl", "KL to reference"),
+    ("adv/zero_frac", "zero-advantage fraction"),
+    ("eb/shrinkage_mean", "EB shrinkage S"),
+)
+
+
+def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> tuple[list[str], str | None]:
+    """(series axes, facet axis): axes that vary in this block; group_size facets."""
+    fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "prompts_per_step", *CURVES}
+    axes = [c for c in df.columns if c not in fixed]
+    varying = [a for a in axes if a not in ignore and df[a].nunique(dropna=True) > 1]
+    facet = "group_size" if "group_size" in varying else None
+    return [a for a in varying if a != facet], facet
+
+
+def _label(key, series) -> str:
+    key = key if isinstance(key, tuple) else (key,)
+    return (
+        ", ".join(f"{v}" if a in ("method",) else f"{a}={v}" for a, v in zip(series, key)) or "run"
+    )
+
+
+def _facets(df, facet):
+    return [(None, df)] if facet is None else list(df.groupby(facet, sort=True))
+
+
+def _curve_plot(df, x, y, series, facet, path, ylabel, window=1):
+    facets = _facets(df, facet)
+    fig, axs = plt.subplots(1, len(facets), figsize=(4 * len(facets), 3.2), squeeze=False)
+    for ax, (fv, sub) in zip(axs[0], facets):
+        groups = sub.groupby(series, sort=True) if series else [((), sub)]
+        for key, grp in groups:
+            cols = [c for c in (x, y) if c != "step"]
+            curve = grp.groupby("step")[cols].mean().reset_index().sort_values(x)
+            vals = curve[y].rolling(window, min_periods=1).mean()
+            ax.plot(curve[x], vals, label=_label(key, series))
+        ax.set_title(f"{facet}={fv}" if facet else "")
+        ax.set_xlabel(x.replace("_", " "))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axs[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: str) -> list[str]:
+    """Write this block's PNGs to out_dir; returns their paths."""
+    ev, st = evals[evals.block == block], steps[steps.block == block]
+    series, facet = _axes_of(ev)
+    paths = []
+
+    def path(name):
+        paths.append(os.path.join(out_dir, f"{block}_{name}.png"))
+        return paths[-1]
+
+    _curve_plot(ev, "step", "pass@1", series, facet, path("pass1_vs_step"), "held-out pass@1")
+    _curve_plot(
+        ev, "generated_tokens", "pass@1", series, facet, path("pass1_vs_tokens"), "held-out pass@1"
+    )
+    if facet:  # final pass@1 against G, one line per series, 95% intervals over seeds
+        summ = summarize(ev, [*series, facet])
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        groups = summ.groupby(series, sort=True) if series else [((), summ)]
+        for i, (key, grp) in enumerate(groups):
+            grp = grp.sort_values(facet)
+            shift = 1 + 0.03 * (i - len(groups) / 2)  # spread the error bars apart
+            err = np.stack([grp["pass@1"] - grp.ci_low, grp.ci_high - grp["pass@1"]])
+            ax.errorbar(
+                grp[facet] * shift,
+                grp["pass@1"],
+                yerr=err,
+                capsize=3,
+                marker="o",
+                label=_label(key, series),
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("group size G")
+        ax.set_ylabel("final held-out pass@1 (95% CI)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(path("final_vs_G"), dpi=100)
+        plt.close(fig)
+    if not st.empty:
+        facets = _facets(st, facet)
+        fig, axs = plt.subplots(
+            len(facets),
+            len(TRAIN_PANELS),
+            figsize=(3.2 * len(TRAIN_PANELS), 2.6 * len(facets)),
+            squeeze=False,
+        )
+        for row, (fv, sub) in zip(axs, facets):
+            groups = list(sub.groupby(series, sort=True)) if series else [((), sub)]
+            for ax, (metric, title) in zip(row, TRAIN_PANELS):
+                for key, grp in groups:
+                    curve = grp.groupby("step")[metric].mean().rolling(10, min_periods=1).mean()
+                    if curve.notna().any():
+                        ax.plot(curve.index, curve.values, label=_label(key, series))
+                ax.set_title(f"{title}" + (f" ({facet}={fv})" if facet else ""), fontsize=8)
+                ax.grid(alpha=0.3)
+        axs[0][0].legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(path("train_curves"), dpi=90)
+        plt.close(fig)
+    return paths

@@ -1,0 +1,117 @@
+"""Collect finished runs' metrics into tables: one row per (run, eval step), per-step curves,
+and final pass@1 per setting with a 95% t-interval over seeds."""
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from scipy import stats
+
+from ebpo_jax.ablation.grid import Run
+from ebpo_jax.metrics import read_metrics
+
+# Training curves averaged over the steps since the previous eval in results.csv.
+CURVES = (
+    "reward/mean",
+    "actor/grad_norm",
+    "actor/entropy",
+    "actor/kl",
+    "adv/zero_frac",
+    "adv/all_same_group_frac",
+    "eb/shrinkage_mean",
+    "response_length/mean",
+)
+
+
+def _run_columns(run: Run) -> dict:
+    cols = {"block": run.block, "run_id": run.run_id}
+    cols.update({axis: value for axis, value in run.values})
+    over = dict(run.overrides)
+    cols.setdefault("group_size", over.get("group_size"))
+    cols["prompts_per_step"] = over.get("prompts_per_step")
+    return cols
+
+
+def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(eval rows, step rows) of every run with metrics under `runs_dir/<run_id>`."""
+    evals, steps = [], []
+    for run in runs:
+        records = read_metrics(os.path.join(runs_dir, run.run_id))
+        cols, since, tokens = _run_columns(run), [], 0.0
+        for rec in records:
+            tokens = rec.get("perf/generated_tokens_total") or tokens
+            if "reward/mean" in rec:
+                since.append(rec)
+                steps.append({**cols, "step": rec["step"], **{k: rec.get(k) for k in CURVES}})
+            if rec.get("eval/pass@1") is not None:
+                row = {**cols, "step": rec["step"], "generated_tokens": tokens}
+                row["pass@1"] = rec["eval/pass@1"]
+                for k in CURVES:
+                    vals = [r[k] for r in since if r.get(k) is not None]
+                    row[k] = float(np.mean(vals)) if vals else np.nan
+                evals.append(row)
+                since = []
+    return pd.DataFrame(evals), pd.DataFrame(steps)
+
+
+def interval95(x) -> tuple[float, float, float]:
+    """(mean, low, high): a Student-t 95% interval over seeds (NaN width for one seed)."""
+    x = np.asarray(x, np.float64)
+    m = float(x.mean())
+    if x.size < 2:
+        return m, np.nan, np.nan
+    half = stats.t.ppf(0.975, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size)
+    return m, m - half, m + half
+
+
+def final_rows(evals: pd.DataFrame) -> pd.DataFrame:
+    """Each run's last eval row."""
+    idx = evals.groupby("run_id")["step"].idxmax()
+    return evals.loc[idx].reset_index(drop=True)
+
+
+def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
+    """Final pass@1 per setting `by`: seeds, mean, 95% interval, start pass@1, tokens."""
+    final = final_rows(evals)
+    start = evals[evals.step == 0].set_index("run_id")["pass@1"]
+    out = []
+    for key, grp in final.groupby(list(by), sort=False):
+        m, lo, hi = interval95(grp["pass@1"])
+        gain = grp["pass@1"].to_numpy() - start.reindex(grp.run_id).to_numpy()
+        out.append(
+            {
+                **dict(zip(by, key if isinstance(key, tuple) else (key,))),
+                "seeds": len(grp),
+                "pass@1": m,
+                "ci_low": lo,
+                "ci_high": hi,
+                "gain": float(np.nanmean(gain)),
+                "generated_tokens": float(grp["generated_tokens"].mean()),
+            }
+        )
+    return pd.DataFrame(out)
+
+
+def paired_difference(evals: pd.DataFrame, by: Sequence[str], column: str, a, b) -> pd.DataFrame:
+    """Final pass@1 of `column`=a minus `column`=b, paired by seed, per setting `by`."""
+    final = final_rows(evals)
+    out = []
+    for key, grp in final.groupby(list(by), sort=False):
+        pa = grp[grp[column] == a].set_index("seed")["pass@1"]
+        pb = grp[grp[column] == b].set_index("seed")["pass@1"]
+        d = (pa - pb).dropna()
+        if d.empty:
+            continue
+        m, lo, hi = interval95(d)
+        row = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        out.append({**row, "diff": m, "ci_low": lo, "ci_high": hi, "seeds": len(d)})
+    return pd.DataFrame(out)
+
+
+def to_markdown(df: pd.DataFrame, digits: int = 3) -> str:
+    """A GitHub markdown table of `df` (floats to `digits` places)."""
+    fmt = lambda v: f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+    rows = [[fmt(v) for v in row] for row in df.itertuples(index=False)]
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

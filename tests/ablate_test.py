@@ -1,0 +1,143 @@
+"""Ablation grids: expansion, config errors, result tables, and a micro grid end to end."""
+
+import importlib.util
+import os
+
+import ml_collections
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats
+
+from ebpo_jax import ablation
+from ebpo_jax.ablation import grid as grid_lib
+from ebpo_jax.config import ConfigError
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _grid(**block):
+    c = ml_collections.ConfigDict()
+    c.name, c.base_config, c.out_dir = "g", "configs/micro.py", "/tmp/unused"
+    c.fixed = {"total_steps": 2, "optimizer": {"learning_rate": 1e-3}}
+    c.blocks = [{"name": "b", **block}]
+    return c
+
+
+def test_expand_equal_budget_and_overrides():
+    runs = ablation.expand(
+        _grid(
+            axes={"method": ["grpo", "ebpo"], "group_size": [2, 8], "seed": [0, 1]},
+            rollouts_per_step=16,
+        )
+    )
+    assert len(runs) == 8 and len({r.run_id for r in runs}) == 8
+    for r in runs:
+        over = dict(r.overrides)
+        assert over["prompts_per_step"] * over["group_size"] == 16
+        assert over["optimizer.learning_rate"] == 1e-3
+        assert over["estimator"] == r.value("method")
+    base = grid_lib.load_config_file("configs/micro.py")
+    cfg = ablation.run_config(base, runs[-1], "/tmp/x")
+    assert (cfg.estimator, cfg.group_size, cfg.prompts_per_step, cfg.seed) == ("ebpo", 8, 2, 1)
+    assert cfg.workdir == "/tmp/x" and base.workdir != "/tmp/x"  # the base is not modified
+
+
+def test_methods_set_their_options():
+    runs = ablation.expand(_grid(axes={"method": ["ebpo_per_batch", "dapo", "dr_grpo"]}))
+    base = grid_lib.load_config_file("configs/micro.py")
+    per_batch, dapo, dr = (ablation.run_config(base, r, "/tmp/x") for r in runs)
+    assert per_batch.estimator_options.per_batch is True
+    assert dapo.dapo.dynamic_sampling and dapo.loss.clip_high == 0.28
+    assert dr.loss.agg == "seq-mean-token-sum-norm"
+
+
+def test_grid_errors_name_the_fault():
+    with pytest.raises(ConfigError, match="method='gpro' unknown"):
+        ablation.expand(_grid(axes={"method": ["gpro"]}))
+    with pytest.raises(ConfigError, match="rollouts_per_step=10 needs a group_size"):
+        ablation.expand(_grid(axes={"group_size": [4]}, rollouts_per_step=10))
+    run = ablation.expand(_grid(axes={"optimizer.learnin_rate": [1.0]}))[0]
+    with pytest.raises(ConfigError, match="optimizer.learnin_rate"):
+        ablation.run_config(grid_lib.load_config_file("configs/micro.py"), run, "/tmp/x")
+    with pytest.raises(ConfigError, match="no_such.py"):
+        grid_lib.load_config_file("configs/no_such.py")
+
+
+def test_summarize_matches_brute_force_t_interval():
+    rng = np.random.default_rng(0)
+    rows = []
+    for method in ("a", "b"):
+        for seed in range(4):
+            rid = f"{method}{seed}"
+            rows.append(
+                {
+                    "block": "x",
+                    "run_id": rid,
+                    "method": method,
+                    "seed": seed,
+                    "step": 0,
+                    "pass@1": 0.2,
+                    "generated_tokens": 0.0,
+                }
+            )
+            rows.append(
+                {
+                    "block": "x",
+                    "run_id": rid,
+                    "method": method,
+                    "seed": seed,
+                    "step": 10,
+                    "pass@1": rng.uniform(),
+                    "generated_tokens": 100.0,
+                }
+            )
+    evals = pd.DataFrame(rows)
+    summ = ablation.summarize(evals, ["method"]).set_index("method")
+    for method in ("a", "b"):
+        x = evals[(evals.method == method) & (evals.step == 10)]["pass@1"].to_numpy()
+        lo, hi = stats.t.interval(0.95, len(x) - 1, loc=x.mean(), scale=stats.sem(x))
+        assert summ.loc[method, "pass@1"] == pytest.approx(x.mean())
+        assert (summ.loc[method, "ci_low"], summ.loc[method, "ci_high"]) == pytest.approx((lo, hi))
+        assert summ.loc[method, "gain"] == pytest.approx(x.mean() - 0.2)
+    diff = ablation.paired_difference(evals, ["block"], "method", "a", "b")
+    fa = evals[(evals.method == "a") & (evals.step == 10)]["pass@1"].to_numpy()
+    fb = evals[(evals.method == "b") & (evals.step == 10)]["pass@1"].to_numpy()
+    assert diff["diff"].iloc[0] == pytest.approx((fa - fb).mean())
+
+
+def _load_ablate():
+    spec = importlib.util.spec_from_file_location(
+        "ablate", os.path.join(REPO, "experiments", "ablate.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_micro_grid_end_to_end_and_resume(tmp_path):
+    """Two micro runs train, results.csv and plots appear; a second call trains nothing."""
+    ablate = _load_ablate()
+    grid = grid_lib.load_config_file("configs/ablations/micro.py")
+    grid.out_dir = str(tmp_path / "grid")
+    grid.blocks = [
+        {
+            "name": "main",
+            "axes": {"method": ["grpo", "ebpo"], "group_size": [2]},
+            "rollouts_per_step": 8,
+        }
+    ]
+    out = ablate.run_grid(grid, log=lambda *_: None)
+    assert sorted(out["trained"]) == sorted(out["runs"]) and len(out["runs"]) == 2
+    evals = pd.read_csv(out["results"])
+    assert len(evals) == 4 and sorted(evals.step.unique()) == [0, 2]  # start + final eval
+    assert set(evals.method) == {"grpo", "ebpo"} and (evals.prompts_per_step == 4).all()
+    final = evals[evals.step == 2]
+    assert (final.generated_tokens > 0).all() and final["actor/entropy"].notna().all()
+    assert len(pd.read_csv(out["steps"])) == 4  # 2 runs x 2 steps
+    assert out["plots"] and all(os.path.getsize(p) > 1000 for p in out["plots"])
+    with open(out["summary"]) as f:
+        assert "| grpo |" in f.read()
+    again = ablate.run_grid(grid, log=lambda *_: None)
+    assert again["trained"] == []
+    pd.testing.assert_frame_equal(pd.read_csv(again["results"]), evals)
