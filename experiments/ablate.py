@@ -83,6 +83,9 @@ def run_grid(
         r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
     }
     todo = [] if plots_only else [r for r in runs if r.run_id not in done]
+    # Seed-major: one seed of every setting first (an early full picture), and the later
+    # seeds reuse the first seed's compiled programs from the persistent cache.
+    todo.sort(key=lambda r: (r.value("seed", 0), runs.index(r)))
     log(f"grid {grid.name}: {len(runs)} runs, {len(done)} finished, {len(todo)} to train -> {out}")
     if dry_run:
         for r in runs:

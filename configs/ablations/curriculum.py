@@ -4,7 +4,7 @@ CPU scale: the tiny default on the arithmetic tasks (3 topics x 2 difficulty lev
 P=32. `naive` shuffles, `topic` streams one topic cluster at a time, `difficulty` goes
 easy to hard (the tasks' difficulty field stands in for the base model's pass rate).
 GRPO runs the same orders as a control: an order effect seen with both estimators comes
-from the data, not from the EB prior. `ebpo_cluster` adds per-cluster priors.
+from the data, not from the EB prior.
 `--config=configs/ablations/curriculum.py:paper` runs it on configs/qwen3_8b.py (data.order,
 with topics from k-means and difficulty from experiments/estimate_difficulty.py).
 """
@@ -25,7 +25,8 @@ def get_config(scale: str = "cpu"):
         c.fixed = {
             "total_steps": 100,
             "eval_every": 25,
-            "checkpoint_every": 25,
+            "eval_samples": 4,
+            "checkpoint_every": 50,
             "keep_checkpoints": 1,
             "lr": 5e-4,
             "group_size": 4,
@@ -35,7 +36,7 @@ def get_config(scale: str = "cpu"):
         {
             "name": "order",
             "axes": {
-                "method": ["grpo", "ebpo", "ebpo_cluster"],
+                "method": ["grpo", "ebpo"],
                 "order": ["naive", "topic", "difficulty"],
                 "seed": [0, 1, 2],
             },

@@ -1,5 +1,6 @@
 """Which EBPO variant: the paper's carried prior, the released code's per-batch statistics,
-per-cluster priors, or a forgetting factor? GRPO as the reference, at G=2 and G=4.
+per-cluster priors, or a forgetting factor? GRPO as the reference, at G=2 (where the
+prior matters most; the group_size grid covers larger G).
 
 CPU scale: the tiny default on the arithmetic tasks, 128 responses per step.
 `--config=configs/ablations/estimator_variants.py:paper` runs it on configs/qwen3_8b.py.
@@ -22,11 +23,12 @@ def get_config(scale: str = "cpu"):
         c.fixed = {
             "total_steps": 100,
             "eval_every": 25,
-            "checkpoint_every": 25,
+            "eval_samples": 4,
+            "checkpoint_every": 50,
             "keep_checkpoints": 1,
             "lr": 5e-4,
         }
-        budget, groups = 128, [2, 4]
+        budget, groups = 128, [2]
     c.blocks = [
         {
             "name": "variant",
