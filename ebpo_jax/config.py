@@ -1,8 +1,11 @@
 """Training config schema and validation: bad fields are one-line errors before any compile."""
 
 import math
+import os
 
 import ml_collections
+
+from ebpo_jax.data.config import data_config
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SCHEDULES = ("constant", "cosine")
@@ -22,7 +25,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.group_size = 8  # G
     c.estimator = "ebpo"  # any name in ebpo_jax.advantages' registry
     c.estimator_options = ml_collections.ConfigDict()  # keyword options for the estimator
-    c.eb_clusters = "none"  # EB priors: none (one global) | topic | cell (topic x difficulty)
+    # EB priors: none (one global) | topic | cell (topic x difficulty; synthetic tasks only)
+    c.eb_clusters = "none"
     c.checkpoint_every = 50
     c.keep_checkpoints = 3
     c.eval_every = 50
@@ -38,6 +42,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"
     c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields, e.g. num_layers
+    # A local HF checkpoint folder: weights (models.from_hf) and tokenizer; the preset is
+    # unused and overrides may only change non-shape fields (dtype, remat, attention, ...).
+    c.model.hf_path = ""
+    # A local HF tokenizer folder for a randomly initialised preset (vocab from the tokenizer).
+    c.model.tokenizer_path = ""
+
+    # Math data (ebpo_jax.data); path "" = the synthetic arithmetic tasks of `task` below.
+    c.data = data_config()
 
     c.task = ml_collections.ConfigDict()
     c.task.topics = ""  # comma-separated topic names; "" = every topic
@@ -141,6 +153,60 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
     return shape
 
 
+def _validate_data_and_model(c, need) -> None:
+    """Math data vs the synthetic tasks: files exist, and the trainer options they allow."""
+    from ebpo_jax.data import DataError
+    from ebpo_jax.data.config import validate_data_config
+
+    d, m = c.data, c.model
+    if m.hf_path:
+        need(
+            os.path.isfile(os.path.join(m.hf_path, "config.json")),
+            f"model.hf_path={m.hf_path!r} is not a local HF checkpoint folder (no config.json)",
+        )
+    if m.tokenizer_path:
+        need(
+            os.path.isdir(m.tokenizer_path),
+            f"model.tokenizer_path={m.tokenizer_path!r} is not a local tokenizer folder",
+        )
+    need(
+        not (m.hf_path and m.tokenizer_path),
+        "set model.hf_path (weights and tokenizer) or model.tokenizer_path, not both",
+    )
+    if not d.path:
+        need(
+            not (m.hf_path or m.tokenizer_path or d.eval_path),
+            "model.hf_path, model.tokenizer_path and data.eval_path need data.path "
+            "(the synthetic tasks use their own char tokenizer and held-out split)",
+        )
+        return
+    try:
+        validate_data_config(d)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    need(
+        bool(m.hf_path or m.tokenizer_path),
+        f"data.path={d.path!r} needs a tokenizer: set model.hf_path or model.tokenizer_path",
+    )
+    need(
+        c.eb_clusters != "cell",
+        "eb_clusters='cell' needs the synthetic tasks; with data.path use 'topic' or 'none'",
+    )
+    # Math answers are verified on the host (jit -> host -> jit), one step per call.
+    need(
+        c.steps_per_jit == 1,
+        f"steps_per_jit={c.steps_per_jit}: data.path is scored by a host reward, so it must be 1",
+    )
+    need(
+        not c.dapo.dynamic_sampling,
+        "dapo.dynamic_sampling needs a jittable reward; data.path is scored by a host reward",
+    )
+    need(
+        c.sft.steps == 0,
+        f"sft.steps={c.sft.steps}: the SFT warm start is for the synthetic tasks, not data.path",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -231,6 +297,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     need(c.eval_samples >= 1, f"eval_samples must be >= 1, got {c.eval_samples}")
     need(c.task.order in ("naive", "topic", "difficulty"), f"task.order={c.task.order!r} unknown")
     need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")
+    _validate_data_and_model(c, need)
 
     from ebpo_jax import advantages  # the registry; imported late so this module stays light
 

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import save_tiny_tokenizer  # also imported from here by evaluation_test
 
 from ebpo_jax import data
 from ebpo_jax.data import DataError
@@ -193,44 +194,6 @@ def test_prompt_templates():
     # The DAPO prompt rebuilt from its bare problem is the original text.
     (rec,) = [data.to_record(ROWS["dapo"][0][0], data.get_schema("dapo"), source="s", row_index=0)]
     assert data.format_prompt(rec.prompt, "answer") == DAPO_CONTENT
-
-
-def save_tiny_tokenizer(path) -> str:
-    """A word-level tokenizer with BOS post-processing and a chat template, saved to `path`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = [
-        "<pad>",
-        "<s>",
-        "</s>",
-        "<unk>",
-        "<|user|>",
-        "<|system|>",
-        "<|assistant|>",
-        "<|end|>",
-    ]
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    corpus = ["what is one plus two", "solve for x", "the answer is", "Answer: $Answer 3 5"] * 2
-    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        additional_special_tokens=specials[4:],
-    )
-    fast.chat_template = (
-        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
-        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    fast.save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

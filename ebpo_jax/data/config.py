@@ -5,6 +5,7 @@ A trainer config embeds it as `c.data = data.config.data_config()`; then
 """
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import ml_collections
@@ -16,6 +17,7 @@ from ebpo_jax.data.prompts import TEMPLATES
 from ebpo_jax.data.schemas import SCHEMAS, DataError
 from ebpo_jax.data.source import MathPromptSource, make_host_reward
 from ebpo_jax.data.tokenize import OVERFLOW
+from ebpo_jax.rewards import get_reward
 
 TOPIC_SOURCES = ("field", "kmeans", "none")
 
@@ -39,7 +41,25 @@ def data_config() -> ml_collections.ConfigDict:
     c.reward_timeout_s = 10.0
     c.reward_workers = 0  # 0 = min(4, cpu count)
     c.format_weight = 0.0  # bonus for an "Answer:" line or \boxed{}
+    # Held-out benchmarks for eval/pass@1 during training: comma-separated "path" or
+    # "schema:path" entries (pass@1 is averaged over them); "" = no eval.
+    c.eval_path = ""
+    c.eval_schema = "math500"  # for eval entries without a schema
+    c.eval_limit = 0  # first N problems of each eval file; 0 = all
     return c
+
+
+def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+    """(schema, path) of each entry of `c.eval_path` ("path" or "schema:path")."""
+    out = []
+    for entry in (e.strip() for e in c.eval_path.split(",")):
+        if not entry:
+            continue
+        schema, sep, path = entry.partition(":")
+        if not sep or schema not in SCHEMAS:
+            schema, path = c.eval_schema, entry
+        out.append((schema, path))
+    return out
 
 
 def validate_data_config(c: ml_collections.ConfigDict) -> None:
@@ -60,6 +80,17 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
         )
     if c.max_prompt_len < 1 or c.num_clusters < 1 or c.reward_timeout_s <= 0:
         raise DataError("data.max_prompt_len, num_clusters and reward_timeout_s must be positive")
+    try:
+        get_reward(c.reward)
+    except (ValueError, TypeError) as e:
+        raise DataError(f"data.reward: {e}") from None
+    if c.path and not os.path.exists(c.path):
+        raise DataError(f"data.path={c.path!r}: no such file or folder")
+    if c.eval_schema not in SCHEMAS:
+        raise DataError(f"data.eval_schema={c.eval_schema!r} unknown; known: {sorted(SCHEMAS)}")
+    for _, path in eval_sets(c):
+        if not os.path.exists(path):
+            raise DataError(f"data.eval_path entry {path!r}: no such file or folder")
 
 
 def source_from_config(

@@ -9,12 +9,16 @@ import numpy as np
 
 from ebpo_jax import config as config_lib
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax import models, sampler, tasks
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
-from ebpo_jax.trainer import sft
-from ebpo_jax.trainer.rollout import batch_rounds, make_rollout_fn, num_clusters
+from ebpo_jax.trainer.rollout import make_rollout_fn
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import make_multi_step, make_train_step, make_update_fn
+from ebpo_jax.trainer.task_setup import (  # noqa: F401  (load_tasks, model_config_from: re-exported)
+    Task,
+    build_task,
+    load_tasks,
+    model_config_from,
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -26,63 +30,6 @@ def make_mesh(config):
     shape = config_lib.mesh_shape(config, jax.device_count())
     axes = tuple(config.mesh.axes)
     return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
-
-
-def load_tasks(config):
-    """(tokenizer, train problems, held-out problems) for the synthetic arithmetic tasks."""
-    t = config.task
-    topics = tuple(x for x in t.topics.split(",") if x) or tasks.TOPICS
-    levels = tuple(d for d in tasks.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
-    train, test = tasks.make_splits(
-        t.seed,
-        train_per_cell=t.train_per_cell,
-        test_per_cell=t.test_per_cell,
-        topics=topics,
-        difficulties=levels,
-    )
-    return tasks.CharTokenizer(), train, test
-
-
-def model_config_from(config, tokenizer):
-    """The policy's ModelConfig: the preset, the tokenizer's vocabulary, then overrides."""
-    return models.get_config(
-        config.model.preset, **{"vocab_size": tokenizer.vocab_size, **config.model.overrides}
-    )
-
-
-def make_evaluator(config, model_config, problems, tokenizer, mesh=None):
-    """evaluate(params) -> held-out pass@1: the mean exact-answer reward over
-    `eval_samples` samples per problem at `eval_temperature` (0 = greedy, one sample)."""
-    data = tasks.encode_problems(problems, tokenizer)
-    n, bs = len(problems), min(config.eval_batch_size, len(problems))
-    pad = (-n) % bs  # repeat the first rows so every chunk has one shape (one compile)
-    arrays = [np.concatenate([a, a[:pad]]) for a in data]
-    temperature = config.eval_temperature
-    k = config.eval_samples if temperature > 0 else 1
-    reward = jax.jit(lambda *a: tasks.reward_fn(*a, eos_id=tokenizer.eos_id))
-
-    def evaluate(params) -> float:
-        total = []
-        for i, s in enumerate(range(0, n + pad, bs)):
-            chunk = tasks.PromptBatch(*(a[s : s + bs] for a in arrays))
-            gen = sampler.generate(
-                model_config,
-                params,
-                chunk.prompt_tokens,
-                chunk.prompt_lengths,
-                max_new_tokens=config.sampler.max_new_tokens,
-                rng=jax.random.fold_in(jax.random.key(config.seed), i),  # same draws every eval
-                temperature=temperature,
-                eos_id=tokenizer.eos_id,
-                num_samples=k,
-                mesh=mesh,
-            )
-            rep = lambda x: np.repeat(x, k, axis=0)
-            r = reward(gen.tokens, gen.lengths, rep(chunk.answer_tokens), rep(chunk.answer_lengths))
-            total.append(np.asarray(r).reshape(bs, k))
-        return float(np.concatenate(total)[:n].mean())
-
-    return evaluate
 
 
 def _to_host(metrics) -> list[dict]:
@@ -106,46 +53,44 @@ def load_params(workdir: str):
 def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=None) -> dict:
     """Run (or resume) training as `config` says; returns pass@1 before/after and paths.
 
-    `reward_fn` replaces the task's jittable exact-answer reward (same signature).
-    `host_reward(rollout) -> rewards [P, G]` is a Python reward on host arrays (e.g.
-    math-verify): the step then runs as jit (sample) -> host (reward) -> jit (update).
+    What the run trains on (synthetic tasks or `data.path`'s math records) comes from
+    `task_setup.build_task`. `reward_fn` replaces the task's jittable reward (same signature);
+    `host_reward(rollout) -> rewards [P, G]` is a Python reward on host arrays (math data
+    has one: math-verify): the step then runs as jit (sample) -> host (reward) -> jit (update).
     `stop_after=n` stops after n steps of this call as SIGTERM would (checkpoint, return).
     """
     config_lib.validate(config, jax.device_count())
+    if host_reward is not None and config.steps_per_jit != 1:
+        raise config_lib.ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
     t_start = time.time()
     os.makedirs(config.workdir, exist_ok=True)
     with open(os.path.join(config.workdir, "config.json"), "w") as f:
         f.write(config.to_json(indent=2))
     mesh = make_mesh(config)
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    tokenizer, train_problems, test_problems = load_tasks(config)
-    model_config = model_config_from(config, tokenizer)
-    eos = tokenizer.eos_id
-    if host_reward is not None and config.steps_per_jit != 1:
-        raise config_lib.ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
+    task = build_task(config, mesh=mesh, log=log)
     if reward_fn is None and host_reward is None:
-        reward_fn = lambda *a: tasks.reward_fn(*a, eos_id=eos)
+        reward_fn, host_reward = task.reward_fn, task.host_reward
+    try:
+        summary = _run(config, task, mesh, reward_fn, host_reward, log, stop_after)
+    finally:
+        task.close()  # reward worker processes, also when a step raised
+    return {**summary, "wall_time_s": time.time() - t_start}
 
-    params = models.init_params(model_config, jax.random.key(config.seed))
-    params = sft.warm_start(config, model_config, params, train_problems, tokenizer, log=log)
+
+def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> dict:
+    """The host loop of train() over a built task."""
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    model_config, source, evaluate = task.model_config, task.source, task.evaluate
     optimizer = make_optimizer(config)
     state = init_train_state(
-        params,
+        task.params,
         optimizer,
         seed=config.seed,
-        num_clusters=num_clusters(config),
+        num_clusters=task.num_clusters,
         with_ref=config.loss.kl_coef > 0,
     )
     state = jax.device_put(state, replicated)
-    P, K = config.prompts_per_step, config.steps_per_jit
-    source = tasks.PromptSource(
-        train_problems,
-        tokenizer,
-        batch_rounds(config) * P,
-        seed=config.seed,
-        order=config.task.order,
-    )
-    evaluate = make_evaluator(config, model_config, test_problems, tokenizer, mesh)
+    K = config.steps_per_jit
     ckpt = Checkpointer(
         os.path.join(config.workdir, "checkpoints"),
         max_to_keep=config.keep_checkpoints,
@@ -160,14 +105,14 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
         log(f"resumed from step {int(state.step)} in {ckpt.directory}")
     resumed_from = int(state.step) if extra else None
 
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    stops, eos = task.stop_ids, task.eos_id
     if K == 1:
-        rollout = jax.jit(make_rollout_fn(config, model_config, reward_fn, eos, mesh))
+        rollout = jax.jit(make_rollout_fn(config, model_config, reward_fn, stops, mesh))
         update = jax.jit(make_update_fn(config, model_config, optimizer, eos), donate_argnums=0)
     else:
         multi = jax.jit(
             make_multi_step(
-                make_train_step(config, model_config, optimizer, reward_fn, eos, mesh=mesh)
+                make_train_step(config, model_config, optimizer, reward_fn, stops, mesh=mesh)
             ),
             donate_argnums=0,
         )
@@ -177,16 +122,19 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     writer = metrics_lib.MetricsWriter(config.workdir, start_step=step + 1 if extra else 0)
     bar = metrics_lib.ProgressBar(config.total_steps, initial=step)
     if "pass@1_start" in extra:
-        pass_start = extra["pass@1_start"]
+        pass_start = math.nan if extra["pass@1_start"] is None else extra["pass@1_start"]
+    elif evaluate is None:
+        pass_start = math.nan
     else:
         pass_start = evaluate(state.params)
         writer.write(step, {"eval/pass@1": pass_start})
-    log(f"held-out pass@1 at the warm start: {100 * pass_start:.1f}%")
+    if evaluate is not None:
+        log(f"held-out pass@1 at the warm start: {100 * pass_start:.1f}%")
     pass_now, first, stopped = pass_start, step, False
     with PreemptionGuard() as guard:
         while step < config.total_steps:
             batches = source.next_batches(K)
-            batches = jax.device_put(batches, batch_sharding)
+            batches = jax.device_put(batches, replicated)
             t0 = time.perf_counter()
             if K == 1:
                 one = jax.tree.map(lambda x: x[0], batches)
@@ -212,11 +160,14 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
                     **{"perf/step_time_s": dt, "perf/tokens_per_s": row["perf/step_tokens"] / dt},
                 )
                 # eval_every and total_steps are multiples of K: this is the chunk's last step.
-                if step % config.eval_every == 0 or step == config.total_steps:
+                due = step % config.eval_every == 0 or step == config.total_steps
+                if due and evaluate is not None:
                     pass_now = row["eval/pass@1"] = evaluate(state.params)
                 writer.write(step, row)
                 bar.update(step - 1, row)
-            extra = {"data": source.state(), "pass@1_start": pass_start}
+            # JSON has no NaN: a run without eval stores None.
+            start = None if math.isnan(pass_start) else pass_start
+            extra = {"data": source.state(), "pass@1_start": start}
             if ckpt.should_save(step):
                 ckpt.save(step, _state_for_checkpoint(state), extra)
             if rows[-1]["train/nonfinite_run"] >= config.max_nonfinite_steps:
@@ -236,15 +187,13 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     ckpt.close()
     writer.close()
     bar.close()
-    summary = {
+    return {
         "pass@1_start": pass_start,
         "pass@1_end": pass_now,
         "step": step,
         "stopped_early": stopped,
         "resumed_from": resumed_from,
-        "wall_time_s": time.time() - t_start,
         "workdir": config.workdir,
         "metrics": metrics_path,
         "checkpoints": ckpt.directory,
     }
-    return summary

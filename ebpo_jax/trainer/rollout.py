@@ -1,6 +1,6 @@
 """Group rollouts: G samples per prompt, jittable rewards, DAPO's dynamic-sampling refill."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -47,15 +47,23 @@ def compact(buffer: Rollout, filled_P, new: Rollout, keep_P) -> tuple[Rollout, j
     return merged, keys_2P[order_P]
 
 
-def num_clusters(config) -> int:
-    """How many EB priors `config.eb_clusters` asks for: none, per topic, per (topic, level)."""
-    return {"none": 1, "topic": len(TOPICS), "cell": len(TOPICS) * len(DIFFICULTIES)}[
-        config.eb_clusters
-    ]
+def num_clusters(config, topic_count: int | None = None) -> int:
+    """How many EB priors `config.eb_clusters` asks for: none, per topic, per (topic, level).
+
+    `topic_count` is a math source's number of topics; None = the synthetic tasks' TOPICS.
+    """
+    topics = len(TOPICS) if topic_count is None else topic_count
+    if config.eb_clusters == "cell" and topic_count is not None:
+        raise ValueError("eb_clusters='cell' needs the synthetic tasks' difficulty levels")
+    return {"none": 1, "topic": topics, "cell": topics * len(DIFFICULTIES)}[config.eb_clusters]
 
 
 def cluster_ids(config, batch) -> jax.Array:
-    """[P] int32 EB cluster of each prompt of a PromptBatch."""
+    """[P] int32 EB cluster of each prompt of a PromptBatch (synthetic or math).
+
+    `topic_ids` index the source's topics (TOPICS, or a MathPromptSource's topic_names);
+    `cell` also uses the synthetic tasks' integer difficulty levels.
+    """
     topic = jnp.asarray(batch.topic_ids, jnp.int32)
     if config.eb_clusters == "topic":
         return topic
@@ -64,10 +72,14 @@ def cluster_ids(config, batch) -> jax.Array:
     return jnp.zeros_like(topic)
 
 
-def make_rollout_fn(config, model_config, reward_fn: RewardFn | None, eos_id: int, mesh=None):
+def make_rollout_fn(
+    config, model_config, reward_fn: RewardFn | None, eos_id: int | Sequence[int], mesh=None
+):
     """rollout(params, batch, rng) -> Rollout; pure, jittable, scan-able.
 
-    `batch` is a tasks.PromptBatch with `batch_rounds(config) * P` prompts.
+    `batch` is a tasks.PromptBatch (from tasks.PromptSource or data.MathPromptSource) with
+    `batch_rounds(config) * P` prompts. `eos_id` is the id, or list of ids (an HF chat
+    model's EOS and end-of-turn tokens), the sampler stops on.
     With `reward_fn=None` the rewards are left at 0 for a host reward to fill in
     (jit -> host -> jit); dynamic sampling then needs the jittable reward.
     """

@@ -1,0 +1,43 @@
+"""Helpers shared by test files."""
+
+from collections.abc import Sequence
+
+
+def save_tiny_tokenizer(path, extra_words: Sequence[str] = ()) -> str:
+    """A word-level tokenizer with BOS post-processing and a chat template, saved to `path`;
+    `extra_words` join the vocabulary after the default words."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = [
+        "<pad>",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "<|user|>",
+        "<|system|>",
+        "<|assistant|>",
+        "<|end|>",
+    ]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    corpus = ["what is one plus two", "solve for x", "the answer is", "Answer: $Answer 3 5"] * 2
+    corpus += [" ".join(extra_words)] if extra_words else []
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=specials[4:],
+    )
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> "
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    fast.save_pretrained(path)
+    return str(path)
