@@ -20,5 +20,5 @@ def _qwen3_8b():
     return module
 
 
-def get_config():
-    return finalize(_qwen3_8b().recipe("llama3_1_8b"))
+def get_config(variant=None):
+    return finalize(_qwen3_8b().recipe("llama3_1_8b", variant))

@@ -19,5 +19,5 @@ def _qwen3_8b():
     return module
 
 
-def get_config():
-    return finalize(_qwen3_8b().recipe("qwen3_14b"))
+def get_config(variant=None):
+    return finalize(_qwen3_8b().recipe("qwen3_14b", variant))

@@ -7,9 +7,17 @@ How each number was chosen:
   temperature 1.0 / top-p 1.0, responses up to 8192 tokens after prompts of up to 4096
   (a 12288-token padded row; pass `--prompt_len=4096` to aot_compile), grad clip 1.0 (verl).
 - total_steps: the paper does not state it; 340 steps is ~10 passes over DAPO-Math-17k
-  (17.4k prompts / 512 per step = 34 steps per pass). The data source (DAPO-Math-17k and
-  the five evaluation benchmarks) comes from the math-data issue; until it is wired into
-  the trainer, `task` below still names the synthetic tasks.
+  (17.4k prompts / 512 per step = 34 steps per pass).
+- Data: DAPO-Math-17k with the authors' 10 MiniLM k-means topics, written once by
+  `experiments/cluster_topics.py --data=data/dapo_math_17k.parquet --schema=dapo
+  --out=data/dapo_math_17k_topics.jsonl` (identical on every host and across resumes),
+  streamed topic by topic (EBPO-topic) with one global prior, as the paper. eval/pass@1
+  during training averages MATH-500, AIME24/25, AMC23 and OlympiadBench at `eval_samples`
+  samples (experiments/eval.py gives the paper's 16-sample numbers with intervals).
+  The data/ and checkpoints/ paths are placeholders (relative to the working directory):
+  put the files there or override, e.g. `--config.model.hf_path=/ckpt/Qwen3-8B`.
+  `--config=configs/qwen3_8b.py:aot` is the same recipe without data or checkpoint paths
+  (the synthetic tasks), for experiments/aot_compile.py on a host without them.
 - Weights in float32, compute in bfloat16 (verl's FSDP mixed precision does the same): at
   lr 1e-6 an Adam step changes a weight by ~1e-6, far below bfloat16's resolution (2^-8
   relative), so bfloat16 master weights would never move.
@@ -31,10 +39,26 @@ The AOT report for these choices is in the README (experiments/aot_compile.py).
 from ebpo_jax.config import default_config, finalize
 
 PRESET = "qwen3_8b"
+# Placeholder HF checkpoint folders of each preset (the paper does not say base or instruct
+# for LLaMA-3.1-8B).
+CHECKPOINTS = {
+    "qwen3_8b": "checkpoints/Qwen3-8B",
+    "qwen3_14b": "checkpoints/Qwen3-14B",
+    "llama3_1_8b": "checkpoints/Llama-3.1-8B-Instruct",
+}
+EVAL_SETS = (
+    "math500:data/math500.jsonl,aime2024:data/aime2024.jsonl,aime2025:data/aime2025.jsonl,"
+    "amc23:data/amc23.jsonl,olympiadbench:data/olympiadbench.jsonl"
+)
 
 
-def recipe(preset: str):
-    """The paper's recipe around the model `preset` (shared by the 8B and 14B configs)."""
+def recipe(preset: str, variant: str | None = None):
+    """The paper's recipe around the model `preset` (shared by the 8B and 14B configs).
+
+    variant "aot": no data or checkpoint paths (the synthetic tasks at the same shapes).
+    """
+    if variant not in (None, "", "aot"):
+        raise ValueError(f"unknown config variant {variant!r}; known: 'aot'")
     from ebpo_jax.models import PRESETS
 
     c = default_config()
@@ -57,7 +81,19 @@ def recipe(preset: str):
     c.model.overrides.remat = "full"
     c.model.overrides.attention = "splash"
 
-    c.task.order = "topic"  # EBPO-topic, the paper's best curriculum
+    c.data.schema = "record"  # cluster_topics.py output: DAPO records + topic
+    c.data.template = "answer"  # the paper's "Answer: $Answer" prompt
+    c.data.chat = True
+    c.data.max_prompt_len = 4096
+    c.data.on_overflow = "drop"
+    c.data.order = "topic"  # EBPO-topic, the paper's best curriculum
+    c.data.topics = "field"
+    c.data.reward = "math"
+    if variant != "aot":
+        c.model.hf_path = CHECKPOINTS[preset]
+        c.data.path = "data/dapo_math_17k_topics.jsonl"
+        c.data.eval_path = EVAL_SETS
+    c.task.order = "topic"  # the aot variant's synthetic stream, same curriculum
 
     c.sampler.max_new_tokens = 8192
     c.sampler.temperature = 1.0
@@ -88,5 +124,5 @@ def recipe(preset: str):
     return c
 
 
-def get_config():
-    return finalize(recipe(PRESET))
+def get_config(variant=None):
+    return finalize(recipe(PRESET, variant))

@@ -5,6 +5,8 @@ reward, optional SFT warm start); otherwise math records from `ebpo_jax.data` wi
 checkpoint's tokenizer, scored on the host (math-verify in a process pool).
 """
 
+import json
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -13,6 +15,9 @@ import numpy as np
 
 from ebpo_jax import models, policy_eval, rewards, sampler, tasks
 from ebpo_jax.config import ConfigError
+from ebpo_jax.data import encode_prompts, load_records, load_tokenizer, render_prompt
+from ebpo_jax.data.config import eval_sets, source_from_config
+from ebpo_jax.models.hf import config_from_hf_dict
 from ebpo_jax.trainer import sft
 from ebpo_jax.trainer.rollout import batch_rounds, num_clusters
 
@@ -138,11 +143,6 @@ def arithmetic_task(config, *, mesh=None, log=print) -> Task:
 
 def _hf_model_config(config):
     """The checkpoint's ModelConfig with the config's non-architecture overrides applied."""
-    import json
-    import os
-
-    from ebpo_jax.models.hf import config_from_hf_dict
-
     path = os.path.join(config.model.hf_path, "config.json")
     with open(path) as f:
         ckpt = config_from_hf_dict(json.load(f), source=path)
@@ -161,11 +161,6 @@ def _hf_model_config(config):
 
 def _eval_records(config, tokenizer, log) -> list[tuple[str, list]]:
     """(name, records) of each data.eval_path entry, prompts over data.max_prompt_len dropped."""
-    import os
-
-    from ebpo_jax.data import encode_prompts, load_records, render_prompt
-    from ebpo_jax.data.config import eval_sets
-
     d = config.data
     out = []
     for schema, path in eval_sets(d):
@@ -227,9 +222,6 @@ def _close_reward_pools() -> None:
 
 def math_task(config, *, mesh=None, log=print) -> Task:
     """Math records (data.*), an HF tokenizer, and the HF checkpoint or a random preset."""
-    from ebpo_jax.data import load_tokenizer
-    from ebpo_jax.data.config import source_from_config
-
     m, d = config.model, config.data
     tokenizer = load_tokenizer(m.hf_path or m.tokenizer_path)
     model_config = _hf_model_config(config) if m.hf_path else model_config_from(config, tokenizer)
