@@ -15,6 +15,16 @@ from ebpo_jax.metrics import METRIC_NAMES, read_metrics
 from ebpo_jax.trainer import build_task, loop
 
 NUMBERS = [str(i) for i in range(19)]
+# A one-layer policy: seconds to compile on a CPU.
+MODEL = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "head_dim": 16,
+    "max_position_embeddings": 32,
+}
 
 
 def _write_jsonl(path, rows) -> str:
@@ -60,24 +70,11 @@ def _config(files, workdir, **overrides):
     c.sampler.max_new_tokens = 6
     c.mesh.shape = (-1,)  # the loop insists the mesh covers every (fake) device
     c.model.tokenizer_path = tok
-    c.model.overrides.update(
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=32,
-    )
+    c.model.overrides.update(MODEL)
     c.data.path, c.data.schema, c.data.eval_path = data, "math500", evals
     c.data.template, c.data.max_prompt_len = "plain", 12
     c.data.order, c.data.reward, c.data.reward_workers = "topic", "math", 1
-    for k, v in overrides.items():
-        node = c
-        *path, last = k.split(".")
-        for p in path:
-            node = node[p]
-        node[last] = v
+    c.update_from_flattened_dict(overrides)
     return c
 
 
@@ -180,17 +177,7 @@ def test_hf_checkpoint_task_loads_weights_and_refuses_shape_overrides(files, tmp
     from ebpo_jax.data import load_tokenizer
 
     tok = load_tokenizer(files[0])
-    mc = models.get_config(
-        "tiny",
-        vocab_size=len(tok),
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=1,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=32,
-    )
+    mc = models.get_config("tiny", vocab_size=len(tok), **MODEL)
     params = models.init_params(mc, jax.random.key(7))
     ckpt = str(tmp_path / "ckpt")
     models.to_hf(mc, params, ckpt)
