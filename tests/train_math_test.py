@@ -194,3 +194,14 @@ def test_hf_checkpoint_task_loads_weights_and_refuses_shape_overrides(files, tmp
     c.model.overrides, c.data.max_prompt_len = {}, 30
     with pytest.raises(ConfigError, match="= 36 exceeds the model's max_position_embeddings=32"):
         build_task(c, log=_quiet)
+
+
+def test_reward_workers_stop_when_training_raises(files, tmp_path, monkeypatch):
+    def failing_run(*_):
+        rewards.default_pool(1)  # as the first eval's scoring would start it
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(loop, "_run", failing_run)
+    with pytest.raises(RuntimeError, match="step failed"):
+        loop.train(_config(files, tmp_path), log=_quiet)
+    assert not rewards._POOLS
