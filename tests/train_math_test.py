@@ -139,6 +139,18 @@ def test_resumed_math_run_equals_uninterrupted(files, tmp_path):
     assert extra["data"] == source.state()
 
 
+@pytest.mark.slow  # two short runs
+def test_math_run_without_eval_path_writes_no_eval(files, tmp_path):
+    c = _config(files, tmp_path, **{"data.eval_path": ""})
+    assert loop.train(c, log=_quiet, stop_after=1)["step"] == 1
+    s = loop.train(c, log=_quiet)
+    assert s["step"] == 4 and s["resumed_from"] == 1
+    assert np.isnan(s["pass@1_start"]) and np.isnan(s["pass@1_end"])
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert not any("eval/pass@1" in r for r in rows)
+
+
 @pytest.mark.parametrize(
     "field,value,message",
     [

@@ -1,4 +1,4 @@
-"""The host loop: data, warm start, jitted steps, eval, checkpoints, metrics, signals."""
+"""The host loop: jitted steps on a task (task_setup), eval, checkpoints, metrics, signals."""
 
 import math
 import os
