@@ -375,7 +375,8 @@ def default_pool(workers: int | None = None) -> RewardPool:
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Stop every reward worker pool (they restart on the next call)."""
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()

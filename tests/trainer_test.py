@@ -296,6 +296,10 @@ def test_overlong_penalty_and_truncation():
     np.testing.assert_array_equal(
         truncated(tokens, jnp.array([[2, 3, 3]]), EOS), [[False, True, False]]
     )
+    # Several stop ids (EOS and an end-of-turn): ending on either is not truncation.
+    np.testing.assert_array_equal(
+        truncated(tokens, jnp.array([[2, 3, 3]]), (EOS, 7)), [[False, False, False]]
+    )
 
 
 def test_dapo_dynamic_sampling_keeps_mixed_groups_and_counts_all_tokens(setup):

@@ -61,11 +61,12 @@ def overlong_penalty(lengths, max_new_tokens: int, buffer: int, factor: float):
     return -factor * jnp.clip(over / buffer, 0.0, 1.0)
 
 
-def truncated(tokens_PGN, lengths_PG, eos_id: int):
-    """[P, G] bool: the response hit max_new_tokens without ending on EOS."""
+def truncated(tokens_PGN, lengths_PG, eos_id):
+    """[P, G] bool: the response hit max_new_tokens without ending on a stop id (`eos_id`:
+    one id or several, e.g. EOS and a chat template's end-of-turn)."""
     N = tokens_PGN.shape[-1]
     last_PG = jnp.take_along_axis(tokens_PGN, jnp.maximum(lengths_PG - 1, 0)[..., None], -1)[..., 0]
-    return (lengths_PG >= N) & (last_PG != eos_id)
+    return (lengths_PG >= N) & ~jnp.isin(last_PG, jnp.asarray(eos_id).reshape(-1))
 
 
 def make_update_fn(config, model_config, optimizer, eos_id: int):

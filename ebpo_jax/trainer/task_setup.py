@@ -50,7 +50,7 @@ class Task(NamedTuple):
     host_reward: Callable | None  # host (rollout) -> rewards [P, G], when reward_fn is None
     num_clusters: int  # EB priors
     stop_ids: int | list[int]  # the sampler stops on any of these
-    eos_id: int  # the tokenizer's EOS (the update's truncation check)
+    eos_id: int | tuple[int, ...]  # ids that end a response (the update's truncation check)
     evaluate: Callable[[Any], float] | None  # params -> held-out pass@1; None = no eval
     close: Callable[[], None]  # stops reward worker processes
 
@@ -217,7 +217,7 @@ def make_math_evaluator(config, model_config, tokenizer, eval_sets, mesh=None):
 
 def _close_reward_pools() -> None:
     # The host reward and the eval score in rewards' shared pools, which restart on next use.
-    rewards._close_pools()
+    rewards.close_pools()
 
 
 def math_task(config, *, mesh=None, log=print) -> Task:
@@ -255,7 +255,7 @@ def math_task(config, *, mesh=None, log=print) -> Task:
         host_reward=host_reward,
         num_clusters=num_clusters(config, topic_count=source.num_clusters),
         stop_ids=policy_eval.stop_ids(tokenizer),
-        eos_id=tokenizer.eos_token_id,
+        eos_id=tuple(policy_eval.stop_ids(tokenizer)),
         evaluate=evaluate,
         close=_close_reward_pools,
     )
