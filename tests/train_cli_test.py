@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from ebpo_jax.metrics import METRIC_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,3 +48,43 @@ def test_bad_fields_fail_before_compiling(tmp_path):
     assert out.returncode != 0
     assert "ConfigError: group_size must be >= 1, got 0" in out.stderr
     assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+@pytest.mark.slow  # two CLI runs, each compiling: ~40 s idle, 4 min on a loaded 2-core CPU
+def test_sigterm_saves_and_resumes(tmp_path):
+    """A real SIGTERM mid-run: the step in progress finishes, is checkpointed, and the process
+    exits 0; running the same command again continues from that step."""
+    import signal
+    import time
+
+    flags = [
+        "--config=configs/micro.py",
+        f"--config.workdir={tmp_path}",
+        "--config.total_steps=100000",
+        "--config.eval_every=100000",
+        "--config.checkpoint_every=100000",
+    ]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *flags]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:  # eval + 3 steps
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, proc.stderr.read()[-3000:]
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    saved = int(max(os.listdir(tmp_path / "checkpoints"), key=int))
+    assert "signal 15" in out + err and saved == steps[-1] >= 3
+    assert steps == list(range(saved + 1))  # every step logged once, none after the save
+    again = _run(*flags[:2], f"--config.total_steps={saved + 2}", "--config.eval_every=100000")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from step {saved}" in again.stdout + again.stderr
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(saved + 3))
