@@ -66,9 +66,9 @@ def interval95(x) -> tuple[float, float, float]:
 
 
 def final_rows(evals: pd.DataFrame) -> pd.DataFrame:
-    """Each run's last eval row."""
-    idx = evals.groupby("run_id")["step"].idxmax()
-    return evals.loc[idx].reset_index(drop=True)
+    """Each run's last eval row, in the grid's run order."""
+    idx = evals.groupby("run_id", sort=False)["step"].idxmax()
+    return evals.loc[idx].sort_index().reset_index(drop=True)
 
 
 def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
@@ -110,8 +110,16 @@ def paired_difference(evals: pd.DataFrame, by: Sequence[str], column: str, a, b)
 
 
 def to_markdown(df: pd.DataFrame, digits: int = 3) -> str:
-    """A GitHub markdown table of `df` (floats to `digits` places)."""
-    fmt = lambda v: f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+    """A GitHub markdown table of `df`: floats to `digits` places, tiny ones (learning
+    rates) in 2 significant digits, large ones (token counts) as integers."""
+
+    def fmt(v) -> str:
+        if not isinstance(v, float) or not np.isfinite(v):
+            return str(v)
+        if v != 0 and abs(v) < 10**-digits:
+            return f"{v:.2g}"
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.{digits}f}"
+
     rows = [[fmt(v) for v in row] for row in df.itertuples(index=False)]
     lines = ["| " + " | ".join(map(str, df.columns)) + " |", "|" + "---|" * len(df.columns)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
