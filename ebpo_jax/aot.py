@@ -22,6 +22,8 @@ from ebpo_jax.aot_report import (
     total_params,
     update_flops,
 )
+from ebpo_jax.sharding import batch_sharded, parse_mesh
+from ebpo_jax.trainer.state import state_shardings as train_state_shardings
 
 
 def abstract(tree, shardings):
@@ -44,43 +46,6 @@ def model_config_of(config):
 
     vocab = models.PRESETS[config.model.preset]["vocab_size"]
     return model_config_from(config, SimpleNamespace(vocab_size=vocab))
-
-
-def batch_sharded(tree, mesh, rows: int, rules=None):
-    """Shardings splitting every leaf whose leading dim is `rows` over the batch axes."""
-    from ebpo_jax import sharding
-
-    def one(x):
-        if x.ndim and x.shape[0] == rows:
-            names = ("batch",) + (None,) * (x.ndim - 1)
-            spec = sharding.logical_to_spec(names, rules, mesh, x.shape, "rollout")
-            return jax.sharding.NamedSharding(mesh, spec)
-        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    return jax.tree.map(one, tree)
-
-
-def train_state_shardings(mc, optimizer, state, mesh):
-    """Shardings of an (abstract) TrainState: params, ref params and Adam moments by the rules."""
-    import optax
-
-    from ebpo_jax import sharding
-
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    p_sh = sharding.param_shardings(mc, state.params, mesh)
-    opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, state.opt_state, p_sh, transform_non_params=lambda _: rep
-    )
-    return state._replace(
-        params=p_sh,
-        opt_state=opt_sh,
-        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
-        step=rep,
-        rng=rep,
-        ref_params=None if state.ref_params is None else p_sh,
-        nonfinite_run=rep,
-        generated_tokens=rep,
-    )
 
 
 def abstract_inputs(config, mc, prompt_len: int):
@@ -186,15 +151,6 @@ def compile_reshard(params, src_shardings, dst_shardings, mesh, dtype):
     with jax.set_mesh(mesh):
         jitted = jax.jit(cast, out_shardings=dst_shardings)
         return jitted.lower(abstract(params, src_shardings)).compile()
-
-
-def parse_mesh(text: str):
-    """`data=8,tp=4` -> [("data", 8), ("tp", 4)] (-1 allowed once)."""
-    try:
-        pairs = [p.split("=") for p in text.split(",") if p]
-        return [(a.strip(), int(s)) for a, s in pairs]
-    except ValueError:
-        raise ValueError(f"mesh {text!r} is not like 'data=8,tp=4'") from None
 
 
 def run(

@@ -64,6 +64,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.sampler.temperature = 1.0
     c.sampler.top_p = 1.0
     c.sampler.top_k = 0
+    # Prompts per sampler call: 0 = all of a round's P prompts at once; else the rollout
+    # generates P / prompts_per_call chunks one after another, so the KV cache is per chunk.
+    c.sampler.prompts_per_call = 0
+    c.sampler.mesh = ""  # e.g. "data=8,tp=4" (AOT report); "" = the trainer's mesh
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-6
@@ -107,6 +111,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1,)  # -1 = the remaining devices
     c.mesh.axes = ("data",)
+    # 0 = the mesh spans every device (pods); n = the first n devices of this single process
+    # (tests compare a 1-device run with an 8-device one on the same 8 fake CPU devices).
+    c.mesh.devices = 0
     return c
 
 
@@ -133,8 +140,31 @@ def _unknown_fields(config, schema, prefix=""):
     return out
 
 
+def mesh_devices(config, num_devices: int) -> int:
+    """How many devices the mesh spans: `mesh.devices`, or all `num_devices` when it is 0."""
+    n = int(config.mesh.get("devices", 0))
+    if n < 0 or n > num_devices:
+        raise ConfigError(f"mesh.devices={n} must be in [0, {num_devices}] (0 = every device)")
+    return n or num_devices
+
+
+def sampler_mesh_spec(config) -> list[tuple[str, int]]:
+    """`sampler.mesh` ("data=8,tp=4") as [(axis, size), ...]; [] = the trainer's mesh."""
+    from ebpo_jax.sharding import parse_mesh  # late: this module stays free of jax
+
+    text = config.sampler.get("mesh", "")
+    try:
+        return parse_mesh(text)
+    except ValueError:
+        raise ConfigError(f"sampler.mesh={text!r} is not like 'data=8,tp=4'") from None
+
+
 def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
-    """The mesh shape with -1 resolved against num_devices; ConfigError when impossible."""
+    """The mesh shape with -1 resolved against the mesh's devices; ConfigError when impossible.
+
+    `num_devices` is every device there is; `mesh.devices` may pick fewer.
+    """
+    num_devices = mesh_devices(config, num_devices)
     shape = tuple(int(s) for s in config.mesh.shape)
     axes = tuple(config.mesh.axes)
     if len(shape) != len(axes):
@@ -297,6 +327,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     need(c.eval_samples >= 1, f"eval_samples must be >= 1, got {c.eval_samples}")
     need(c.task.order in ("naive", "topic", "difficulty"), f"task.order={c.task.order!r} unknown")
     need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")
+    per_call = c.sampler.prompts_per_call
+    need(
+        per_call >= 0 and (per_call == 0 or c.prompts_per_step % per_call == 0),
+        f"sampler.prompts_per_call={per_call} must be 0 (all at once) or divide "
+        f"prompts_per_step={c.prompts_per_step} (each round of P prompts is chunked)",
+    )
+    sampler_mesh_spec(c)
     _validate_data_and_model(c, need)
 
     from ebpo_jax import advantages  # the registry; imported late so this module stays light

@@ -66,6 +66,15 @@ def make_mesh(spec, devices=None) -> Mesh:
     return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
+def parse_mesh(text: str) -> list[tuple[str, int]]:
+    """`data=8,tp=4` -> [("data", 8), ("tp", 4)] (-1 allowed once)."""
+    try:
+        pairs = [p.split("=") for p in text.split(",") if p]
+        return [(a.strip(), int(s)) for a, s in pairs]
+    except ValueError:
+        raise ValueError(f"mesh {text!r} is not like 'data=8,tp=4'") from None
+
+
 def rules_from(config=None, rules=None) -> dict:
     """The rules as a dict: `rules` if given, else `config.sharding_rules`, else DEFAULT_RULES."""
     if rules is None:
@@ -143,6 +152,21 @@ def param_shardings(config, params, mesh: Mesh, rules=None):
 def shard_params(config, params, mesh: Mesh, rules=None):
     """`params` placed on `mesh` by the rules (device_put; params may be abstract-free arrays)."""
     return jax.device_put(params, param_shardings(config, params, mesh, rules))
+
+
+def batch_sharded(tree, mesh: Mesh, rows: int, rules=None, axis: int = 0):
+    """Shardings splitting every leaf whose dim `axis` is `rows` over the batch axes.
+
+    Other leaves are replicated. A row count the batch axes don't divide raises (naming it).
+    """
+
+    def one(x):
+        if x.ndim > axis and x.shape[axis] == rows:
+            names = (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1)
+            return NamedSharding(mesh, logical_to_spec(names, rules, mesh, x.shape, "batch rows"))
+        return NamedSharding(mesh, P())
+
+    return jax.tree.map(one, tree)
 
 
 def constrain(x, names: Sequence[str | None], rules=None):

@@ -1,5 +1,8 @@
 """The full train step (sampling included) on a data x fsdp x tp mesh of 8 fake CPU devices
-equals the single-device step."""
+equals the single-device step; so does train() with a resume in the middle."""
+
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +11,10 @@ import pytest
 
 from configs import micro
 from ebpo_jax import models, sharding, tasks
-from ebpo_jax.aot import batch_sharded, train_state_shardings
+from ebpo_jax.sharding import batch_sharded
 from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
+from ebpo_jax.trainer.state import state_shardings as train_state_shardings
 from ebpo_jax.trainer.step import make_train_step
 
 EOS = tasks.EOS_ID
@@ -71,3 +75,44 @@ def test_fsdp_tp_data_train_step_equals_single_device():
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5), out.params, ref.params
     )
+
+
+def _loop_config(workdir, shape, devices):
+    c = micro.get_config()
+    c.unlock()
+    c.workdir = str(workdir)
+    c.model.overrides.num_heads = 4
+    c.model.overrides.num_kv_heads = 2  # kv heads split over tp=2
+    c.model.overrides.vocab_size = 32  # the char vocabulary (22) padded to split over tp
+    c.mesh.shape, c.mesh.axes = shape, ("data", "fsdp", "tp")[: len(shape)]
+    c.mesh.devices = devices  # 1: a one-device mesh although the test sees 8 devices
+    return c
+
+
+def _metric_rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    timing = ("_time_s", "tokens_per_s")
+    return [{k: v for k, v in r.items() if not k.endswith(timing)} for r in rows]
+
+
+@pytest.mark.slow  # ~2.5 min on an idle 2-core CPU: three short runs, each compiling its programs
+def test_train_loop_on_2x2x2_mesh_with_resume_equals_one_device(tmp_path):
+    quiet = lambda *_: None
+    loop.train(_loop_config(tmp_path / "one", (1,), 1), log=quiet)
+    sharded = _loop_config(tmp_path / "eight", (2, 2, 2), 0)
+    first = loop.train(sharded, log=quiet, stop_after=3)
+    assert first["stopped_early"] and first["step"] == 3
+    # The resume restores params, Adam moments and EB state into the 2x2x2 shardings.
+    assert loop.train(sharded, log=quiet)["resumed_from"] == 3
+    one, eight = _metric_rows(tmp_path / "one"), _metric_rows(tmp_path / "eight")
+    assert [r["step"] for r in eight] == [0, 1, 2, 3, 4]
+    for a, b in zip(one, eight, strict=True):
+        assert a.keys() == b.keys()
+        for name, v in a.items():
+            if name.startswith(("reward/", "adv/all_same", "perf/", "response_length/")):
+                assert b[name] == v, (a["step"], name)  # same tokens, same rewards
+            else:
+                np.testing.assert_allclose(b[name], v, rtol=1e-5, atol=1e-7, err_msg=name)
+    a, b = (loop.load_params(str(tmp_path / n)) for n in ("one", "eight"))
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-5), a, b)

@@ -6,12 +6,14 @@ import time
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from ebpo_jax import config as config_lib
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax import sharding
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
-from ebpo_jax.trainer.rollout import make_rollout_fn
-from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
+from ebpo_jax.trainer.rollout import Rollout, batch_rounds, make_rollout_fn
+from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer, state_shardings
 from ebpo_jax.trainer.step import make_multi_step, make_train_step, make_update_fn
 from ebpo_jax.trainer.task_setup import (  # noqa: F401  (load_tasks, model_config_from: re-exported)
     Task,
@@ -26,14 +28,50 @@ class NonFiniteError(RuntimeError):
 
 
 def make_mesh(config):
-    """The device mesh the config asks for (Auto axes, so model code needs no annotations)."""
+    """The device mesh the config asks for (Auto axes, so model code needs no annotations).
+
+    It spans every device, or the first `mesh.devices` of them (one process only).
+    """
+    n = config_lib.mesh_devices(config, jax.device_count())
+    if n < jax.device_count() and jax.process_count() > 1:
+        raise config_lib.ConfigError(
+            f"mesh.devices={n}: a multi-process run's mesh must span all {jax.device_count()}"
+        )
     shape = config_lib.mesh_shape(config, jax.device_count())
     axes = tuple(config.mesh.axes)
-    return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    if n == jax.device_count():
+        return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
+    return sharding.make_mesh(list(zip(axes, shape)), jax.devices()[:n])
+
+
+def _host_tree(tree):
+    """Device arrays -> host numpy, gathering the rows other processes hold."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def _put(tree, shardings):
+    """Host arrays (identical on every process) -> global arrays placed by `shardings`."""
+
+    def one(x, sh):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def _rollout_shardings(mesh, prompts: int) -> Rollout:
+    """A Rollout of shardings: per-prompt fields split over the batch axes, scalars replicated."""
+    spec = sharding.logical_to_spec(("batch",), None, mesh, (prompts,), "prompts_per_step")
+    rows = jax.sharding.NamedSharding(mesh, spec)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    scalars = ("generated_tokens", "all_same_frac")
+    return Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
 
 
 def _to_host(metrics) -> list[dict]:
-    """Stacked [K] device metrics -> K dicts of Python floats."""
+    """Stacked [K] device metrics (replicated) -> K dicts of Python floats."""
     host = jax.device_get(metrics)
     k = len(next(iter(host.values())))
     return [{name: float(v[i]) for name, v in host.items()} for i in range(k)]
@@ -82,14 +120,21 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     model_config, source, evaluate = task.model_config, task.source, task.evaluate
     optimizer = make_optimizer(config)
-    state = init_train_state(
-        task.params,
-        optimizer,
-        seed=config.seed,
-        num_clusters=task.num_clusters,
-        with_ref=config.loss.kl_coef > 0,
-    )
-    state = jax.device_put(state, replicated)
+
+    def init(params):
+        return init_train_state(
+            params,
+            optimizer,
+            seed=config.seed,
+            num_clusters=task.num_clusters,
+            with_ref=config.loss.kl_coef > 0,
+        )
+
+    # Params, Adam moments and the reference policy are laid out by the config's rules; the
+    # state is built inside jit so no replicated copy of it ever exists.
+    state_sh = state_shardings(model_config, optimizer, jax.eval_shape(init, task.params), mesh)
+    with jax.set_mesh(mesh):
+        state = jax.jit(init, out_shardings=state_sh)(task.params)
     K = config.steps_per_jit
     ckpt = Checkpointer(
         os.path.join(config.workdir, "checkpoints"),
@@ -99,6 +144,7 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
     metrics_path = os.path.join(config.workdir, "metrics.jsonl")
     extra = {}
     if ckpt.latest_step() is not None:
+        # The target's shardings are the ones restored into: each host reads its own shards.
         restored, extra = ckpt.restore(target=_state_for_checkpoint(state))
         state = state._replace(**restored)
         source.restore(extra["data"])
@@ -106,14 +152,25 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
     resumed_from = int(state.step) if extra else None
 
     stops, eos = task.stop_ids, task.eos_id
+    # Prompt rows (axis 1 of the K-stacked batches) are split over the batch axes.
+    rows = batch_rounds(config) * config.prompts_per_step
     if K == 1:
-        rollout = jax.jit(make_rollout_fn(config, model_config, reward_fn, stops, mesh))
-        update = jax.jit(make_update_fn(config, model_config, optimizer, eos), donate_argnums=0)
+        ro_sh = _rollout_shardings(mesh, config.prompts_per_step)
+        rollout = jax.jit(
+            make_rollout_fn(config, model_config, reward_fn, stops, mesh), out_shardings=ro_sh
+        )
+        update = jax.jit(
+            make_update_fn(config, model_config, optimizer, eos),
+            in_shardings=(state_sh, ro_sh),
+            out_shardings=(state_sh, replicated),
+            donate_argnums=0,
+        )
     else:
         multi = jax.jit(
             make_multi_step(
                 make_train_step(config, model_config, optimizer, reward_fn, stops, mesh=mesh)
             ),
+            out_shardings=(state_sh, replicated),
             donate_argnums=0,
         )
 
@@ -134,22 +191,27 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
     with PreemptionGuard() as guard:
         while step < config.total_steps:
             batches = source.next_batches(K)
-            batches = jax.device_put(batches, replicated)
+            batches = _put(batches, sharding.batch_sharded(batches, mesh, rows, axis=1))
             t0 = time.perf_counter()
             if K == 1:
                 one = jax.tree.map(lambda x: x[0], batches)
                 key = jax.random.wrap_key_data(state.rng)
-                ro = jax.block_until_ready(rollout(state.params, one, jax.random.fold_in(key, 1)))
+                with jax.set_mesh(mesh):
+                    ro = rollout(state.params, one, jax.random.fold_in(key, 1))
+                ro = jax.block_until_ready(ro)
                 if host_reward is not None:
-                    rewards_PG = np.asarray(host_reward(jax.device_get(ro)), np.float32)
-                    ro = ro._replace(rewards=jax.device_put(rewards_PG, replicated))
+                    rewards_PG = np.asarray(host_reward(_host_tree(ro)), np.float32)
+                    ro = ro._replace(rewards=_put(rewards_PG, ro_sh.rewards))
                 t1 = time.perf_counter()
-                state, m = update(state, ro)
+                with jax.set_mesh(mesh):
+                    state, m = update(state, ro)
                 m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
                 t2 = time.perf_counter()
                 times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": t2 - t1}
             else:
-                state, m = jax.block_until_ready(multi(state, batches))
+                with jax.set_mesh(mesh):
+                    state, m = multi(state, batches)
+                state, m = jax.block_until_ready((state, m))
                 times = {"perf/sample_time_s": math.nan, "perf/update_time_s": math.nan}
             dt = (time.perf_counter() - t0) / K
             rows = _to_host(m)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ebpo_jax import sharding
 from ebpo_jax.advantages import EBState, init_eb_state
 
 
@@ -72,4 +73,27 @@ def init_train_state(
         ref_params=jax.tree.map(jnp.copy, params) if with_ref else None,
         nonfinite_run=jnp.zeros((), jnp.int32),
         generated_tokens=jnp.zeros((), jnp.int32),
+    )
+
+
+def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
+    """Shardings of an (abstract) TrainState: params, ref params and Adam moments by the rules.
+
+    The rules are `model_config.sharding_rules` (the config's table); everything else
+    (EB accumulators, step, rng, counters) is replicated.
+    """
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    p_sh = sharding.param_shardings(model_config, state.params, mesh)
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, state.opt_state, p_sh, transform_non_params=lambda _: rep
+    )
+    return state._replace(
+        params=p_sh,
+        opt_state=opt_sh,
+        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
+        step=rep,
+        rng=rep,
+        ref_params=None if state.ref_params is None else p_sh,
+        nonfinite_run=rep,
+        generated_tokens=rep,
     )
