@@ -21,10 +21,14 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config.", lo
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 4096, "Padded prompt width (max prompt tokens).")
 _SAMPLER_PROMPTS = flags.DEFINE_integer(
-    "sampler_prompts", 0, "Prompts per sampler call (0 = prompts_per_step)."
+    "sampler_prompts",
+    None,
+    "Prompts per sampler call (0 = prompts_per_step); default: config.sampler.prompts_per_call.",
 )
 _SAMPLER_MESH = flags.DEFINE_string(
-    "sampler_mesh", "", "Sampler mesh, e.g. 'data=8,tp=4' ('' = the trainer's mesh)."
+    "sampler_mesh",
+    None,
+    "Sampler mesh, e.g. 'data=8,tp=4' ('' = the trainer's mesh); default: config.sampler.mesh.",
 )
 _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON report.")
 
@@ -36,13 +40,17 @@ def main(argv):
     reason = aot_report.libtpu_available()
     if reason:
         sys.exit(f"cannot compile for TPU here: {reason}")
+    config = _CONFIG.value
+    prompts, s_mesh = _SAMPLER_PROMPTS.value, _SAMPLER_MESH.value
+    prompts = config.sampler.prompts_per_call if prompts is None else prompts
+    s_mesh = config.sampler.mesh if s_mesh is None else s_mesh
     try:
         reports, meta = aot.run(
-            _CONFIG.value,
+            config,
             _TOPOLOGY.value,
             prompt_len=_PROMPT_LEN.value,
-            sampler_prompts=_SAMPLER_PROMPTS.value or None,
-            sampler_mesh=_SAMPLER_MESH.value,
+            sampler_prompts=prompts or None,
+            sampler_mesh=s_mesh,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
         if aot_report.is_resource_exhausted(e):

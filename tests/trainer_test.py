@@ -12,7 +12,7 @@ import pytest
 from ml_collections import config_dict
 
 from configs import micro
-from ebpo_jax import advantages, models, tasks
+from ebpo_jax import advantages, models, sampler, tasks
 from ebpo_jax import config as config_lib
 from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.rollout import compact, make_rollout_fn
@@ -317,3 +317,43 @@ def test_dapo_dynamic_sampling_keeps_mixed_groups_and_counts_all_tokens(setup):
     assert valid.any()
     assert all(rewards[p].min() != rewards[p].max() for p in np.flatnonzero(valid))
     assert int(ro.generated_tokens) >= int(np.asarray(ro.lengths)[valid].sum())
+
+
+def _chunked(per_call, **kw):
+    return _config(**{"sampler.prompts_per_call": per_call, **kw})
+
+
+def test_prompts_per_call_must_divide_prompts_per_step():
+    with pytest.raises(config_lib.ConfigError, match="sampler.prompts_per_call=3 must be 0"):
+        config_lib.validate(_chunked(3))
+    config_lib.validate(_chunked(2))
+
+
+def test_rollout_in_prompt_chunks_matches_one_call(setup):
+    c, mc, params, batches = setup
+    batch, rng = jax.tree.map(lambda x: x[0], batches), jax.random.key(5)
+    run = lambda c: jax.jit(make_rollout_fn(c, mc, _reward, EOS))(params, batch, rng)
+    # top_k=1: the sampler's randomness is out of the way, so chunking alone must not matter.
+    one, two = (run(_chunked(n, **{"sampler.top_k": 1})) for n in (0, 2))
+    for name in ("tokens", "logprobs", "lengths", "rewards"):
+        np.testing.assert_array_equal(getattr(two, name), getattr(one, name), err_msg=name)
+    # Sampled: chunk k of round r is one call on its prompts with fold_in(fold_in(rng, r), k).
+    chunked, whole = run(_chunked(2)), run(_chunked(0))
+    assert not np.array_equal(chunked.tokens, whole.tokens)  # the keys really differ
+    key_r = jax.random.fold_in(rng, 0)  # round 0
+    for k in range(2):
+        part = jax.tree.map(lambda a, k=k: a[2 * k : 2 * k + 2], batch)
+        ref = sampler.generate(
+            mc,
+            params,
+            part.prompt_tokens,
+            part.prompt_lengths,
+            max_new_tokens=c.sampler.max_new_tokens,
+            rng=jax.random.fold_in(key_r, k),
+            eos_id=EOS,
+            num_samples=c.group_size,
+        )
+        np.testing.assert_array_equal(chunked.tokens[2 * k : 2 * k + 2].reshape(8, -1), ref.tokens)
+        np.testing.assert_allclose(
+            chunked.logprobs[2 * k : 2 * k + 2].reshape(8, -1), ref.logprobs, rtol=1e-6
+        )

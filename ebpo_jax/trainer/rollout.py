@@ -90,16 +90,20 @@ def make_rollout_fn(
     dynamic = bool(config.dapo.dynamic_sampling)
     rounds = 1 + config.dapo.max_extra_rounds if dynamic else 1
 
-    def one_round(params, batch, r, rng) -> Rollout:
-        take = lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0)
-        b = jax.tree.map(take, batch)
-        gen = sampler.generate(
+    per_call = config.sampler.get("prompts_per_call", 0) or P
+    if P % per_call:
+        raise ValueError(f"sampler.prompts_per_call={per_call} does not divide P={P}")
+    chunks = P // per_call
+
+    def sample(params, b, rng):
+        """Generation for b's P prompts, `chunks` sampler calls of `per_call` prompts each."""
+        call = lambda tokens, lengths, key: sampler.generate(
             model_config,
             params,
-            b.prompt_tokens,
-            b.prompt_lengths,
+            tokens,
+            lengths,
             max_new_tokens=N,
-            rng=jax.random.fold_in(rng, r),
+            rng=key,
             temperature=config.sampler.temperature,
             top_p=config.sampler.top_p,
             top_k=config.sampler.top_k,
@@ -107,6 +111,21 @@ def make_rollout_fn(
             num_samples=G,
             mesh=mesh,
         )
+        if chunks == 1:
+            return call(b.prompt_tokens, b.prompt_lengths, rng)
+        # One call after another (lax.map), so only one chunk's KV cache is alive at a time.
+        # Chunk c samples with fold_in(rng, c): its rows' keys restart at 0 inside the call.
+        split = lambda x: x.reshape(chunks, per_call, *x.shape[1:])
+        gen = jax.lax.map(
+            lambda a: call(a[0], a[1], jax.random.fold_in(rng, a[2])),
+            (split(b.prompt_tokens), split(b.prompt_lengths), jnp.arange(chunks)),
+        )
+        return jax.tree.map(lambda x: x.reshape(P * G, *x.shape[2:]), gen)
+
+    def one_round(params, batch, r, rng) -> Rollout:
+        take = lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0)
+        b = jax.tree.map(take, batch)
+        gen = sample(params, b, jax.random.fold_in(rng, r))
         rep = lambda x: jnp.repeat(x, G, axis=0)
         if reward_fn is None:  # a host reward fills these in between the two jits
             rewards_PG = jnp.zeros((P, G), jnp.float32)
