@@ -60,6 +60,7 @@ def run_grid(
 ) -> dict:
     """Train the grid's unfinished runs, then write the tables and plots; returns paths."""
     import jax
+    import pandas as pd
     from tqdm.auto import tqdm
 
     from ebpo_jax import ablation
@@ -133,6 +134,23 @@ def run_grid(
         axes = [a for a, _ in next(r for r in runs if r.block == block).values if a != "seed"]
         table = ablation.summarize(ev, axes)
         lines += [f"## {block}\n", ablation.to_markdown(table), ""]
+        if "method" in axes and "grpo" in set(ev.method):  # paired by seed: the sharper test
+            others = [a for a in axes if a != "method"]
+            diffs = [
+                ablation.paired_difference(ev, others or ["block"], "method", m, "grpo").assign(
+                    method=f"{m} - grpo"
+                )
+                for m in dict.fromkeys(ev.method)
+                if m != "grpo"
+            ]
+            table = pd.concat(diffs)[
+                ["method", *(others or []), "seeds", "diff", "ci_low", "ci_high"]
+            ]
+            lines += [
+                f"Paired by seed, final pass@1 minus GRPO's ({block}):\n",
+                ablation.to_markdown(table),
+                "",
+            ]
         paths["plots"] += plots.plot_block(evals, steps, block, plot_dir)
     paths["summary"] = os.path.join(out, "summary.md")
     with open(paths["summary"], "w") as f:

@@ -55,6 +55,13 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
     return pd.DataFrame(evals), pd.DataFrame(steps)
 
 
+_LAST_WINDOW = (
+    ("entropy", "actor/entropy"),
+    ("zero_adv", "adv/zero_frac"),
+    ("grad_norm", "actor/grad_norm"),
+)
+
+
 def interval95(x) -> tuple[float, float, float]:
     """(mean, low, high): a Student-t 95% interval over seeds (NaN width for one seed)."""
     x = np.asarray(x, np.float64)
@@ -72,7 +79,8 @@ def final_rows(evals: pd.DataFrame) -> pd.DataFrame:
 
 
 def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
-    """Final pass@1 per setting `by`: seeds, mean, 95% interval, start pass@1, tokens."""
+    """Final pass@1 per setting `by`: seeds, mean, 95% interval, gain over the start, tokens,
+    and the last eval window's entropy, zero-advantage share and grad norm (seed means)."""
     final = final_rows(evals)
     start = evals[evals.step == 0].set_index("run_id")["pass@1"]
     out = []
@@ -88,6 +96,7 @@ def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
                 "ci_high": hi,
                 "gain": float(np.nanmean(gain)),
                 "generated_tokens": float(grp["generated_tokens"].mean()),
+                **{name: float(grp[k].mean()) for name, k in _LAST_WINDOW if k in grp},
             }
         )
     return pd.DataFrame(out)
