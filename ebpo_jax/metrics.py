@@ -118,6 +118,24 @@ class MetricsWriter:
         self.close()
 
 
+class NullWriter:
+    """MetricsWriter's interface, writing nothing: what processes other than 0 get."""
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        return {"step": int(step), **metrics}
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def open_writer(workdir: str, *, start_step: int = 0, enabled: bool = True):
+    """A MetricsWriter, or a NullWriter when `enabled` is False (multi-host: not process 0)."""
+    return MetricsWriter(workdir, start_step=start_step) if enabled else NullWriter()
+
+
 class ProgressBar:
     """A tqdm bar over steps showing reward, pass rate (last eval pass@1) and tokens/s."""
 

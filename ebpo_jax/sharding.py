@@ -154,14 +154,28 @@ def shard_params(config, params, mesh: Mesh, rules=None):
     return jax.device_put(params, param_shardings(config, params, mesh, rules))
 
 
-def batch_sharded(tree, mesh: Mesh, rows: int, rules=None, axis: int = 0):
+def rows_spec(mesh: Mesh, rows: int, rules=None, axis: int = 0) -> P:
+    """Dim `axis` over the batch axes; P() (replicated) when they don't divide `rows`."""
+    names = (None,) * axis + ("batch",)
+    spec = logical_to_spec(names, rules, mesh)
+    entry = spec[axis]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return spec if rows % math.prod(mesh.shape[a] for a in axes) == 0 else P()
+
+
+def batch_sharded(tree, mesh: Mesh, rows: int, rules=None, axis: int = 0, strict: bool = True):
     """Shardings splitting every leaf whose dim `axis` is `rows` over the batch axes.
 
-    Other leaves are replicated. A row count the batch axes don't divide raises (naming it).
+    Other leaves are replicated. Rows the batch axes don't divide raise (naming them), or
+    with `strict=False` stay replicated (e.g. 4 prompts on 8 data shards: the P x G rows
+    are split inside the step).
     """
+    spec = P() if strict else rows_spec(mesh, rows, rules, axis)
 
     def one(x):
         if x.ndim > axis and x.shape[axis] == rows:
+            if not strict:
+                return NamedSharding(mesh, spec)
             names = (None,) * axis + ("batch",) + (None,) * (x.ndim - axis - 1)
             return NamedSharding(mesh, logical_to_spec(names, rules, mesh, x.shape, "batch rows"))
         return NamedSharding(mesh, P())

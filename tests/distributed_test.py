@@ -107,3 +107,18 @@ def test_two_processes_build_one_global_batch(tmp_path):
     assert float(by_pid[0][3]) == expected and float(by_pid[1][3]) == expected
     # Each process's devices hold exactly its own block of rows.
     assert by_pid[0][4:] == ["0", "7"] and by_pid[1][4:] == ["8", "15"]
+
+
+def test_only_process_0_writes_metrics_and_logs_but_all_checkpoint(tmp_path, monkeypatch):
+    from configs import micro
+    from ebpo_jax.trainer import loop
+
+    c = micro.get_config()
+    c.unlock()
+    c.workdir, c.total_steps, c.mesh.shape = str(tmp_path), 2, (-1,)
+    monkeypatch.setattr(distributed, "is_main_process", lambda: False)
+    lines = []
+    summary = loop.train(c, log=lines.append)
+    assert summary["step"] == 2 and lines == []
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints"]  # no metrics, tb or config.json
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]

@@ -9,8 +9,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ebpo_jax import config as config_lib
+from ebpo_jax import distributed, sharding
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax import sharding
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.trainer.rollout import Rollout, batch_rounds, make_rollout_fn
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer, state_shardings
@@ -44,6 +44,17 @@ def make_mesh(config):
     return sharding.make_mesh(list(zip(axes, shape)), jax.devices()[:n])
 
 
+def _silent(*_args, **_kwargs) -> None:
+    pass
+
+
+def _any_process(flag: bool) -> bool:
+    """True on every process when `flag` is True on any (a signal reaches one host first)."""
+    if jax.process_count() == 1:
+        return flag
+    return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
 def _host_tree(tree):
     """Device arrays -> host numpy, gathering the rows other processes hold."""
     if jax.process_count() == 1:
@@ -62,9 +73,8 @@ def _put(tree, shardings):
 
 
 def _rollout_shardings(mesh, prompts: int) -> Rollout:
-    """A Rollout of shardings: per-prompt fields split over the batch axes, scalars replicated."""
-    spec = sharding.logical_to_spec(("batch",), None, mesh, (prompts,), "prompts_per_step")
-    rows = jax.sharding.NamedSharding(mesh, spec)
+    """A Rollout of shardings: per-prompt fields over the batch axes (if they divide P)."""
+    rows = jax.sharding.NamedSharding(mesh, sharding.rows_spec(mesh, prompts))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     scalars = ("generated_tokens", "all_same_frac")
     return Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
@@ -98,12 +108,16 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     `stop_after=n` stops after n steps of this call as SIGTERM would (checkpoint, return).
     """
     config_lib.validate(config, jax.device_count())
+    main = distributed.is_main_process()
+    if not main:  # every process runs the same steps; process 0 alone speaks and writes metrics
+        log = _silent
     if host_reward is not None and config.steps_per_jit != 1:
         raise config_lib.ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
     t_start = time.time()
     os.makedirs(config.workdir, exist_ok=True)
-    with open(os.path.join(config.workdir, "config.json"), "w") as f:
-        f.write(config.to_json(indent=2))
+    if main:
+        with open(os.path.join(config.workdir, "config.json"), "w") as f:
+            f.write(config.to_json(indent=2))
     mesh = make_mesh(config)
     task = build_task(config, mesh=mesh, log=log)
     if reward_fn is None and host_reward is None:
@@ -153,7 +167,7 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
 
     stops, eos = task.stop_ids, task.eos_id
     # Prompt rows (axis 1 of the K-stacked batches) are split over the batch axes.
-    rows = batch_rounds(config) * config.prompts_per_step
+    prompt_rows = batch_rounds(config) * config.prompts_per_step
     if K == 1:
         ro_sh = _rollout_shardings(mesh, config.prompts_per_step)
         rollout = jax.jit(
@@ -176,8 +190,14 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
 
     step = int(state.step)
     # Rows of steps <= the restored one stay; later ones are rewritten exactly once.
-    writer = metrics_lib.MetricsWriter(config.workdir, start_step=step + 1 if extra else 0)
-    bar = metrics_lib.ProgressBar(config.total_steps, initial=step)
+    main = distributed.is_main_process()
+    writer = metrics_lib.open_writer(
+        config.workdir, start_step=step + 1 if extra else 0, enabled=main
+    )
+    bar = metrics_lib.ProgressBar(config.total_steps, initial=step, disable=None if main else True)
+    # Counted on host in Python ints: the device counter is int32, and a pod run generates
+    # up to P x G x N = 16.8M tokens a step (int32 wraps after ~128 such steps).
+    tokens_total = extra.get("generated_tokens", int(state.generated_tokens))
     if "pass@1_start" in extra:
         pass_start = math.nan if extra["pass@1_start"] is None else extra["pass@1_start"]
     elif evaluate is None:
@@ -191,7 +211,9 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
     with PreemptionGuard() as guard:
         while step < config.total_steps:
             batches = source.next_batches(K)
-            batches = _put(batches, sharding.batch_sharded(batches, mesh, rows, axis=1))
+            batches = _put(
+                batches, sharding.batch_sharded(batches, mesh, prompt_rows, axis=1, strict=False)
+            )
             t0 = time.perf_counter()
             if K == 1:
                 one = jax.tree.map(lambda x: x[0], batches)
@@ -217,6 +239,8 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
             rows = _to_host(m)
             for row in rows:
                 step += 1
+                tokens_total += int(row["perf/step_tokens"])
+                row["perf/generated_tokens_total"] = float(tokens_total)
                 row.update(
                     times,
                     **{"perf/step_time_s": dt, "perf/tokens_per_s": row["perf/step_tokens"] / dt},
@@ -229,7 +253,11 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
                 bar.update(step - 1, row)
             # JSON has no NaN: a run without eval stores None.
             start = None if math.isnan(pass_start) else pass_start
-            extra = {"data": source.state(), "pass@1_start": start}
+            extra = {
+                "data": source.state(),
+                "pass@1_start": start,
+                "generated_tokens": tokens_total,
+            }
             if ckpt.should_save(step):
                 ckpt.save(step, _state_for_checkpoint(state), extra)
             if rows[-1]["train/nonfinite_run"] >= config.max_nonfinite_steps:
@@ -240,10 +268,15 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
                     f"gradient (max_nonfinite_steps={config.max_nonfinite_steps}); stopped at step "
                     f"{step}, last good checkpoint in {ckpt.directory}"
                 )
-            stopped = guard.requested or (stop_after is not None and step - first >= stop_after)
+            requested = _any_process(guard.requested)
+            stopped = requested or (stop_after is not None and step - first >= stop_after)
             if stopped:
                 ckpt.save(step, _state_for_checkpoint(state), extra, force=True)
-                why = f"signal {guard.signum}" if guard.requested else f"stop_after={stop_after}"
+                why = (
+                    f"signal {guard.signum or '(another process)'}"
+                    if requested
+                    else f"stop_after={stop_after}"
+                )
                 log(f"{why}: saved step {step} to {ckpt.directory}; exiting")
                 break
     ckpt.close()
