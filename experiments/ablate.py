@@ -51,8 +51,12 @@ def train_run(config_json: str, cache_dir: str) -> dict:
 
 
 def _worker_init():
-    # Each worker is one of `workers` processes sharing the cores: one thread each.
     os.environ["TQDM_DISABLE"] = "1"
+    if sys.platform == "linux":  # die with the parent: no orphan keeps writing into a run
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def run_grid(
