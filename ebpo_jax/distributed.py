@@ -32,11 +32,18 @@ def needs_initialize(env=None) -> bool:
 def initialize(coordinator_address=None, num_processes=None, process_id=None) -> bool:
     """Start jax.distributed where the platform needs it (before any other JAX call).
 
-    Explicit arguments win; otherwise JAX detects TPU pods, SLURM and Open MPI itself.
-    A single-host run does nothing. Returns whether the runtime is (now) initialized.
+    Explicit arguments win; then JAX_COORDINATOR_ADDRESS with JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID (any platform, e.g. several CPU or GPU processes on one host); otherwise
+    JAX detects TPU pods, SLURM and Open MPI itself. A single-host run does nothing.
+    Returns whether the runtime is (now) initialized.
     """
     if jax.distributed.is_initialized():
         return True
+    env = os.environ
+    if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+        num_processes = int(env["JAX_NUM_PROCESSES"])
+    if process_id is None and env.get("JAX_PROCESS_ID"):
+        process_id = int(env["JAX_PROCESS_ID"])
     explicit = coordinator_address is not None or num_processes is not None
     if not explicit and not needs_initialize():
         return False
