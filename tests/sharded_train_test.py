@@ -97,13 +97,15 @@ def _metric_rows(workdir):
 
 
 @pytest.mark.slow  # ~2.5 min on an idle 2-core CPU: three short runs, each compiling its programs
-def test_train_loop_on_2x2x2_mesh_with_resume_equals_one_device(tmp_path):
+def test_train_loop_on_2x2x2_mesh_with_resume_and_sampler_mesh_equals_one_device(tmp_path):
     quiet = lambda *_: None
     loop.train(_loop_config(tmp_path / "one", (1,), 1), log=quiet)
     sharded = _loop_config(tmp_path / "eight", (2, 2, 2), 0)
     first = loop.train(sharded, log=quiet, stop_after=3)
     assert first["stopped_early"] and first["step"] == 3
-    # The resume restores params, Adam moments and EB state into the 2x2x2 shardings.
+    # The resume restores params, Adam moments and EB state into the 2x2x2 shardings, and
+    # samples on its own data=4 x tp=2 mesh (weights resharded device to device).
+    sharded.sampler.mesh = "data=4,tp=2"
     assert loop.train(sharded, log=quiet)["resumed_from"] == 3
     one, eight = _metric_rows(tmp_path / "one"), _metric_rows(tmp_path / "eight")
     assert [r["step"] for r in eight] == [0, 1, 2, 3, 4]

@@ -7,6 +7,7 @@ import time
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import config as config_lib
 from ebpo_jax import distributed, sharding
@@ -42,6 +43,17 @@ def make_mesh(config):
     if n == jax.device_count():
         return jax.make_mesh(shape, axes, axis_types=(jax.sharding.AxisType.Auto,) * len(axes))
     return sharding.make_mesh(list(zip(axes, shape)), jax.devices()[:n])
+
+
+def _sampler_mesh(config, mesh):
+    """`sampler.mesh` over the trainer mesh's devices, or the trainer mesh itself."""
+    spec = config_lib.sampler_mesh_spec(config)
+    if not spec:
+        return mesh
+    try:
+        return sharding.make_mesh(spec, mesh.devices.flat)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"sampler.mesh={config.sampler.mesh!r}: {e}") from None
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -113,6 +125,11 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
         log = _silent
     if host_reward is not None and config.steps_per_jit != 1:
         raise config_lib.ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
+    if config.sampler.mesh and config.steps_per_jit != 1:
+        raise config_lib.ConfigError(
+            f"sampler.mesh={config.sampler.mesh!r} needs steps_per_jit=1 (the K-step scan "
+            "samples on the trainer's mesh)"
+        )
     t_start = time.time()
     os.makedirs(config.workdir, exist_ok=True)
     if main:
@@ -170,9 +187,12 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
     prompt_rows = batch_rounds(config) * config.prompts_per_step
     if K == 1:
         ro_sh = _rollout_shardings(mesh, config.prompts_per_step)
+        s_mesh = _sampler_mesh(config, mesh)
         rollout = jax.jit(
-            make_rollout_fn(config, model_config, reward_fn, stops, mesh), out_shardings=ro_sh
+            make_rollout_fn(config, model_config, reward_fn, stops, s_mesh),
+            out_shardings=_rollout_shardings(s_mesh, config.prompts_per_step),
         )
+        s_params_sh = sharding.param_shardings(model_config, state.params, s_mesh)
         update = jax.jit(
             make_update_fn(config, model_config, optimizer, eos),
             in_shardings=(state_sh, ro_sh),
@@ -218,9 +238,15 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
             if K == 1:
                 one = jax.tree.map(lambda x: x[0], batches)
                 key = jax.random.wrap_key_data(state.rng)
-                with jax.set_mesh(mesh):
-                    ro = rollout(state.params, one, jax.random.fold_in(key, 1))
-                ro = jax.block_until_ready(ro)
+                params, key = state.params, jax.random.fold_in(key, 1)
+                if s_mesh is not mesh:  # weights move device to device, not through the host
+                    params = jax.device_put(params, s_params_sh)
+                    s_rows = sharding.batch_sharded(one, s_mesh, prompt_rows, strict=False)
+                    one = jax.device_put(one, s_rows)
+                    key = jax.device_put(key, jax.sharding.NamedSharding(s_mesh, P()))
+                with jax.set_mesh(s_mesh):
+                    ro = rollout(params, one, key)
+                ro = jax.block_until_ready(jax.device_put(ro, ro_sh))
                 if host_reward is not None:
                     rewards_PG = np.asarray(host_reward(_host_tree(ro)), np.float32)
                     ro = ro._replace(rewards=_put(rewards_PG, ro_sh.rewards))
