@@ -138,7 +138,7 @@ def run_grid(
         axes = [a for a, _ in next(r for r in runs if r.block == block).values if a != "seed"]
         table = ablation.summarize(ev, axes)
         lines += [f"## {block}\n", ablation.to_markdown(table), ""]
-        if "method" in axes and "grpo" in set(ev.method):  # paired by seed: the sharper test
+        if "method" in axes and "seed" in ev and "grpo" in set(ev.method):  # paired by seed
             others = [a for a in axes if a != "method"]
             diffs = [
                 ablation.paired_difference(ev, others or ["block"], "method", m, "grpo").assign(
