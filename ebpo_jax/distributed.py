@@ -95,3 +95,12 @@ def global_batch(local_tree, sharding):
         return jax.make_array_from_process_local_data(sharding, x, shape)
 
     return jax.tree.map(one, local_tree)
+
+
+def to_host(tree):
+    """A pytree of (possibly cross-process) arrays as host numpy arrays on every process."""
+    if jax.process_count() == 1:
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)

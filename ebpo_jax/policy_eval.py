@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ebpo_jax import evaluation, rewards, sampler
+from ebpo_jax import distributed, evaluation, rewards, sampler
 from ebpo_jax.data import Record, decode_completions, encode_prompts, render_prompt
 
 # End-of-turn tokens of common chat templates, stopped on besides the tokenizer's EOS.
@@ -84,7 +84,7 @@ def sample_responses(
             num_samples=num_samples,
             mesh=mesh,
         )
-        decoded = decode_completions(tokenizer, *jax.device_get((gen.tokens, gen.lengths)))
+        decoded = decode_completions(tokenizer, *distributed.to_host((gen.tokens, gen.lengths)))
         out.extend(decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples))
     return out[:n]
 

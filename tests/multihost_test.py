@@ -54,14 +54,6 @@ def _launch(workdir, *flags):
 
 
 @pytest.mark.slow  # ~5 min on a busy 2-core CPU: two processes compiling the micro programs, twice
-# Passes once task_setup.make_evaluator gathers its rewards with
-# multihost_utils.process_allgather(r, tiled=True) instead of np.asarray(r) (verified on a
-# patched copy); strict, so the fix turns this into a failure that says: drop the marker.
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="task_setup's evaluator reads a cross-process array with np.asarray",
-)
 def test_two_process_train_writes_metrics_once_and_resumes(tmp_path):
     first = _launch(tmp_path, "--config.total_steps=2")
     for rc, out in first:

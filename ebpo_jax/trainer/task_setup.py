@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ebpo_jax import models, policy_eval, rewards, sampler, tasks
+from ebpo_jax import distributed, models, policy_eval, rewards, sampler, tasks
 from ebpo_jax.config import ConfigError
 from ebpo_jax.data import encode_prompts, load_records, load_tokenizer, render_prompt
 from ebpo_jax.data.config import eval_sets, source_from_config
@@ -106,7 +106,7 @@ def make_evaluator(config, model_config, problems, tokenizer, mesh=None):
             )
             rep = lambda x: np.repeat(x, k, axis=0)
             r = reward(gen.tokens, gen.lengths, rep(chunk.answer_tokens), rep(chunk.answer_lengths))
-            total.append(np.asarray(r).reshape(bs, k))
+            total.append(np.asarray(distributed.to_host(r)).reshape(bs, k))
         return float(np.concatenate(total)[:n].mean())
 
     return evaluate
