@@ -11,6 +11,8 @@ with topics from k-means and difficulty from experiments/estimate_difficulty.py)
 
 import ml_collections
 
+from ebpo_jax.ablation.grid import CPU_BASE_CONFIG, CPU_FIXED
+
 
 def get_config(scale: str = "cpu"):
     c = ml_collections.ConfigDict()
@@ -20,18 +22,9 @@ def get_config(scale: str = "cpu"):
         c.out_dir = "results/ablations/curriculum_paper"
         c.fixed = {"total_steps": 300, "eval_every": 50, "group_size": 4}
     else:
-        c.base_config = "configs/tiny.py"
+        c.base_config = CPU_BASE_CONFIG
         c.out_dir = "results/ablations/curriculum"
-        c.fixed = {
-            "total_steps": 100,
-            "eval_every": 25,
-            "eval_samples": 4,
-            "checkpoint_every": 50,
-            "keep_checkpoints": 1,
-            "lr": 5e-4,
-            "group_size": 4,
-            "prompts_per_step": 32,
-        }
+        c.fixed = {**CPU_FIXED, "group_size": 4, "prompts_per_step": 32}
     c.blocks = [
         {
             "name": "order",

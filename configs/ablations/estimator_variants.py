@@ -8,6 +8,8 @@ CPU scale: the tiny default on the arithmetic tasks, 128 responses per step.
 
 import ml_collections
 
+from ebpo_jax.ablation.grid import CPU_BASE_CONFIG, CPU_FIXED
+
 
 def get_config(scale: str = "cpu"):
     c = ml_collections.ConfigDict()
@@ -18,16 +20,9 @@ def get_config(scale: str = "cpu"):
         c.fixed = {"total_steps": 300, "eval_every": 50}
         budget, groups = 2048, [4, 8]
     else:
-        c.base_config = "configs/tiny.py"
+        c.base_config = CPU_BASE_CONFIG
         c.out_dir = "results/ablations/estimator_variants"
-        c.fixed = {
-            "total_steps": 100,
-            "eval_every": 25,
-            "eval_samples": 4,
-            "checkpoint_every": 50,
-            "keep_checkpoints": 1,
-            "lr": 5e-4,
-        }
+        c.fixed = dict(CPU_FIXED)
         budget, groups = 128, [2]
     c.blocks = [
         {

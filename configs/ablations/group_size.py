@@ -11,6 +11,8 @@ Blocks (CPU scale, the tiny default's warm-started policy on the arithmetic task
 
 import ml_collections
 
+from ebpo_jax.ablation.grid import CPU_BASE_CONFIG, CPU_FIXED
+
 METHODS = ["grpo", "dr_grpo", "dapo", "ebpo", "rpp"]
 
 
@@ -24,16 +26,9 @@ def get_config(scale: str = "cpu"):
         c.fixed = {"total_steps": 300, "eval_every": 50}
         budget, groups, lrs = 2048, [2, 4, 8, 16, 32], [5e-7, 2e-6]
     else:
-        c.base_config = "configs/tiny.py"
+        c.base_config = CPU_BASE_CONFIG
         c.out_dir = "results/ablations/group_size"
-        c.fixed = {
-            "total_steps": 100,
-            "eval_every": 25,
-            "eval_samples": 4,
-            "checkpoint_every": 50,
-            "keep_checkpoints": 1,
-            "lr": 5e-4,
-        }
+        c.fixed = dict(CPU_FIXED)
         budget, groups, lrs = 128, [2, 4, 8, 16], [2.5e-4, 1e-3]
     c.blocks = [
         {

@@ -46,6 +46,18 @@ METHODS: dict[str, dict[str, Any]] = {
         "estimator_options.forgetting": 0.95,
     },
 }
+# The toy-scale recipe every CPU grid shares: the tiny default's warm-started policy,
+# 100 steps at lr 5e-4 (the tiny default's 2e-4 learns too little in 100 steps), 4 eval
+# samples per held-out problem every 25 steps.
+CPU_BASE_CONFIG = "configs/tiny.py"
+CPU_FIXED = {
+    "total_steps": 100,
+    "eval_every": 25,
+    "eval_samples": 4,
+    "checkpoint_every": 50,
+    "keep_checkpoints": 1,
+    "lr": 5e-4,
+}
 _ALIASES = {"lr": "optimizer.learning_rate", "order": "task.order"}
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
