@@ -67,13 +67,6 @@ def _any_process(flag: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
 
 
-def _host_tree(tree):
-    """Device arrays -> host numpy, gathering the rows other processes hold."""
-    if jax.process_count() == 1:
-        return jax.device_get(tree)
-    return multihost_utils.process_allgather(tree, tiled=True)
-
-
 def _put(tree, shardings):
     """Host arrays (identical on every process) -> global arrays placed by `shardings`."""
 
@@ -248,7 +241,7 @@ def _run(config, task: Task, mesh, reward_fn, host_reward, log, stop_after) -> d
                     ro = rollout(params, one, key)
                 ro = jax.block_until_ready(jax.device_put(ro, ro_sh))
                 if host_reward is not None:
-                    rewards_PG = np.asarray(host_reward(_host_tree(ro)), np.float32)
+                    rewards_PG = np.asarray(host_reward(distributed.to_host(ro)), np.float32)
                     ro = ro._replace(rewards=_put(rewards_PG, ro_sh.rewards))
                 t1 = time.perf_counter()
                 with jax.set_mesh(mesh):
