@@ -113,15 +113,25 @@ def run_grid(
         import concurrent.futures as cf
         import multiprocessing as mp
 
-        env = {"XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false"}
-        os.environ.update(env)  # inherited by the spawned workers only (jax is loaded here)
+        # One XLA thread per worker (they share the cores); the spawned workers inherit it,
+        # this process (jax already loaded) does not use it, and it is restored after.
+        flags = os.environ.get("XLA_FLAGS")
+        os.environ["XLA_FLAGS"] = (flags or "") + " --xla_cpu_multi_thread_eigen=false"
         ctx = mp.get_context("spawn")
-        with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
-            futs = {pool.submit(train_run, configs[r.run_id].to_json(), cache_dir): r for r in todo}
-            for fut in cf.as_completed(futs):
-                fut.result()  # a failed run stops the grid with its error
-                trained.append(futs[fut].run_id)
-                bar.update()
+        try:
+            with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+                futs = {
+                    pool.submit(train_run, configs[r.run_id].to_json(), cache_dir): r for r in todo
+                }
+                for fut in cf.as_completed(futs):
+                    fut.result()  # a failed run stops the grid with its error
+                    trained.append(futs[fut].run_id)
+                    bar.update()
+        finally:
+            if flags is None:
+                os.environ.pop("XLA_FLAGS", None)
+            else:
+                os.environ["XLA_FLAGS"] = flags
     bar.close()
     evals, steps = ablation.collect(runs_dir, runs)
     paths = {"results": os.path.join(out, "results.csv"), "steps": os.path.join(out, "steps.csv")}
