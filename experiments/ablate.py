@@ -33,8 +33,18 @@ def _setup_jax(cache_dir: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
+_PARENT_PID = None  # set in pool workers
+
+
+def _orphaned() -> bool:
+    """A pool worker whose grid process has died (its queued runs must not start)."""
+    return _PARENT_PID is not None and os.getppid() != _PARENT_PID
+
+
 def train_run(config_json: str, cache_dir: str) -> dict:
     """Train one run from its config (JSON); write summary.json when it finished."""
+    if _orphaned():
+        os._exit(0)
     import ml_collections
 
     from ebpo_jax.config import finalize
@@ -44,6 +54,8 @@ def train_run(config_json: str, cache_dir: str) -> dict:
 
     config = finalize(ml_collections.ConfigDict(json.loads(config_json)))
     summary = train(config, log=_quiet)
+    if _orphaned():  # the death signal stopped this run at a checkpoint; take no other
+        os._exit(0)
     if not summary["stopped_early"]:
         with open(os.path.join(config.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -51,8 +63,12 @@ def train_run(config_json: str, cache_dir: str) -> dict:
 
 
 def _worker_init():
+    global _PARENT_PID
+    _PARENT_PID = os.getppid()
     os.environ["TQDM_DISABLE"] = "1"
-    if sys.platform == "linux":  # die with the parent: no orphan keeps writing into a run
+    # When the grid process dies, SIGTERM stops the run in progress at a checkpoint (the
+    # trainer's preemption path), then the worker exits instead of taking queued runs.
+    if sys.platform == "linux":
         import ctypes
         import signal
 
