@@ -19,16 +19,18 @@ def get_config(scale: str = "cpu"):
         c.out_dir = "results/ablations/estimator_variants_paper"
         c.fixed = {"total_steps": 300, "eval_every": 50}
         budget, groups = 2048, [4, 8]
+        cluster = "ebpo_topic"  # math data: one prior per topic (no difficulty levels)
     else:
         c.base_config = CPU_BASE_CONFIG
         c.out_dir = "results/ablations/estimator_variants"
         c.fixed = dict(CPU_FIXED)
         budget, groups = 128, [2]
+        cluster = "ebpo_cluster"  # one prior per (topic, difficulty) cell
     c.blocks = [
         {
             "name": "variant",
             "axes": {
-                "method": ["grpo", "ebpo", "ebpo_per_batch", "ebpo_cluster", "ebpo_forget"],
+                "method": ["grpo", "ebpo", "ebpo_per_batch", cluster, "ebpo_forget"],
                 "group_size": groups,
                 "seed": [0, 1, 2],
             },

@@ -39,7 +39,8 @@ METHODS: dict[str, dict[str, Any]] = {
         "eb_clusters": "none",
         "estimator_options.per_batch": True,
     },
-    "ebpo_cluster": {"estimator": "ebpo", "eb_clusters": "cell"},
+    "ebpo_cluster": {"estimator": "ebpo", "eb_clusters": "cell"},  # topic x difficulty (toy)
+    "ebpo_topic": {"estimator": "ebpo", "eb_clusters": "topic"},  # math data: one prior per topic
     "ebpo_forget": {
         "estimator": "ebpo",
         "eb_clusters": "none",
