@@ -106,7 +106,8 @@ def run_grid(
     todo = [] if plots_only else [r for r in runs if r.run_id not in done]
     # Seed-major: one seed of every setting first (an early full picture), and the later
     # seeds reuse the first seed's compiled programs from the persistent cache.
-    todo.sort(key=lambda r: (r.value("seed", 0), runs.index(r)))
+    order = {r.run_id: i for i, r in enumerate(runs)}
+    todo.sort(key=lambda r: (r.value("seed", 0), order[r.run_id]))
     log(f"grid {grid.name}: {len(runs)} runs, {len(done)} finished, {len(todo)} to train -> {out}")
     if dry_run:
         for r in runs:

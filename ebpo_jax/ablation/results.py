@@ -62,6 +62,11 @@ _LAST_WINDOW = (
 )
 
 
+def _key_dict(by: Sequence[str], key) -> dict:
+    """A groupby key (a scalar for one column) as {column: value}."""
+    return dict(zip(by, key if isinstance(key, tuple) else (key,)))
+
+
 def interval95(x) -> tuple[float, float, float]:
     """(mean, low, high): a Student-t 95% interval over seeds (NaN width for one seed)."""
     x = np.asarray(x, np.float64)
@@ -89,7 +94,7 @@ def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
         gain = grp["pass@1"].to_numpy() - start.reindex(grp.run_id).to_numpy()
         out.append(
             {
-                **dict(zip(by, key if isinstance(key, tuple) else (key,))),
+                **_key_dict(by, key),
                 "seeds": len(grp),
                 "pass@1": m,
                 "ci_low": lo,
@@ -113,7 +118,7 @@ def paired_difference(evals: pd.DataFrame, by: Sequence[str], column: str, a, b)
         if d.empty:
             continue
         m, lo, hi = interval95(d)
-        row = dict(zip(by, key if isinstance(key, tuple) else (key,)))
+        row = _key_dict(by, key)
         out.append({**row, "diff": m, "ci_low": lo, "ci_high": hi, "seeds": len(d)})
     return pd.DataFrame(out)
 
