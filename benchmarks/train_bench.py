@@ -35,6 +35,7 @@ def parse():
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--scan_unroll", type=int, default=0, help="0: all layers (as configs/tiny.py)")
     return p.parse_args()
 
 
@@ -54,6 +55,7 @@ def jax_setup(a):
         num_kv_heads=a.hidden // 64,
         head_dim=32,
         max_position_embeddings=a.prompt_len + a.new_tokens,
+        scan_unroll=a.scan_unroll or a.layers,
     )
     rng = np.random.default_rng(0)
     P, G, Tp, N = a.prompts, a.group, a.prompt_len, a.new_tokens
@@ -159,6 +161,7 @@ def main():
     flops = step_flops(mc, B, T, a.new_tokens) / statistics.median(jt)
     mm = matmul_flops_per_s()
     print(f"update step: {B} sequences x {T} tokens, {a.layers} layers, hidden {a.hidden}")
+    print(f"scan_unroll {mc.scan_unroll}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"jax   {j_tps:10.0f} tokens/s  (median {statistics.median(jt) * 1e3:.1f} ms)")
     print(f"torch {t_tps:10.0f} tokens/s  (median {statistics.median(tt) * 1e3:.1f} ms)")
     print(f"ratio jax/torch: {j_tps / t_tps:.2f}x")

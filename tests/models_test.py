@@ -128,6 +128,9 @@ def test_get_config_errors():
         models.get_config("tiny", hiden_size=3)
     with pytest.raises(ValueError, match="remat"):
         models.get_config("tiny", remat="sometimes")
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="scan_unroll"):
+            models.get_config("tiny", scan_unroll=bad)
     config = models.get_config("llama3_1_8b")
     assert hash(config) == hash(models.get_config("llama3_1_8b"))
     assert config.rope_scaling_dict["rope_type"] == "llama3"
@@ -206,6 +209,26 @@ def test_remat_policies_are_applied_and_keep_gradients():
         grads(remat_config),
         grads(config),
     )
+
+
+def test_scan_unroll_keeps_forward_and_gradients():
+    config = models.get_config("tiny", num_layers=3)
+    params = _params(config)
+    tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, config.vocab_size)
+
+    def value_and_grads(config):
+        loss = lambda p: jnp.mean(models.forward(config, p, tokens) ** 2)
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+    rolled = value_and_grads(config)
+    for unroll in (2, 3, 8):  # 2 leaves a remainder layer; 8 > num_layers unrolls fully
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, atol=1e-7, rtol=1e-5),
+            value_and_grads(config.replace(scan_unroll=unroll)),
+            rolled,
+        )
+    fwd = functools.partial(models.forward, config.replace(scan_unroll=8))
+    assert "unroll=3" in str(jax.make_jaxpr(fwd)(params, tokens))  # clamped to num_layers
 
 
 def test_bfloat16_params_and_compute():

@@ -149,7 +149,10 @@ def forward(
         return _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend), None
 
     x_BTD, _ = jax.lax.scan(
-        _remat(config, layer), _embed(config, params, tokens_BT), params["layers"]
+        _remat(config, layer),
+        _embed(config, params, tokens_BT),
+        params["layers"],
+        unroll=min(config.scan_unroll, config.num_layers),
     )
     return _head(config, params, x_BTD, return_hidden)
 
