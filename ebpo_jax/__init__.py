@@ -4,8 +4,8 @@ from ebpo_jax.cpu_flags import add_cpu_flags
 
 add_cpu_flags()  # before anything below can start an XLA backend
 
-from ebpo_jax import advantages, losses  # noqa: E402
-from ebpo_jax.advantages import (  # noqa: E402
+from ebpo_jax import advantages, losses
+from ebpo_jax.advantages import (
     EBState,
     dr_grpo_advantage,
     eb_advantage,
