@@ -4,8 +4,8 @@ import importlib.metadata
 import os
 
 # YNNPACK dot fusions absorb the operand transposes that XLA otherwise materialises before
-# every weight-gradient dot of the backward pass: 1.2-1.3x on the CPU update step (see
-# benchmarks/train_bench.py). Only set for the jaxlib line it was measured on, because an
+# every weight-gradient dot of the backward pass: 1.1-1.25x on the CPU update step of
+# benchmarks/train_bench.py. Only set for the jaxlib line it was measured on, because an
 # XLA_FLAGS entry that a later jaxlib does not know aborts the process at start-up.
 _FLAGS = {"0.10.": ("--xla_cpu_experimental_ynn_fusion_type=dot",)}
 OPT_OUT = "EBPO_JAX_CPU_FLAGS"  # set to 0 to leave XLA_FLAGS alone

@@ -31,7 +31,7 @@ class ModelConfig:
     dtype: str = "float32"
     remat: str = "none"
     # Layers per iteration of the full-sequence forward's layer scan. Unrolling lets XLA fuse
-    # across layers (1.1-1.2x on the tiny CPU update step, benchmarks/train_bench.py) at the
+    # across layers (1.1-1.3x on the CPU update step of benchmarks/train_bench.py) at the
     # cost of compile time; the KV-cache path always scans single layers (unrolled was slower).
     scan_unroll: int = 1
     max_position_embeddings: int = 8192
