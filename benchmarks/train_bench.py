@@ -146,9 +146,9 @@ def main():
     state, m = update(state, ro)  # compile
     jax.block_until_ready(m)
     torch_step()
-    # Each round times two calls per framework. The first follows the other framework's call
-    # and pays for its worker threads still spinning on the 2 cores; the second is the steady
-    # state a training loop sees. Rounds alternate so that outside load hits both alike.
+    # Each round times two calls per framework: the first right after the other framework's
+    # call (whose worker threads may still hold the 2 cores), the second in the steady state a
+    # training loop sees. Rounds alternate so that outside load hits both alike.
     times = {"jax": ([], []), "torch": ([], [])}
 
     def jax_call():

@@ -5,8 +5,9 @@ learns within minutes on two CPU cores. The short SFT stage leaves it solving ab
 quarter of the held-out problems; EBPO with one prior per (topic, difficulty) cell then
 raises held-out pass@1 (temperature 1.0, 8 samples per problem, as the paper evaluates).
 Measured (quiet 2-core CPU, jaxlib 0.10.2): 24.7% -> 39.5% at step 250 in 93 s, passing
-31.7 / 35.1 / 35.4 / 37.7% at steps 50-200; seeds 1 and 2 gain +11.3 and +11.8. Larger learning rates (5e-4, 1e-3) collapse the
-entropy within ~100 steps and plateau near +8-10 points; an entropy bonus did not help.
+31.7 / 35.1 / 35.4 / 37.7% at steps 50-200; seeds 1 and 2 gain +11.3 and +11.8. Larger
+learning rates (5e-4, 1e-3) collapse the entropy within ~100 steps and plateau near +8-10
+points; an entropy bonus did not help.
 """
 
 from ebpo_jax.config import default_config, finalize
