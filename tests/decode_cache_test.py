@@ -1,4 +1,4 @@
-"""forward_cached options: logits_at, a Python-int start, and its bound check."""
+"""forward_cached options: logits_at, a Python-int start, and its input checks."""
 
 import functools
 
@@ -27,14 +27,14 @@ def test_static_start_and_logits_at_match_traced_full_logits():
     ref_logits, ref_cache = traced(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
     )
-    # Un-jitted: start stays a Python int, so attention skips the cache entirely.
+    # Un-jitted: start stays a Python int, so attention reads only the 4 new slots.
     logits, cache_out = models.forward_cached(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
     )
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
     for name in ("k", "v"):
         np.testing.assert_allclose(cache_out[name], ref_cache[name], atol=1e-6)
-        assert np.abs(np.asarray(cache_out[name][:, :, :, 4:])).max() == 0
+        assert np.abs(np.asarray(cache_out[name])[:, :, :, 4:]).max() == 0
     at = jnp.array([3, 1])
     last, _ = models.forward_cached(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask, logits_at=at
@@ -70,3 +70,18 @@ def test_static_start_out_of_range_and_bad_logits_at_are_clear_errors():
             kv_mask_BS=kv_mask,
             logits_at=jnp.zeros((3,), jnp.int32),
         )
+
+
+def test_cache_of_the_wrong_structure_is_a_clear_error():
+    config, params, tokens, positions, kv_mask, cache = _setup()
+    stacked = {name: jnp.stack(cache[name]) for name in ("k", "v")}
+    with pytest.raises(ValueError, match="one array per layer"):
+        models.forward_cached(
+            config, params, tokens, positions, stacked, start=0, kv_mask_BS=kv_mask
+        )
+    short = {"k": cache["k"], "v": cache["v"][:-1]}
+    with pytest.raises(ValueError, match=r"cache\['v'\] must hold one array per layer"):
+        models.forward_cached(config, params, tokens, positions, short, start=0, kv_mask_BS=kv_mask)
+    wide = {"k": cache["k"], "v": (*cache["v"][:-1], jnp.zeros((2, 1, 7, 1)))}
+    with pytest.raises(ValueError, match=r"cache\['v'\]\[1\] has shape"):
+        models.forward_cached(config, params, tokens, positions, wide, start=0, kv_mask_BS=kv_mask)

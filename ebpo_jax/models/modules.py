@@ -121,33 +121,20 @@ class Attention(nnx.Module):
         out_BTKGd = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKd)
         return self.output(out_BTKGd.reshape(B, T, H, Dh))
 
-    def attend_cached(self, q_BTHd, cache_BKSd, old_BTS, k_BTKd, v_BTKd, new_BTT):
-        """attend over cached keys (head-major, read in place) and the T new ones, one softmax.
+    def attend_cached(self, q_BTHd, k_BKSd, v_BKSd, allowed_BTS):
+        """attend over a head-major cache [B, K, S, Dh] that already holds the new keys.
 
-        cache_BKSd = (k, v) [B, K, S, Dh] with S possibly 0; old_BTS / new_BTT say which
-        cached / new keys each query sees. Splitting the keys avoids concatenating (copying)
-        the cache, and the head-major layout makes q.K a plain batched matmul on every backend.
+        Head-major, so that q.K and p.V are plain batched matmuls over each (row, head)'s
+        contiguous [S, Dh] slots, read in place on every backend.
         """
         B, T, H, Dh = q_BTHd.shape
         K = self.num_kv_heads
         q_BTKGd = q_BTHd.reshape(B, T, K, H // K, Dh)
-        k_BKSd, v_BKSd = cache_BKSd
-        S = k_BKSd.shape[2]
         f32 = jnp.float32
-        logits_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGd, k_BTKd, preferred_element_type=f32)
-        logits_BKGTS = jnp.where(new_BTT[:, None, None], logits_BKGTS * self.scale, _MASKED)
-        if S:
-            old_BKGTS = jnp.einsum("btkgd,bksd->bkgts", q_BTKGd, k_BKSd, preferred_element_type=f32)
-            old_BKGTS = jnp.where(old_BTS[:, None, None], old_BKGTS * self.scale, _MASKED)
-            logits_BKGTS = jnp.concatenate([old_BKGTS, logits_BKGTS], axis=-1)
+        logits_BKGTS = jnp.einsum("btkgd,bksd->bkgts", q_BTKGd, k_BKSd, preferred_element_type=f32)
+        logits_BKGTS = jnp.where(allowed_BTS[:, None, None], logits_BKGTS * self.scale, _MASKED)
         probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1).astype(self.dtype)
-        out_BTKGd = jnp.einsum(
-            "bkgts,bskd->btkgd", probs_BKGTS[..., S:], v_BTKd, preferred_element_type=f32
-        )
-        if S:
-            out_BTKGd += jnp.einsum(
-                "bkgts,bksd->btkgd", probs_BKGTS[..., :S], v_BKSd, preferred_element_type=f32
-            )
+        out_BTKGd = jnp.einsum("bkgts,bksd->btkgd", probs_BKGTS, v_BKSd, preferred_element_type=f32)
         return self.output(out_BTKGd.astype(self.dtype).reshape(B, T, H, Dh))
 
     def output(self, out_BTHd):
