@@ -3,8 +3,9 @@
 Run: .venv/bin/python benchmarks/sampler_bench.py [--runs 5] [--decode-runs 3]
 Both generators run greedy on the same random checkpoint (hidden 256, 4 layers, vocab 512),
 batch 64, prompt 32, 64 new tokens, in alternating runs; compile time is excluded (one
-warm-up call each). Then decode alone at batch 256 is timed, its model FLOP/s compared
-with a large f32 matmul's FLOP/s measured in this same process.
+warm-up call each). HF's own model FLOP/s is compared with a large f32 matmul's FLOP/s
+measured in this same process (which bounds the ratio any generate can reach here). Then
+decode alone at batch 256 is timed and its model FLOP/s compared with the same matmul.
 """
 
 import argparse
@@ -107,15 +108,27 @@ def compare_with_hf(hf, config, params, batch, prompt_len, new_tokens, runs):
     }
 
 
-def decode_flops(config, prompt_len, new_tokens):
-    """Model FLOPs of decode steps 1..N-1 per row (matmuls + attention over the real context)."""
+def _token_flops(config):
+    """(layer matmul FLOPs, head FLOPs, attention FLOPs per attended key) for one token."""
     c = config
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     per_layer = c.hidden_size * (2 * q_dim + 2 * kv_dim) + 3 * c.hidden_size * c.intermediate_size
-    matmul = 2 * (c.num_layers * per_layer + c.hidden_size * c.vocab_size)
+    return 2 * c.num_layers * per_layer, 2 * c.hidden_size * c.vocab_size, 4 * c.num_layers * q_dim
+
+
+def decode_flops(config, prompt_len, new_tokens):
+    """Model FLOPs of decode steps 1..N-1 per row (matmuls + attention over the real context)."""
+    layers, head, per_key = _token_flops(config)
     contexts = prompt_len + np.arange(1, new_tokens)
-    attention = 4 * c.num_layers * q_dim * contexts.sum()
-    return matmul * (new_tokens - 1) + attention
+    return (layers + head) * (new_tokens - 1) + per_key * contexts.sum()
+
+
+def generate_flops(config, prompt_len, new_tokens):
+    """The least model FLOPs per row any generate must do: causal prefill, head at its last
+    token only, then the decode steps."""
+    layers, head, per_key = _token_flops(config)
+    prefill = layers * prompt_len + head + per_key * prompt_len * (prompt_len + 1) // 2
+    return prefill + decode_flops(config, prompt_len, new_tokens)
 
 
 def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
@@ -172,6 +185,13 @@ def main():
         f"token agreement with HF {hf_result['token_agreement']:.3f}"
     )
     matmul = matmul_throughput()
+    # How fast HF already is bounds the ratio any implementation can reach on this CPU.
+    hf_flops = 64 * generate_flops(config, 32, 64) * hf_result["hf_tok_s"] / (64 * 64)
+    print(
+        f"HF generate does {hf_flops / 1e9:.1f} GFLOP/s of model work, {hf_flops / matmul:.0%} "
+        f"of the matmul below: 3x HF would need {3 * hf_flops / matmul:.0%} of it, so even "
+        f"at the matmul's FLOP/s generate could be at most {matmul / hf_flops:.2f}x HF"
+    )
     decode = decode_throughput(config, params, 256, 32, 64, args.decode_runs)
     print(
         f"decode batch 256: {decode / 1e9:.1f} GFLOP/s; 2048^3 f32 matmul "
