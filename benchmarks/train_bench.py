@@ -1,7 +1,10 @@
 """Jitted EBPO update step vs an equivalent PyTorch step (transformers Llama, same PPO loss, AdamW).
 
 Prints tokens/s of both (median of alternating runs), their ratio, and the JAX step's FLOP/s
-as a fraction of a large float32 matmul's FLOP/s measured in the same process.
+as a fraction of a large float32 matmul's FLOP/s measured in the same process. The JAX step
+runs each prompt once per group (`models.forward_grouped`); the PyTorch step packs prompt and
+completion into each row, as transformers users do, so it repeats the prompt G times. Both
+count the same tokens (the packed rows); the FLOP/s counts the work the JAX step does.
 Run: python benchmarks/train_bench.py [--hidden 256 --layers 4 --prompts 4 --group 8]
 """
 
@@ -119,12 +122,15 @@ def torch_setup(a, mc, ro):
     return step
 
 
-def step_flops(mc, B, T, N):
-    """Forward+backward FLOPs of the JAX step: 6 x matmul params x tokens, attention, head."""
+def step_flops(mc, P, G, Tp, N):
+    """Forward+backward FLOPs of the JAX step, which runs each prompt once per group: 6 x matmul
+    params x tokens, attention (prompt over itself, completions over prompt + themselves), head."""
     D, L, H, hd, F = mc.hidden_size, mc.num_layers, mc.num_heads, mc.head_dim, mc.intermediate_size
     per_layer = D * H * hd * 2 + D * mc.num_kv_heads * hd * 2 + 3 * D * F
-    attn = 2 * 2 * L * B * T * T * H * hd  # QK^T and PV, full (unmasked) matmuls
-    return 6 * L * per_layer * B * T + 3 * attn + 6 * D * mc.vocab_size * B * N
+    tokens = P * Tp + P * G * N
+    key_pairs = P * Tp * Tp + P * G * N * (Tp + N)  # full (unmasked) score matrices
+    attn = 2 * 2 * L * key_pairs * H * hd  # QK^T and PV
+    return 6 * L * per_layer * tokens + 3 * attn + 6 * D * mc.vocab_size * P * G * N
 
 
 def matmul_flops_per_s(n=2048, runs=5):
@@ -166,7 +172,8 @@ def main():
     B, T = a.prompts * a.group, a.prompt_len + a.new_tokens
     tokens = B * T
     j_tps, t_tps = tokens / statistics.median(jt), tokens / statistics.median(tt)
-    flops = step_flops(mc, B, T, a.new_tokens) / statistics.median(jt)
+    flops = step_flops(mc, a.prompts, a.group, a.prompt_len, a.new_tokens)
+    flops /= statistics.median(jt)
     mm = matmul_flops_per_s()
     print(f"update step: {B} sequences x {T} tokens, {a.layers} layers, hidden {a.hidden}")
     print(f"scan_unroll {mc.scan_unroll}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")

@@ -121,6 +121,54 @@ def test_cache_prefill_then_decode_matches_forward(name):
     np.testing.assert_allclose(out[:, Tp:], decode_logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_grouped_forward_equals_packed_rows_with_gradients(name):
+    """Prompt once per group == each completion packed after its own copy of the prompt."""
+    config = models.get_config(name, num_layers=2)
+    params = models.init_params(config, jax.random.key(6))
+    P, G, Tp, N = 3, 2, 6, 5
+    rng = np.random.default_rng(0)
+    prompt_PT = jnp.asarray(rng.integers(1, config.vocab_size, (P, Tp)), jnp.int32)
+    plen_P = jnp.array([6, 2, 4])
+    comp_BN = jnp.asarray(rng.integers(1, config.vocab_size, (P * G, N)), jnp.int32)
+    clen_B = jnp.array([5, 3, 1, 5, 4, 2])
+    plen_B = np.repeat(np.asarray(plen_P), G)
+    # The packed rows: prompt[:len] + completion, right-padded to Tp + N.
+    packed = np.zeros((P * G, Tp + N), np.int32)
+    for b in range(P * G):
+        row = np.concatenate([prompt_PT[b // G, : plen_B[b]], comp_BN[b]])
+        packed[b, : len(row)] = row
+    mask = np.arange(Tp + N)[None] < (plen_B + np.asarray(clen_B))[:, None]
+    w_BN = jnp.asarray(rng.normal(size=(P * G, N, config.vocab_size)), jnp.float32)
+
+    def grouped(params):
+        out_P, out_B = models.forward_grouped(
+            config, params, prompt_PT, plen_P, comp_BN, comp_len_B=clen_B
+        )
+        valid = jnp.arange(N)[None] < clen_B[:, None]
+        return jnp.sum(jnp.where(valid[..., None], out_B * w_BN, 0.0)), (out_P, out_B)
+
+    def packed_loss(params):
+        out = models.forward(config, params, jnp.asarray(packed), mask=jnp.asarray(mask))
+        idx_BN = jnp.minimum(jnp.asarray(plen_B)[:, None] + jnp.arange(N)[None], Tp + N - 1)
+        out_B = jnp.take_along_axis(out, idx_BN[..., None], axis=1)
+        valid = jnp.arange(N)[None] < clen_B[:, None]
+        return jnp.sum(jnp.where(valid[..., None], out_B * w_BN, 0.0)), out
+
+    (loss, (out_P, out_B)), grads = jax.jit(jax.value_and_grad(grouped, has_aux=True))(params)
+    (ref_loss, ref), ref_grads = jax.jit(jax.value_and_grad(packed_loss, has_aux=True))(params)
+    for b in range(P * G):
+        L, n = plen_B[b], int(clen_B[b])
+        np.testing.assert_allclose(out_P[b // G, :L], ref[b, :L], atol=1e-5)
+        np.testing.assert_allclose(out_B[b, :n], ref[b, L : L + n], atol=1e-5)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), grads, ref_grads
+    )
+    with pytest.raises(ValueError, match="not a multiple of the 3 prompts"):
+        models.forward_grouped(config, params, prompt_PT, plen_P, comp_BN[:5])
+
+
 def test_get_config_errors():
     with pytest.raises(ValueError, match="unknown model preset"):
         models.get_config("gpt5")

@@ -88,19 +88,47 @@ def test_sampler_logprobs_equal_training_forward(setup):
     c, mc, params, batches = setup
     ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches))
     G, N = c.group_size, ro.tokens.shape[-1]
-    logp_BN = completion_logprobs(
-        mc,
-        params,
-        jnp.repeat(ro.prompt_tokens, G, 0),
-        jnp.repeat(ro.prompt_lengths, G, 0),
-        ro.tokens.reshape(-1, N),
-        ro.lengths.reshape(-1),
-        with_entropy=False,
-    )
     mask_BN = jnp.arange(N) < ro.lengths.reshape(-1, 1)
-    assert int(mask_BN.sum()) > 0
-    diff = jnp.where(mask_BN, logp_BN - ro.logprobs.reshape(-1, N), 0.0)
-    np.testing.assert_allclose(diff, 0.0, atol=1e-5)
+    assert int(mask_BN.sum()) > 0 and G > 1
+    # The prompt once per group (as the update step calls it), and once per row.
+    for reps in (1, G):
+        logp_BN = completion_logprobs(
+            mc,
+            params,
+            jnp.repeat(ro.prompt_tokens, reps, 0),
+            jnp.repeat(ro.prompt_lengths, reps, 0),
+            ro.tokens.reshape(-1, N),
+            ro.lengths.reshape(-1),
+            with_entropy=False,
+        )
+        diff = jnp.where(mask_BN, logp_BN - ro.logprobs.reshape(-1, N), 0.0)
+        np.testing.assert_allclose(diff, 0.0, atol=1e-5)
+
+
+def test_splash_packed_path_equals_grouped_path():
+    """The splash kernel gets packed rows; same log-probs and entropy as the grouped path."""
+    mc = models.get_config("tiny", num_layers=1)
+    params = models.init_params(mc, jax.random.key(0))
+    P, G, Tp, N = 2, 2, 64, 64  # the kernel's blocks are multiples of 128 tokens
+    rng = np.random.default_rng(1)
+    prompt_PT = jnp.asarray(rng.integers(3, mc.vocab_size, (P, Tp)), jnp.int32)
+    comp_BN = jnp.asarray(rng.integers(3, mc.vocab_size, (P * G, N)), jnp.int32)
+    plen_P, clen_B = jnp.array([64, 9]), jnp.array([64, 5, 30, 1])
+    out = {
+        name: jax.jit(completion_logprobs, static_argnums=0, static_argnames="with_entropy")(
+            mc.replace(attention=name),
+            params,
+            prompt_PT,
+            plen_P,
+            comp_BN,
+            clen_B,
+            with_entropy=True,
+        )
+        for name in ("xla", "splash")
+    }
+    valid = np.arange(N)[None] < np.asarray(clen_B)[:, None]
+    for got, want in zip(out["splash"], out["xla"]):
+        np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-4)
 
 
 def test_update_decreases_loss_on_fixed_batch(setup):

@@ -158,6 +158,75 @@ def forward(
     return _head(config, params, x_BTD, return_hidden)
 
 
+def forward_grouped(
+    config: ModelConfig,
+    params,
+    prompt_PTp,
+    prompt_len_P,
+    comp_BN,
+    *,
+    comp_len_B=None,
+    return_hidden=False,
+):
+    """Each prompt once, its G = B/P completions attending to it: (prompt out, completion out).
+
+    Row b of comp_BN continues prompt b // G. Equal to `forward` on the packed rows
+    prompt_PTp[p, :len] + comp_BN[b] (completion token n at position len + n), but the
+    prompt's layers run once per group instead of G times. Out: [P, Tp, V] and [B, N, V]
+    logits float32, or final-normed hidden [.., D]. comp_len_B masks completion keys.
+    """
+    _check_tokens(config, prompt_PTp, "prompt_PTp")
+    _check_tokens(config, comp_BN, "comp_BN")
+    (P, Tp), (B, N) = prompt_PTp.shape, comp_BN.shape
+    if B % P:
+        raise ValueError(f"comp_BN has {B} rows, not a multiple of the {P} prompts")
+    G = B // P
+    _check_shape("prompt_len_P", prompt_len_P, (P,))
+    prompt_mask_PT = jnp.arange(Tp)[None] < prompt_len_P[:, None]
+    comp_mask_BN = (
+        jnp.ones((B, N), bool) if comp_len_B is None else jnp.arange(N)[None] < comp_len_B[:, None]
+    )
+    pos_PT = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
+    pos_BN = jnp.repeat(prompt_len_P, G)[:, None] + jnp.arange(N)[None]
+    rope_p, rope_c = rope_cos_sin(config, pos_PT), rope_cos_sin(config, pos_BN)
+    allowed_PTS = (jnp.arange(Tp)[None, :] <= jnp.arange(Tp)[:, None])[None] & prompt_mask_PT[
+        :, None
+    ]
+    # Completion queries see their prompt's valid slots, then their own causal prefix.
+    sees_prompt_BNT = jnp.broadcast_to(jnp.repeat(prompt_mask_PT, G, 0)[:, None], (B, N, Tp))
+    causal_BNN = (jnp.arange(N)[None, :] <= jnp.arange(N)[:, None])[None] & comp_mask_BN[:, None]
+    allowed_BNS = jnp.concatenate([sees_prompt_BNT, causal_BNN], axis=-1)
+    block_def = graphdefs(config)[1]
+
+    def layer(carry, layer_params):
+        xp_PTD, xc_BND = carry
+        block = nnx.merge(block_def, layer_params)
+        prompt_kv = []
+
+        def attend_prompt(attn, q_PTHd, k_PTKd, v_PTKd):
+            prompt_kv.extend([jnp.repeat(k_PTKd, G, 0), jnp.repeat(v_PTKd, G, 0)])
+            return attn.attend(q_PTHd, k_PTKd, v_PTKd, allowed_PTS)
+
+        def attend_comp(attn, q_BNHd, k_BNKd, v_BNKd):
+            k_BSKd = jnp.concatenate([prompt_kv[0], k_BNKd], axis=1)
+            v_BSKd = jnp.concatenate([prompt_kv[1], v_BNKd], axis=1)
+            return attn.attend(q_BNHd, k_BSKd, v_BSKd, allowed_BNS)
+
+        xp_PTD = _block_step(config, block, xp_PTD, *rope_p, attend_prompt)
+        xc_BND = _block_step(config, block, xc_BND, *rope_c, attend_comp)
+        return (xp_PTD, xc_BND), None
+
+    (xp_PTD, xc_BND), _ = jax.lax.scan(
+        _remat(config, layer),
+        (_embed(config, params, prompt_PTp), _embed(config, params, comp_BN)),
+        params["layers"],
+        unroll=min(config.scan_unroll, config.num_layers),
+    )
+    return _head(config, params, xp_PTD, return_hidden), _head(
+        config, params, xc_BND, return_hidden
+    )
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
     """Empty KV cache {'k','v'}: per layer a [batch, kv_heads, max_len, head_dim] array.
 

@@ -28,21 +28,46 @@ def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
 def completion_logprobs(
     model_config,
     params,
-    prompt_BTp,
-    prompt_len_B,
+    prompt_PTp,
+    prompt_len_P,
     comp_BN,
     comp_len_B,
     *,
     with_entropy,
     chunk_size=0,
 ):
-    """Per-token log-probs [B, N] (and entropy) of the completion given the prompt."""
-    tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
-    hidden_BTD = models.forward(model_config, params, tokens_BT, mask=mask_BT, return_hidden=True)
-    N = comp_BN.shape[1]
-    # The hidden state at slot L-1+n predicts completion token n.
-    idx_BN = jnp.minimum(prompt_len_B[:, None] - 1 + jnp.arange(N)[None], tokens_BT.shape[1] - 1)
-    h_BND = jnp.take_along_axis(hidden_BTD, idx_BN[..., None], axis=1)
+    """Per-token log-probs [B, N] (and entropy) of each completion given its prompt.
+
+    Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
+    row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
+    does self-attention, gets packed rows instead.
+    """
+    P, B = prompt_PTp.shape[0], comp_BN.shape[0]
+    G, N = B // P, comp_BN.shape[1]
+    if model_config.attention == "splash":
+        prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
+        tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
+        hidden_BTD = models.forward(
+            model_config, params, tokens_BT, mask=mask_BT, return_hidden=True
+        )
+        # The hidden state at slot L-1+n predicts completion token n.
+        idx_BN = jnp.minimum(
+            prompt_len_B[:, None] - 1 + jnp.arange(N)[None], tokens_BT.shape[1] - 1
+        )
+        h_BND = jnp.take_along_axis(hidden_BTD, idx_BN[..., None], axis=1)
+    else:
+        h_PTD, h_BND = models.forward_grouped(
+            model_config,
+            params,
+            prompt_PTp,
+            prompt_len_P,
+            comp_BN,
+            comp_len_B=comp_len_B,
+            return_hidden=True,
+        )
+        # The prompt's last token predicts completion token 0; completion token n-1, token n.
+        last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
+        h_BND = jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
     w_DV = models.output_embedding(model_config, params)
     if chunk_size:  # large vocabularies: never hold all [B, N, V] logits at once
         return losses.logprobs_from_hidden(
@@ -81,14 +106,13 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
     seq_agg = lc.agg != "token-mean"
 
     def loss_fn(params, ref_params, mb, denom):
-        prompt_BTp = jnp.repeat(mb["prompt_tokens"], G, 0)
-        plen_B = jnp.repeat(mb["prompt_lengths"], G, 0)
+        prompt_PTp, plen_P = mb["prompt_tokens"], mb["prompt_lengths"]
         comp_BN, clen_B = mb["tokens"].reshape(-1, N), mb["lengths"].reshape(-1)
         logp_BN, ent_BN = completion_logprobs(
             model_config,
             params,
-            prompt_BTp,
-            plen_B,
+            prompt_PTp,
+            plen_P,
             comp_BN,
             clen_B,
             with_entropy=True,
@@ -102,8 +126,8 @@ def make_update_fn(config, model_config, optimizer, eos_id: int):
                 completion_logprobs(
                     model_config,
                     ref_params,
-                    prompt_BTp,
-                    plen_B,
+                    prompt_PTp,
+                    plen_P,
                     comp_BN,
                     clen_B,
                     with_entropy=False,
