@@ -167,6 +167,8 @@ def test_grouped_forward_equals_packed_rows_with_gradients(name):
     )
     with pytest.raises(ValueError, match="not a multiple of the 3 prompts"):
         models.forward_grouped(config, params, prompt_PT, plen_P, comp_BN[:5])
+    with pytest.raises(ValueError, match="comp_len_B"):
+        models.forward_grouped(config, params, prompt_PT, plen_P, comp_BN, comp_len_B=clen_B[:3])
 
 
 def test_get_config_errors():

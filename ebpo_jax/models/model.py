@@ -1,4 +1,4 @@
-"""Functional entry points: init_params, forward, and the KV-cache path (prefill/decode)."""
+"""Functional entry points: init_params, forward, forward_grouped, and the KV-cache path (prefill/decode)."""
 
 import functools
 import operator
@@ -174,6 +174,7 @@ def forward_grouped(
     prompt_PTp[p, :len] + comp_BN[b] (completion token n at position len + n), but the
     prompt's layers run once per group instead of G times. Out: [P, Tp, V] and [B, N, V]
     logits float32, or final-normed hidden [.., D]. comp_len_B masks completion keys.
+    Always the XLA attention: the splash kernel only does self-attention.
     """
     _check_tokens(config, prompt_PTp, "prompt_PTp")
     _check_tokens(config, comp_BN, "comp_BN")
@@ -182,6 +183,8 @@ def forward_grouped(
         raise ValueError(f"comp_BN has {B} rows, not a multiple of the {P} prompts")
     G = B // P
     _check_shape("prompt_len_P", prompt_len_P, (P,))
+    if comp_len_B is not None:
+        _check_shape("comp_len_B", comp_len_B, (B,))
     prompt_mask_PT = jnp.arange(Tp)[None] < prompt_len_P[:, None]
     comp_mask_BN = (
         jnp.ones((B, N), bool) if comp_len_B is None else jnp.arange(N)[None] < comp_len_B[:, None]
@@ -189,12 +192,11 @@ def forward_grouped(
     pos_PT = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
     pos_BN = jnp.repeat(prompt_len_P, G)[:, None] + jnp.arange(N)[None]
     rope_p, rope_c = rope_cos_sin(config, pos_PT), rope_cos_sin(config, pos_BN)
-    allowed_PTS = (jnp.arange(Tp)[None, :] <= jnp.arange(Tp)[:, None])[None] & prompt_mask_PT[
-        :, None
-    ]
+    causal = lambda n: jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+    allowed_PTS = causal(Tp)[None] & prompt_mask_PT[:, None]
     # Completion queries see their prompt's valid slots, then their own causal prefix.
     sees_prompt_BNT = jnp.broadcast_to(jnp.repeat(prompt_mask_PT, G, 0)[:, None], (B, N, Tp))
-    causal_BNN = (jnp.arange(N)[None, :] <= jnp.arange(N)[:, None])[None] & comp_mask_BN[:, None]
+    causal_BNN = causal(N)[None] & comp_mask_BN[:, None]
     allowed_BNS = jnp.concatenate([sees_prompt_BNT, causal_BNN], axis=-1)
     block_def = graphdefs(config)[1]
 
@@ -222,9 +224,8 @@ def forward_grouped(
         params["layers"],
         unroll=min(config.scan_unroll, config.num_layers),
     )
-    return _head(config, params, xp_PTD, return_hidden), _head(
-        config, params, xc_BND, return_hidden
-    )
+    head = functools.partial(_head, config, params, return_hidden=return_hidden)
+    return head(xp_PTD), head(xc_BND)
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int) -> dict:
