@@ -181,6 +181,7 @@ def _decode(
     done_B = jnp.isin(token_B, eos_E)
     gen_len_B = jnp.ones((batch,), jnp.int32)
     axes = _cache_batch_axes(config, kv_mask_BS.shape[1])
+    layers = models.split_layers(config, params)  # once, not per step (see forward_cached)
 
     def cond(carry):
         t, done_B = carry[0], carry[4]
@@ -200,6 +201,7 @@ def _decode(
             cache,
             start=slot,
             kv_mask_BS=kv_mask_BS,
+            layers=layers,
         )
         cache = _constrain_cache(cache, axes, batch_sharding)
         tok_B, logp_B = select_tokens(

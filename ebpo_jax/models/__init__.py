@@ -10,6 +10,7 @@ from ebpo_jax.models.model import (
     init_cache,
     init_params,
     output_embedding,
+    split_layers,
 )
 
 __all__ = [
@@ -25,5 +26,6 @@ __all__ = [
     "init_params",
     "load_tokenizer",
     "output_embedding",
+    "split_layers",
     "to_hf",
 ]

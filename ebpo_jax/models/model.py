@@ -272,6 +272,14 @@ def _check_cache(config, cache, batch):
     return S
 
 
+def split_layers(config: ModelConfig, params) -> tuple:
+    """The layer-stacked weights as one params tree per layer (forward_cached's `layers`)."""
+    return tuple(
+        jax.tree.map(operator.itemgetter(layer), params["layers"])
+        for layer in range(config.num_layers)
+    )
+
+
 def forward_cached(
     config: ModelConfig,
     params,
@@ -282,6 +290,7 @@ def forward_cached(
     start,
     kv_mask_BS,
     logits_at=None,
+    layers=None,
 ):
     """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
 
@@ -291,6 +300,8 @@ def forward_cached(
     A Python int `start` also lets attention skip the slots >= start+T (all but the new
     ones in a prefill at 0). `logits_at` [B] int: return only logits [B, V] at time index
     logits_at[b] of each row (e.g. a prefill's last prompt token) instead of [B, T, V].
+    `layers`: `split_layers(params)`, computed once outside a decode loop; without it each
+    call slices the stacked weights, which XLA does not hoist out of a while_loop.
     """
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
@@ -315,9 +326,10 @@ def forward_cached(
     at = (0, 0, start, 0)
     x_BTD = _embed(config, params, tokens_BT)
     new_k, new_v = [], []
+    layers = split_layers(config, params) if layers is None else layers
     # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
     for layer in range(config.num_layers):
-        block = nnx.merge(block_def, jax.tree.map(operator.itemgetter(layer), params["layers"]))
+        block = nnx.merge(block_def, layers[layer])
 
         def attend(attn, q_BTHd, k_BTKd, v_BTKd, layer=layer):
             # Write the new keys first, then read the updated cache: reading the old cache
