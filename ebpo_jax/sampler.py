@@ -122,27 +122,21 @@ def _prefill(
     row_sharding,
 ):
     """Prefills each prompt once, shares its cache over its samples, samples token 0."""
-    num_prompts, prompt_len = prompt_PT.shape
+    prompt_len = prompt_PT.shape[1]
     axes = _cache_batch_axes(config, cache_size)
-    cache = _constrain_cache(
-        models.init_cache(config, num_prompts, cache_size), axes, prompt_sharding
-    )
     kv_mask_PS = jnp.arange(cache_size)[None] < lengths_P[:, None]
     # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
     prompt_PT = jnp.where(kv_mask_PS[:, :prompt_len], prompt_PT, PAD_ID)
-    positions_PT = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), prompt_PT.shape)
     # Logits at each prompt's last token only: [P, Tp, V] float32 would not fit at scale.
-    # A Python-int start lets attention skip the (empty) cache.
-    last_PV, cache = models.forward_cached(
+    last_PV, cache = models.prefill(
         config,
         params,
         prompt_PT,
-        positions_PT,
-        cache,
-        start=0,
-        kv_mask_BS=kv_mask_PS,
+        mask=kv_mask_PS[:, :prompt_len],
+        cache_size=cache_size,
         logits_at=lengths_P - 1,
     )
+    cache = _constrain_cache(cache, axes, prompt_sharding)
 
     # Samples of a prompt reuse its prefilled cache rows: no repeated prefill compute.
     def share(x, a):

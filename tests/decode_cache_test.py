@@ -85,3 +85,25 @@ def test_cache_of_the_wrong_structure_is_a_clear_error():
     wide = {"k": cache["k"], "v": (*cache["v"][:-1], jnp.zeros((2, 1, 7, 1)))}
     with pytest.raises(ValueError, match=r"cache\['v'\]\[1\] has shape"):
         models.forward_cached(config, params, tokens, positions, wide, start=0, kv_mask_BS=kv_mask)
+
+
+def test_prefill_equals_forward_cached_from_an_empty_cache():
+    """The sampler's layer-scan prefill: same logits at logits_at and the same cache."""
+    config, params, tokens, positions, kv_mask, cache = _setup()
+    at = jnp.array([3, 1])
+    ref_last, ref_cache = models.forward_cached(
+        config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask, logits_at=at
+    )
+    T, S = tokens.shape[1], kv_mask.shape[1]
+    last, cache_out = jax.jit(models.prefill, static_argnums=0, static_argnames="cache_size")(
+        config, params, tokens, mask=kv_mask[:, :T], cache_size=S, logits_at=at
+    )
+    np.testing.assert_allclose(last, ref_last, atol=1e-5)
+    assert jax.tree.structure(cache_out) == jax.tree.structure(ref_cache)
+    valid = np.asarray(kv_mask)[:, None, :, None]  # slots holding a real prompt token
+    for got, want in zip(jax.tree.leaves(cache_out), jax.tree.leaves(ref_cache)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_allclose(np.where(valid, got, 0), np.where(valid, want, 0), atol=1e-5)
+        assert np.abs(np.asarray(got)[:, :, T:]).max() == 0
+    with pytest.raises(ValueError, match="4 prompt tokens do not fit a cache of 3 slots"):
+        models.prefill(config, params, tokens, mask=kv_mask[:, :T], cache_size=3, logits_at=at)

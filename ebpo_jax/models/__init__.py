@@ -10,6 +10,7 @@ from ebpo_jax.models.model import (
     init_cache,
     init_params,
     output_embedding,
+    prefill,
     split_layers,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "init_params",
     "load_tokenizer",
     "output_embedding",
+    "prefill",
     "split_layers",
     "to_hf",
 ]

@@ -131,10 +131,8 @@ def _self_attention(config, mask_BT):
     return lambda attn, q, k, v: attn.attend(q, k, v, allowed_BTS)
 
 
-def forward(
-    config: ModelConfig, params, tokens_BT, *, positions=None, mask=None, return_hidden=False
-):
-    """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked."""
+def _layer_scan(config, params, tokens_BT, positions, mask, *, with_kv=False):
+    """Embedding and the layer scan of `forward`: (x [B, T, D], per-layer k/v [L, B, T, K, d])."""
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
@@ -147,15 +145,57 @@ def forward(
 
     def layer(x_BTD, layer_params):
         block = nnx.merge(block_def, layer_params)
-        return _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend), None
+        kv = []
 
-    x_BTD, _ = jax.lax.scan(
+        def attend_keeping_kv(attn, q_BTHd, k_BTKd, v_BTKd):
+            kv.extend([k_BTKd, v_BTKd])
+            return attend(attn, q_BTHd, k_BTKd, v_BTKd)
+
+        x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_keeping_kv)
+        return x_BTD, (tuple(kv) if with_kv else None)
+
+    return jax.lax.scan(
         _remat(config, layer),
         _embed(config, params, tokens_BT),
         params["layers"],
         unroll=min(config.scan_unroll, config.num_layers),
     )
+
+
+def forward(
+    config: ModelConfig, params, tokens_BT, *, positions=None, mask=None, return_hidden=False
+):
+    """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked."""
+    x_BTD, _ = _layer_scan(config, params, tokens_BT, positions, mask)
     return _head(config, params, x_BTD, return_hidden)
+
+
+def prefill(config: ModelConfig, params, tokens_BT, *, mask, cache_size: int, logits_at):
+    """Whole prompts at slots [0, T): (logits [B, V] at time index logits_at[b], KV cache).
+
+    The cache is init_cache's with the prompt's keys and values in slots [0, T), ready for
+    forward_cached at start=T. Unlike forward_cached this is `forward`'s layer scan with its
+    attention (splash where configured): XLA compiles one layer body, where a Python loop
+    over 36 layers took ten minutes to compile for an 8B config, and held more memory.
+    """
+    B, T = tokens_BT.shape
+    if not T <= cache_size:
+        raise ValueError(f"{T} prompt tokens do not fit a cache of {cache_size} slots")
+    _check_shape("logits_at", logits_at, (B,))
+    x_BTD, (k_LBTKd, v_LBTKd) = _layer_scan(config, params, tokens_BT, None, mask, with_kv=True)
+    x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+    logits_BV = _head(config, params, x_B1D, False)[:, 0]
+    dtype = config.dtype
+
+    def layer_cache(x_BTKd):  # head-major, slots after the prompt empty
+        x_BKTd = x_BTKd.astype(dtype).transpose(0, 2, 1, 3)
+        return jnp.pad(x_BKTd, ((0, 0), (0, 0), (0, cache_size - T), (0, 0)))
+
+    cache = {
+        name: tuple(layer_cache(x[layer]) for layer in range(config.num_layers))
+        for name, x in (("k", k_LBTKd), ("v", v_LBTKd))
+    }
+    return logits_BV, cache
 
 
 def forward_grouped(
