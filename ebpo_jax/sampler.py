@@ -108,6 +108,18 @@ def _constrain_cache(cache, axes, batch_sharding):
     return jax.tree.map(lambda x, a: _constrain(x, batch_sharding, a), cache, axes)
 
 
+def _on_cpu(sharding) -> bool:
+    """Whether the program runs on CPU: its mesh's devices, else the default backend.
+
+    There the sampler slices the layer-stacked weights once, before the decode loop: XLA:CPU
+    copied every layer's weights on every step (decode 4-7% slower at batch 64-256). XLA:TPU
+    hoists the slices itself, and slicing first held 2.8 GiB more per chip for Qwen3-8B.
+    """
+    if sharding is not None:
+        return sharding.mesh.devices.flat[0].platform == "cpu"
+    return jax.default_backend() == "cpu"
+
+
 def _prefill(
     params,
     prompt_PT,
@@ -175,7 +187,7 @@ def _decode(
     done_B = jnp.isin(token_B, eos_E)
     gen_len_B = jnp.ones((batch,), jnp.int32)
     axes = _cache_batch_axes(config, kv_mask_BS.shape[1])
-    layers = models.split_layers(config, params)  # once, not per step (see forward_cached)
+    layers = models.split_layers(config, params) if _on_cpu(batch_sharding) else None
 
     def cond(carry):
         t, done_B = carry[0], carry[4]

@@ -341,7 +341,7 @@ def forward_cached(
     ones in a prefill at 0). `logits_at` [B] int: return only logits [B, V] at time index
     logits_at[b] of each row (e.g. a prefill's last prompt token) instead of [B, T, V].
     `layers`: `split_layers(params)`, computed once outside a decode loop; without it each
-    call slices the stacked weights, which XLA does not hoist out of a while_loop.
+    call slices the stacked weights, which XLA:CPU does not hoist out of a while_loop.
     """
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
