@@ -208,6 +208,18 @@ def test_hf_checkpoint_task_loads_weights_and_refuses_shape_overrides(files, tmp
         build_task(c, log=_quiet)
 
 
+def test_splash_widths_are_checked_before_any_compile(files, tmp_path):
+    """The kernel's blocks: prompt width and row width <= 512 or multiples of 512."""
+    c = _config(files, tmp_path / "run")
+    c.model.overrides.update({"attention": "splash", "max_position_embeddings": 2048})
+    c.data.max_prompt_len, c.sampler.max_new_tokens = 1024, 100
+    with pytest.raises(ConfigError, match="max_new_tokens = 1124: attention 'splash' needs"):
+        build_task(c, log=_quiet)
+    c.data.max_prompt_len = 600
+    with pytest.raises(ConfigError, match="data.max_prompt_len = 600: attention 'splash'"):
+        build_task(c, log=_quiet)
+
+
 def test_reward_workers_stop_when_training_raises(files, tmp_path, monkeypatch):
     def failing_run(*_):
         rewards.default_pool(1)  # as the first eval's scoring would start it

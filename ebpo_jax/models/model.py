@@ -1,4 +1,4 @@
-"""Functional entry points: init_params, forward, forward_grouped, and the KV-cache path (prefill/decode)."""
+"""Functional entry points: init_params, forward, forward_grouped, prefill and the KV cache."""
 
 import functools
 import operator

@@ -78,7 +78,10 @@ def _compiling_for_tpu() -> bool:
     return jax.default_backend() == "tpu"
 
 
-def attention(q_BTHd, k_BTKd, v_BTKd, segment_ids_BT, *, scale, block=512, interpret=None):
+BLOCK = 512  # default tokens per kernel block: longer rows must be a multiple of it
+
+
+def attention(q_BTHd, k_BTKd, v_BTKd, segment_ids_BT, *, scale, block=BLOCK, interpret=None):
     """softmax(q k^T * scale) v, causal, query t seeing keys of its own segment id: [B, T, H, Dh].
 
     Rows are right-padded: with segment id 1 for real tokens and 0 for padding, every real

@@ -231,6 +231,19 @@ def math_task(config, *, mesh=None, log=print) -> Task:
             f"data.max_prompt_len + sampler.max_new_tokens = {need_pos} exceeds the model's "
             f"max_position_embeddings={model_config.max_position_embeddings}"
         )
+    if model_config.attention == "splash":
+        from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
+
+        # The sampler's prefill runs the kernel over the prompt width, the update over rows.
+        for name, width in (
+            ("data.max_prompt_len", d.max_prompt_len),
+            ("data.max_prompt_len + sampler.max_new_tokens", need_pos),
+        ):
+            if width > splash.BLOCK and width % splash.BLOCK:
+                raise ConfigError(
+                    f"{name} = {width}: attention 'splash' needs at most {splash.BLOCK} "
+                    f"tokens or a multiple of {splash.BLOCK}"
+                )
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(
             f"the tokenizer of {m.hf_path or m.tokenizer_path!r} has {len(tokenizer)} tokens, "
