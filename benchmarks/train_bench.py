@@ -23,9 +23,10 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 from configs import micro
 from ebpo_jax import models
+from ebpo_jax.spec import resolve
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
-from ebpo_jax.trainer.step import make_update_fn
+from ebpo_jax.trainer.update import make_update_fn
 
 
 def parse():
@@ -67,6 +68,7 @@ def jax_setup(a):
         prompt_lengths=jnp.full((P,), Tp, jnp.int32),
         answer_tokens=jnp.zeros((P, 1), jnp.int32),
         answer_lengths=jnp.ones((P,), jnp.int32),
+        index=jnp.arange(P, dtype=jnp.int32),
         cluster_ids=jnp.zeros((P,), jnp.int32),
         tokens=jnp.asarray(rng.integers(3, a.vocab, (P, G, N)), jnp.int32),
         logprobs=jnp.full((P, G, N), -np.log(a.vocab), jnp.float32),
@@ -76,9 +78,10 @@ def jax_setup(a):
         generated_tokens=jnp.int32(P * G * N),
         all_same_frac=jnp.float32(0),
     )
-    opt = make_optimizer(c)
+    spec = resolve(c)
+    opt = make_optimizer(spec.optim)
     state = init_train_state(models.init_params(mc, jax.random.key(0)), opt, seed=0)
-    update = jax.jit(make_update_fn(c, mc, opt, eos_id=2), donate_argnums=0)
+    update = jax.jit(make_update_fn(spec.update, mc, opt, eos_id=2), donate_argnums=0)
     return mc, ro, state, update
 
 
@@ -186,4 +189,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from ebpo_jax.cpu_flags import add_cpu_flags
+
+    add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     main()

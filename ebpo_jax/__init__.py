@@ -1,8 +1,9 @@
-"""ebpo-jax: Empirical Bayes Policy Optimization for LLM RL in pure JAX."""
+"""ebpo-jax: Empirical Bayes Policy Optimization for LLM RL in pure JAX.
 
-from ebpo_jax.cpu_flags import add_cpu_flags
-
-add_cpu_flags()  # before anything below can start an XLA backend
+Importing it has no side effects. The XLA:CPU flags measured for this project
+(`ebpo_jax.cpu_flags.add_cpu_flags()`) are set by the entry points (experiments/, benchmarks/,
+the tests); a library user may call it before jax starts a backend.
+"""
 
 from ebpo_jax import advantages, losses
 from ebpo_jax.advantages import (

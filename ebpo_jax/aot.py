@@ -6,6 +6,7 @@ are ever allocated. The report (memory per device, analytic FLOPs) is in aot_rep
 """
 
 import dataclasses
+import functools
 import math
 import time
 
@@ -22,8 +23,12 @@ from ebpo_jax.aot_report import (
     total_params,
     update_flops,
 )
-from ebpo_jax.sharding import batch_sharded, parse_mesh
-from ebpo_jax.trainer.state import state_shardings as train_state_shardings
+from ebpo_jax.spec import RolloutSpec, RunSpec, resolve
+from ebpo_jax.trainer.rollout import make_rollout_fn
+from ebpo_jax.trainer.shardings import make_mesh, make_sampler_mesh, make_shardings
+from ebpo_jax.trainer.state import init_train_state, make_optimizer
+from ebpo_jax.trainer.step import Step
+from ebpo_jax.trainer.task import Reward, Task, model_config_from
 
 
 def abstract(tree, shardings):
@@ -37,67 +42,78 @@ def abstract(tree, shardings):
     )
 
 
-def model_config_of(config):
+def model_config_of(spec: RunSpec):
     """The policy ModelConfig the trainer would build (the preset's own vocabulary by default)."""
-    from types import SimpleNamespace
-
     from ebpo_jax import models
-    from ebpo_jax.trainer.loop import model_config_from
 
-    vocab = models.PRESETS[config.model.preset]["vocab_size"]
-    return model_config_from(config, SimpleNamespace(vocab_size=vocab))
+    vocab = models.PRESETS[spec.task.model.preset]["vocab_size"]
+    return model_config_from(spec.task.model, vocab)
 
 
-def abstract_inputs(config, mc, prompt_len: int):
-    """(abstract TrainState, abstract Rollout, optimizer) at the config's shapes: no allocation."""
+def shape_task(spec: RunSpec, mc, params) -> Task:
+    """A Task with the shapes and reward kind of a math run, and no data: what the loop's
+    step builder needs to make the programs the loop runs."""
+    from ebpo_jax.trainer import task_math
+
+    return Task(
+        tokenizer=None,
+        model_config=mc,
+        params=params,
+        source=None,
+        reward=Reward(None, jittable=False),  # host reward: rewards are filled in between jits
+        cluster_ids=functools.partial(task_math.cluster_ids, spec.task.eb_clusters),
+        num_clusters=1,
+        stop_ids=(1,),
+        evaluate=None,
+    )
+
+
+def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
+    """(abstract TrainState, abstract Rollout, optimizer) at the spec's shapes: no allocation."""
     from ebpo_jax import models, tasks
-    from ebpo_jax.trainer.rollout import batch_rounds, make_rollout_fn
-    from ebpo_jax.trainer.state import init_train_state, make_optimizer
 
-    optimizer = make_optimizer(config)
+    optimizer = make_optimizer(spec.optim)
     params = models.abstract_params(mc)
     state = jax.eval_shape(
-        lambda p: init_train_state(
-            p, optimizer, seed=config.seed, with_ref=config.loss.kl_coef > 0
-        ),
-        params,
+        lambda p: init_train_state(p, optimizer, seed=spec.seed, with_ref=spec.with_ref), params
     )
-    n = batch_rounds(config) * config.prompts_per_step
+    n = spec.rollout.batch_prompts
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
     answer_len = 64  # answers are short; their width does not move the memory
     batch = tasks.PromptBatch(
         i32(n, prompt_len), i32(n), i32(n, answer_len), i32(n), i32(n), i32(n), i32(n)
     )
-    # The rollout's own output structure (host reward: rewards are filled in between jits).
-    rollout = make_rollout_fn(config, mc, None, eos_id=1)
+    task = shape_task(spec, mc, params)
+    rollout = make_rollout_fn(spec.rollout, mc, None, task.stop_ids, task.cluster_ids)
     ro = jax.eval_shape(rollout, params, batch, jax.random.key(0))
     return state, ro, optimizer
 
 
-def compile_update(config, mc, mesh, prompt_len: int):
-    """The trainer's own update step (make_update_fn), sharded by the rules and compiled."""
-    from ebpo_jax.trainer.step import make_update_fn
+def make_step(spec: RunSpec, mc, mesh, prompt_len: int):
+    """The loop's own Step (jitted rollout and update with the run's shardings), abstractly."""
+    state, ro, optimizer = abstract_inputs(spec, mc, prompt_len)
+    sh = make_shardings(spec, mc, optimizer, state, mesh)
+    step = Step(spec, shape_task(spec, mc, state.params), optimizer, sh)
+    # Inputs carry the loop's shardings, as its placed arrays do: the same program is traced.
+    return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 
-    state, ro, optimizer = abstract_inputs(config, mc, prompt_len)
-    state_sh = train_state_shardings(mc, optimizer, state, mesh)
-    ro_sh = batch_sharded(ro, mesh, config.prompts_per_step, mc.sharding_rules)
-    update = make_update_fn(config, mc, optimizer, eos_id=1)
-    jitted = jax.jit(
-        update, in_shardings=(state_sh, ro_sh), out_shardings=(state_sh, None), donate_argnums=0
-    )
+
+def compile_update(spec: RunSpec, mc, mesh, prompt_len: int):
+    """The trainer's own jitted update (the loop's Step.update), lowered and compiled."""
+    step, state, ro = make_step(spec, mc, mesh, prompt_len)
     with jax.set_mesh(mesh):
-        return jitted.lower(state, ro).compile(), state.params, state_sh.params
+        return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
-def compile_sampler(config, mc, mesh, params, prompts: int, prompt_len: int):
+def compile_sampler(spec: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
     """The sampler's own jitted prefill and decode for `prompts` prompts x G samples."""
     from ebpo_jax import sampler
 
-    G, N = config.group_size, config.sampler.max_new_tokens
-    s = config.sampler
-    sampling = sampler._Sampling(float(s.temperature), int(s.top_k), float(s.top_p))
-    row_sh = sampler._batch_sharding(mesh, None, prompts * G, True)
-    prompt_sh = sampler._batch_sharding(mesh, None, prompts, False)
+    G, N = spec.group_size, spec.max_new_tokens
+    sampling = sampler._Sampling(spec.temperature, spec.top_k, spec.top_p)
+    rules = mc.sharding_rules
+    row_sh = sampler._batch_sharding(mesh, None, prompts * G, True, rules)
+    prompt_sh = sampler._batch_sharding(mesh, None, prompts, False, rules)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
@@ -161,17 +177,17 @@ def run(
     Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
     report with `error` set and fits=False; other compile errors propagate.
     """
-    from ebpo_jax import config as config_lib
-    from ebpo_jax import sharding
-
-    spec, chip_name, devices = topology_devices(topology)
-    config_lib.validate(config, len(devices))
+    hw, chip_name, devices = topology_devices(topology)
+    if sampler_mesh != config.sampler.mesh:  # the sampler layout under test
+        config = config.copy_and_resolve_references()
+        config.sampler.mesh = sampler_mesh
+    spec = resolve(config, len(devices))
     chips = math.prod(int(x) for x in chip_name.split(":")[1].split("x"))
     per_chip = max(1, len(devices) // chips)  # v4 topologies list each TensorCore
-    hbm, peak = spec.hbm_bytes // per_chip, spec.peak_flops / per_chip
-    mc = model_config_of(config)
-    mesh = sharding.make_mesh(config.mesh, devices)
-    s_mesh = sharding.make_mesh(parse_mesh(sampler_mesh), devices) if sampler_mesh else mesh
+    hbm, peak = hw.hbm_bytes // per_chip, hw.peak_flops / per_chip
+    mc = model_config_of(spec)
+    mesh = make_mesh(spec.mesh, devices)
+    s_mesh = make_sampler_mesh(spec.mesh, mesh)
     prompts = sampler_prompts or config.prompts_per_step
     G, N = config.group_size, config.sampler.max_new_tokens
     reports = []
@@ -194,18 +210,17 @@ def run(
         log(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
         return compiled
 
-    state, _, optimizer = abstract_inputs(config, mc, prompt_len)
-    train_sh = train_state_shardings(mc, optimizer, state, mesh).params
+    step, state, _ = make_step(spec, mc, mesh, prompt_len)
+    train_sh, samp_sh = step.sh.state.params, step.sh.sampler_params
     epochs = f"{config.loss.ppo_epochs} epoch(s) x {config.loss.num_minibatches} mini-batches"
     attempt(
         "train update",
         mesh,
         update_flops(config, mc, prompt_len),
         epochs,
-        lambda: compile_update(config, mc, mesh, prompt_len)[0],
+        lambda: compile_update(spec, mc, mesh, prompt_len)[0],
     )
     params = state.params
-    samp_sh = sharding.param_shardings(mc, params, s_mesh)
     if s_mesh is not mesh:
         attempt(
             "reshard weights",
@@ -222,7 +237,7 @@ def run(
 
     def sampler_programs():
         compiled["prefill"], compiled["decode"] = compile_sampler(
-            config, mc, s_mesh, abstract(params, samp_sh), prompts, prompt_len
+            spec.rollout, mc, s_mesh, abstract(params, samp_sh), prompts, prompt_len
         )
         return compiled["prefill"]
 
@@ -230,7 +245,7 @@ def run(
         attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
         # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
         r = reports[-1]
-        r.note += f"; >= {(N - 1) * r.argument_bytes * per_chip / spec.hbm_bandwidth:.0f} s at HBM bandwidth"
+        r.note += f"; >= {(N - 1) * r.argument_bytes * per_chip / hw.hbm_bandwidth:.0f} s at HBM bandwidth"
     meta = {
         "topology": topology,
         "chip_topology": chip_name,

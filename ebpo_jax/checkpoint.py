@@ -5,6 +5,7 @@ Knows nothing of the model or the trainer. Saves are atomic: orbax writes each s
 mid-save leaves the previous checkpoint as the latest.
 """
 
+import os
 import signal
 import threading
 from collections.abc import Mapping
@@ -131,3 +132,10 @@ class PreemptionGuard:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
+
+
+def load_params(workdir: str):
+    """The policy params of the latest checkpoint in a trainer `workdir` (host numpy arrays)."""
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+        state, _ = ckpt.restore()
+    return state["params"]

@@ -52,6 +52,8 @@ def default_config() -> ml_collections.ConfigDict:
     c.data = data_config()
 
     c.task = ml_collections.ConfigDict()
+    # A name in ebpo_jax.trainer.task's registry; "" = "math" with data.path, else "arithmetic".
+    c.task.family = ""
     c.task.topics = ""  # comma-separated topic names; "" = every topic
     c.task.max_difficulty = 0  # 0 = every level
     c.task.seed = 0  # problem generation (the held-out split depends only on this)
@@ -164,23 +166,16 @@ def mesh_shape(config, num_devices: int) -> tuple[int, ...]:
 
     `num_devices` is every device there is; `mesh.devices` may pick fewer.
     """
+    from ebpo_jax.sharding import resolve_shape  # late: this module stays free of jax
+
     num_devices = mesh_devices(config, num_devices)
-    shape = tuple(int(s) for s in config.mesh.shape)
-    axes = tuple(config.mesh.axes)
+    shape, axes = tuple(config.mesh.shape), tuple(config.mesh.axes)
     if len(shape) != len(axes):
         raise ConfigError(f"mesh.shape {shape} and mesh.axes {axes} differ in length")
-    if sum(s == -1 for s in shape) > 1 or any(s == 0 or s < -1 for s in shape):
-        raise ConfigError(f"mesh.shape {shape}: entries must be positive, with at most one -1")
-    known = math.prod(s for s in shape if s != -1)
-    if -1 in shape:
-        if num_devices % known:
-            raise ConfigError(f"mesh.shape {shape} does not divide the {num_devices} devices")
-        shape = tuple(num_devices // known if s == -1 else s for s in shape)
-    if math.prod(shape) != num_devices:
-        raise ConfigError(
-            f"mesh.shape {shape} needs {math.prod(shape)} devices, found {num_devices}"
-        )
-    return shape
+    try:
+        return resolve_shape(shape, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh.shape: {e}") from None
 
 
 def _validate_data_and_model(c, need) -> None:
@@ -333,7 +328,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"sampler.prompts_per_call={per_call} must be 0 (all at once) or divide "
         f"prompts_per_step={c.prompts_per_step} (each round of P prompts is chunked)",
     )
-    sampler_mesh_spec(c)
+    need(
+        not (sampler_mesh_spec(c) and k != 1),
+        f"sampler.mesh={c.sampler.mesh!r} needs steps_per_jit=1 (the K-step scan samples on "
+        "the trainer's mesh)",
+    )
     _validate_data_and_model(c, need)
 
     from ebpo_jax import advantages  # the registry; imported late so this module stays light

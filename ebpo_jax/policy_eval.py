@@ -35,10 +35,60 @@ def load_policy(model_path: str, *, checkpoint: str | None = None, dtype=None):
 
     model_config, params = models.from_hf(model_path, dtype=dtype)
     if checkpoint:
-        from ebpo_jax.trainer.loop import load_params
+        from ebpo_jax.checkpoint import load_params
 
         params = load_params(checkpoint)
     return model_config, params, load_tokenizer(model_path)
+
+
+def sample_chunks(
+    model_config,
+    params,
+    tokens_BT,
+    lengths_B,
+    *,
+    batch_size: int,
+    num_samples: int,
+    max_new_tokens: int,
+    seed: int,
+    key_stride: int = 1,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    eos_id=None,
+    mesh=None,
+):
+    """(tokens [n*k, N], lengths [n*k]) host arrays: k samples of each of n prompts.
+
+    Prompts go `batch_size` at a time; the first rows are repeated so every chunk has one
+    shape (one compile). Chunk i samples with fold_in(key(seed), i * key_stride), the same
+    draws at every call; row r inside a chunk is fold_in(., r) already (sampler).
+    """
+    n, bs = len(lengths_B), min(batch_size, len(lengths_B))
+    pad = (-n) % bs
+    tokens_BT = np.concatenate([tokens_BT, tokens_BT[:pad]])
+    lengths_B = np.concatenate([lengths_B, lengths_B[:pad]])
+    out_t, out_l = [], []
+    for i, s in enumerate(range(0, n + pad, bs)):
+        gen = sampler.generate(
+            model_config,
+            params,
+            tokens_BT[s : s + bs],
+            lengths_B[s : s + bs],
+            max_new_tokens=max_new_tokens,
+            rng=jax.random.fold_in(jax.random.key(seed), i * key_stride),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            eos_id=eos_id,
+            num_samples=num_samples,
+            mesh=mesh,
+        )
+        t, l = distributed.to_host((gen.tokens, gen.lengths))
+        out_t.append(np.asarray(t))
+        out_l.append(np.asarray(l))
+    keep = n * num_samples
+    return np.concatenate(out_t)[:keep], np.concatenate(out_l)[:keep]
 
 
 def sample_responses(
@@ -62,31 +112,24 @@ def sample_responses(
     """responses[i][j]: sample j for records[i]. A prompt over `max_prompt_len` tokens raises."""
     texts = [render_prompt(tokenizer, r.prompt, template=template, chat=chat) for r in records]
     enc = encode_prompts(tokenizer, texts, max_length=max_prompt_len, on_overflow="error")
-    n, bs = len(records), min(batch_size, len(records))
-    pad = (-n) % bs  # repeat the first rows so every chunk has one shape (one compile)
-    tokens = np.concatenate([enc.tokens, enc.tokens[:pad]])
-    lengths = np.concatenate([enc.lengths, enc.lengths[:pad]])
-    eos = stop_ids(tokenizer)
-    out: list[list[str]] = []
-    for s in range(0, n + pad, bs):
-        gen = sampler.generate(
-            model_config,
-            params,
-            tokens[s : s + bs],
-            lengths[s : s + bs],
-            max_new_tokens=max_new_tokens,
-            # Chunk s's rows get their own stream; row r inside it is fold_in(., r) already.
-            rng=jax.random.fold_in(jax.random.key(seed), s),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            eos_id=eos,
-            num_samples=num_samples,
-            mesh=mesh,
-        )
-        decoded = decode_completions(tokenizer, *distributed.to_host((gen.tokens, gen.lengths)))
-        out.extend(decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples))
-    return out[:n]
+    tokens, lengths = sample_chunks(
+        model_config,
+        params,
+        enc.tokens,
+        enc.lengths,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        key_stride=min(batch_size, len(records)),  # chunk i folds in its first row's index
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        eos_id=stop_ids(tokenizer),
+        mesh=mesh,
+    )
+    decoded = decode_completions(tokenizer, tokens, lengths)
+    return [decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples)]
 
 
 def score_responses(

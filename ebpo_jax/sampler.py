@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax import models
+from ebpo_jax import models, sharding
 from ebpo_jax.sampling import row_keys, select_tokens, validate_sampling
 
 PAD_ID = 0
@@ -255,12 +255,14 @@ class _Sampling(NamedTuple):
     top_p: float
 
 
-def _batch_sharding(mesh, data_axes, num_rows, required):
-    """Rows over the mesh's data axes; None when unsharded (or not divisible and optional)."""
+def _batch_sharding(mesh, data_axes, num_rows, required, rules=None):
+    """Rows over `data_axes` (default: the rules table's `batch` axes that the mesh has);
+    None when unsharded (or not divisible and optional)."""
     if mesh is None:
         return None
     if data_axes is None:
-        data_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp"))
+        entry = sharding.logical_to_spec(("batch",), rules, mesh)[0]
+        data_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
     size = int(np.prod([mesh.shape[a] for a in data_axes]))
     if num_rows % size == 0:
         return NamedSharding(mesh, P(tuple(data_axes)))
@@ -342,9 +344,10 @@ def _generate_with_steps(
     num_prompts, prompt_len = jnp.shape(prompt_tokens)
     prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
     lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
-    row_sharding = _batch_sharding(mesh, data_axes, num_prompts * num_samples, True)
+    rules = config.sharding_rules
+    row_sharding = _batch_sharding(mesh, data_axes, num_prompts * num_samples, True, rules)
     # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
-    prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False)
+    prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False, rules)
     cache, kv_mask_BS, lengths_B, token_B, logp_B = _prefill_jit(
         params,
         prompt_PT,

@@ -51,19 +51,24 @@ def make_mesh(spec, devices=None) -> Mesh:
     devices = jax.devices() if devices is None else list(devices)
     if len(axes) != len(shape) or len(set(axes)) != len(axes):
         raise ValueError(f"mesh axes {axes} and shape {shape} must pair up, names unique")
+    shape = resolve_shape(shape, len(devices))
+    grid = np.asarray(devices).reshape(shape)
+    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+
+
+def resolve_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:
+    """`shape` with its one -1 replaced by the devices that remain; ValueError if impossible."""
+    shape = tuple(int(s) for s in shape)
     if any(s == 0 or s < -1 for s in shape) or shape.count(-1) > 1:
         raise ValueError(f"mesh shape {shape}: sizes must be positive, with at most one -1")
     known = math.prod(s for s in shape if s != -1)
     if -1 in shape:
-        if len(devices) % known:
-            raise ValueError(f"mesh shape {shape} does not divide the {len(devices)} devices")
-        shape = tuple(len(devices) // known if s == -1 else s for s in shape)
-    if math.prod(shape) != len(devices):
-        raise ValueError(
-            f"mesh shape {shape} needs {math.prod(shape)} devices, have {len(devices)}"
-        )
-    grid = np.asarray(devices).reshape(shape)
-    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+        if num_devices % known:
+            raise ValueError(f"mesh shape {shape} does not divide the {num_devices} devices")
+        shape = tuple(num_devices // known if s == -1 else s for s in shape)
+    if math.prod(shape) != num_devices:
+        raise ValueError(f"mesh shape {shape} needs {math.prod(shape)} devices, have {num_devices}")
+    return shape
 
 
 def parse_mesh(text: str) -> list[tuple[str, int]]:

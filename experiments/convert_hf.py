@@ -146,5 +146,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from ebpo_jax.cpu_flags import add_cpu_flags
+
+    add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["src", "dst"])
     app.run(main)

@@ -285,7 +285,7 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
     assert src.topic_names == ("a", "b") and src.topic_ids.tolist() == [1, 0, 1]
     b = src.next_batch()
     assert b.prompt_tokens.shape == (2, 12) and b.prompt_tokens.dtype == np.int32
-    np.testing.assert_array_equal(b.answer_tokens[:, 0], b.index)
+    assert not b.answer_tokens.any()  # the host reward looks answers up by b.index
     np.testing.assert_array_equal(b.topic_ids, src.topic_ids[b.index])
     for row, n, i in zip(b.prompt_tokens, b.prompt_lengths, b.index):
         assert tok.decode(row[:n]).endswith("<|assistant|>")
@@ -318,7 +318,7 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
         for g in range(G):
             ids = tok(texts[p][g], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             tokens[p, g, : len(ids)], lengths[p, g] = ids, len(ids)
-    rollout = SimpleNamespace(tokens=tokens, lengths=lengths, answer_tokens=np.array([[0], [1]]))
+    rollout = SimpleNamespace(tokens=tokens, lengths=lengths, index=np.array([0, 1]))
     reward = data.make_host_reward(src, tok, reward="answer_match", workers=1)
     np.testing.assert_array_equal(reward(rollout), [[1, 0], [1, 0]])
     shaped = data.make_host_reward(src, tok, reward="answer_match", workers=1, format_weight=0.1)
@@ -391,9 +391,11 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
 
     from ebpo_jax import models
     from ebpo_jax.config import default_config
+    from ebpo_jax.spec import resolve
+    from ebpo_jax.trainer import task_math
     from ebpo_jax.trainer.rollout import make_rollout_fn
     from ebpo_jax.trainer.state import init_train_state, make_optimizer
-    from ebpo_jax.trainer.step import make_update_fn
+    from ebpo_jax.trainer.update import make_update_fn
 
     tok = data.load_tokenizer(tiny_tokenizer_path)
     c = default_config()
@@ -416,11 +418,13 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
     ]
     src = data.MathPromptSource(records, tok, 2, max_prompt_len=16, template="plain", seed=0)
     host_reward = data.make_host_reward(src, tok, reward="math", workers=1)
-    optimizer = make_optimizer(c)
+    spec = resolve(c)
+    optimizer = make_optimizer(spec.optim)
     params0 = models.init_params(mc, jax.random.key(0))
     state = init_train_state(params0, optimizer, seed=0)
-    rollout = jax.jit(make_rollout_fn(c, mc, None, tok.eos_token_id))
-    update = jax.jit(make_update_fn(c, mc, optimizer, tok.eos_token_id))
+    clusters = lambda b: task_math.cluster_ids("none", b)
+    rollout = jax.jit(make_rollout_fn(spec.rollout, mc, None, tok.eos_token_id, clusters))
+    update = jax.jit(make_update_fn(spec.update, mc, optimizer, tok.eos_token_id))
     for step in range(3):
         ro = rollout(state.params, src.next_batch(), jax.random.key(step))
         r_PG = host_reward(jax.device_get(ro))

@@ -11,11 +11,14 @@ import pytest
 
 from configs import micro
 from ebpo_jax import models, sharding, tasks
+from ebpo_jax.checkpoint import load_params
 from ebpo_jax.sharding import batch_sharded
-from ebpo_jax.trainer import loop
+from ebpo_jax.spec import resolve
+from ebpo_jax.trainer import loop, task_arithmetic
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.state import state_shardings as train_state_shardings
 from ebpo_jax.trainer.step import make_train_step
+from ebpo_jax.trainer.task import model_config_from
 
 EOS = tasks.EOS_ID
 
@@ -40,16 +43,17 @@ def _reward(*a):
 @pytest.mark.slow  # ~1 min on an idle 2-core CPU (two compiles of the full step)
 def test_fsdp_tp_data_train_step_equals_single_device():
     c = _config()
-    tok, train, _ = loop.load_tasks(c)
-    mc = loop.model_config_from(c, tok)
+    spec = resolve(c)
+    tok, train, _ = task_arithmetic.load_problems(spec.task)
+    mc = model_config_from(spec.task.model, tok.vocab_size)
     if mc.vocab_size % 2:  # the vocabulary is split over tp
         mc = mc.replace(vocab_size=mc.vocab_size + 1)
-    opt = make_optimizer(c)
+    opt = make_optimizer(spec.optim)
     params = models.init_params(mc, jax.random.key(0))
     state = init_train_state(params, opt, seed=0, with_ref=True)
     batch = jax.tree.map(jnp.asarray, tasks.PromptSource(train, tok, 8, seed=3).next_batch())
     one = jax.devices()[0]
-    ref, m_ref = jax.jit(make_train_step(c, mc, opt, _reward, EOS))(
+    ref, m_ref = jax.jit(make_train_step(spec, mc, opt, _reward, EOS))(
         jax.device_put(state, one), jax.device_put(batch, one)
     )
 
@@ -57,7 +61,7 @@ def test_fsdp_tp_data_train_step_equals_single_device():
     state_sh = train_state_shardings(mc, opt, state, mesh)
     batch_sh = batch_sharded(batch, mesh, c.prompts_per_step)
     step = jax.jit(
-        make_train_step(c, mc, opt, _reward, EOS, mesh=mesh),
+        make_train_step(spec, mc, opt, _reward, EOS, mesh=mesh),
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None),
     )
@@ -116,5 +120,5 @@ def test_train_loop_on_2x2x2_mesh_with_resume_and_sampler_mesh_equals_one_device
                 assert b[name] == v, (a["step"], name)  # same tokens, same rewards
             else:
                 np.testing.assert_allclose(b[name], v, rtol=1e-5, atol=1e-7, err_msg=name)
-    a, b = (loop.load_params(str(tmp_path / n)) for n in ("one", "eight"))
+    a, b = (load_params(str(tmp_path / n)) for n in ("one", "eight"))
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=5e-5), a, b)

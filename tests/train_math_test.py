@@ -9,10 +9,12 @@ import pytest
 from helpers import save_tiny_tokenizer
 
 from ebpo_jax import models, rewards
-from ebpo_jax.checkpoint import Checkpointer
+from ebpo_jax.checkpoint import Checkpointer, load_params
 from ebpo_jax.config import ConfigError, default_config, validate
 from ebpo_jax.metrics import METRIC_NAMES, read_metrics
-from ebpo_jax.trainer import build_task, loop
+from ebpo_jax.spec import resolve
+from ebpo_jax.trainer import loop
+from ebpo_jax.trainer.task import build_task as _build_task
 
 NUMBERS = [str(i) for i in range(19)]
 # A one-layer policy: seconds to compile on a CPU.
@@ -56,6 +58,10 @@ def files(tmp_path_factory):
     data = _write_jsonl(root / "train.jsonl", _problems(train, topic))
     evals = _write_jsonl(root / "eval.jsonl", _problems([(2, 5), (3, 6), (7, 7), (9, 9)], topic))
     return tok, data, evals
+
+
+def build_task(c, log):
+    return _build_task(resolve(c).task, log=log)
 
 
 def _config(files, workdir, **overrides):
@@ -130,7 +136,7 @@ def test_resumed_math_run_equals_uninterrupted(files, tmp_path):
     s = loop.train(c, log=_quiet)
     assert s["step"] == 4 and s["resumed_from"] == 3 and not rewards._POOLS
     assert _rows(tmp_path / "full") == _rows(tmp_path / "resumed")
-    a, b = (loop.load_params(str(tmp_path / n)) for n in ("full", "resumed"))
+    a, b = (load_params(str(tmp_path / n)) for n in ("full", "resumed"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
     with Checkpointer(os.path.join(tmp_path / "resumed", "checkpoints")) as ckpt:
         _, extra = ckpt.restore()
@@ -199,7 +205,7 @@ def test_hf_checkpoint_task_loads_weights_and_refuses_shape_overrides(files, tmp
     task = build_task(c, log=_quiet)
     assert task.model_config == mc.replace(remat="full")
     jax.tree.map(np.testing.assert_array_equal, task.params, params)
-    assert task.stop_ids == [tok.eos_token_id] and task.evaluate is not None
+    assert task.stop_ids == (tok.eos_token_id,) and task.evaluate is not None
     c.model.overrides = {"num_layers": 2}
     with pytest.raises(ConfigError, match="model.overrides.num_layers=2 differs"):
         build_task(c, log=_quiet)

@@ -14,18 +14,19 @@ from ml_collections import config_dict
 from configs import micro
 from ebpo_jax import advantages, models, sampler, tasks
 from ebpo_jax import config as config_lib
-from ebpo_jax.trainer import loop
-from ebpo_jax.trainer.rollout import compact, make_rollout_fn
-from ebpo_jax.trainer.state import init_train_state, make_optimizer
-from ebpo_jax.trainer.step import (
-    completion_logprobs,
-    make_multi_step,
-    make_train_step,
-    make_update_fn,
-    overlong_penalty,
-    pack_sequences,
-    truncated,
-)
+from ebpo_jax.checkpoint import load_params
+from ebpo_jax.spec import resolve
+from ebpo_jax.trainer import loop, task_arithmetic
+from ebpo_jax.trainer import make_rollout_fn as _make_rollout_fn
+from ebpo_jax.trainer import make_train_step as _make_train_step
+from ebpo_jax.trainer import make_update_fn as _make_update_fn
+from ebpo_jax.trainer.rollout import compact
+from ebpo_jax.trainer.shardings import make_mesh
+from ebpo_jax.trainer.state import init_train_state
+from ebpo_jax.trainer.state import make_optimizer as _make_optimizer
+from ebpo_jax.trainer.step import multi_step
+from ebpo_jax.trainer.task import model_config_from
+from ebpo_jax.trainer.update import completion_logprobs, overlong_penalty, pack_sequences, truncated
 
 EOS = tasks.EOS_ID
 
@@ -48,11 +49,44 @@ def _reward(*a):
     return tasks.reward_fn(*a, eos_id=EOS)
 
 
+# The factories take the run spec's slices; these take a config, as the tests build them.
+def make_optimizer(c):
+    return _make_optimizer(resolve(c).optim)
+
+
+def make_rollout_fn(c, mc, reward, eos):
+    return _make_rollout_fn(resolve(c).rollout, mc, reward, eos, _clusters(c))
+
+
+def make_update_fn(c, mc, optimizer, eos):
+    return _make_update_fn(resolve(c).update, mc, optimizer, eos)
+
+
+def make_train_step(c, mc, optimizer, reward, eos, *, mesh=None):
+    return _make_train_step(resolve(c), mc, optimizer, reward, eos, _clusters(c), mesh=mesh)
+
+
+def make_multi_step(step):
+    return lambda state, batches: multi_step(step, state, batches)
+
+
+def _clusters(c):
+    return lambda batch: task_arithmetic.cluster_ids(c.eb_clusters, batch)
+
+
+def load_tasks(c):
+    return task_arithmetic.load_problems(resolve(c).task)
+
+
+def _model_config(c, tok):
+    return model_config_from(resolve(c).task.model, tok.vocab_size)
+
+
 @pytest.fixture(scope="module")
 def setup():
     c = _config()
-    tok, train, _ = loop.load_tasks(c)
-    mc = loop.model_config_from(c, tok)
+    tok, train, _ = load_tasks(c)
+    mc = _model_config(c, tok)
     params = models.init_params(mc, jax.random.key(0))
     source = tasks.PromptSource(train, tok, c.prompts_per_step, seed=0)
     batches = jax.tree.map(jnp.asarray, source.next_batches(2))
@@ -221,7 +255,7 @@ def test_sharded_step_equals_single_device(setup):
     c, mc, params, _batches = setup
     c = _config(**{"mesh.shape": (8,), "mesh.axes": ("data",), "prompts_per_step": 8})
     config_lib.validate(c, 8)
-    tok, train, _ = loop.load_tasks(c)
+    tok, train, _ = load_tasks(c)
     batch = jax.tree.map(jnp.asarray, tasks.PromptSource(train, tok, 8, seed=3).next_batch())
     opt = make_optimizer(c)
     single_dev = jax.devices()[0]
@@ -229,7 +263,7 @@ def test_sharded_step_equals_single_device(setup):
     ref, m_ref = jax.jit(make_train_step(c, mc, opt, _reward, EOS))(
         state1, jax.device_put(batch, single_dev)
     )
-    mesh = loop.make_mesh(c)
+    mesh = make_mesh(resolve(c, 8).mesh)
     repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     step = jax.jit(make_train_step(c, mc, opt, _reward, EOS, mesh=mesh), out_shardings=(repl, repl))
@@ -266,7 +300,7 @@ def test_interrupt_and_resume_equals_uninterrupted(tmp_path):
     assert resumed["step"] == 4 and resumed["resumed_from"] == 3
     assert _rows(tmp_path / "full") == _rows(tmp_path / "resumed")
     assert [r["step"] for r in _rows(tmp_path / "resumed")] == [0, 1, 2, 3, 4]
-    a, b = (loop.load_params(str(tmp_path / n)) for n in ("full", "resumed"))
+    a, b = (load_params(str(tmp_path / n)) for n in ("full", "resumed"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
@@ -334,7 +368,7 @@ def test_overlong_penalty_and_truncation():
 def test_dapo_dynamic_sampling_keeps_mixed_groups_and_counts_all_tokens(setup):
     _, mc, params, _ = setup
     c = _config(**{"dapo.dynamic_sampling": True, "dapo.max_extra_rounds": 2})
-    tok, train, _ = loop.load_tasks(c)
+    tok, train, _ = load_tasks(c)
     batch = jax.tree.map(jnp.asarray, tasks.PromptSource(train, tok, 12, seed=1).next_batch())
 
     def coin_reward(tokens_BN, *_):  # a reward with mixed and all-equal groups

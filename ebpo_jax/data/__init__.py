@@ -2,11 +2,11 @@
 
 from ebpo_jax.data.clustering import cluster_texts, embed_texts, kmeans, topic_ids_from_field
 from ebpo_jax.data.loading import load_records, save_records
-from ebpo_jax.data.order import ORDERS, RecordOrder
 from ebpo_jax.data.prompts import TEMPLATES, format_prompt, render_prompt
 from ebpo_jax.data.schemas import SCHEMAS, DataError, Record, Schema, get_schema, to_record
 from ebpo_jax.data.source import MathPromptSource, decode_completions, make_host_reward
 from ebpo_jax.data.tokenize import EncodedPrompts, encode_prompts, load_tokenizer
+from ebpo_jax.order import ORDERS, RecordOrder
 
 __all__ = [
     "ORDERS",

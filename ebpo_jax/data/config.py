@@ -12,11 +12,11 @@ import ml_collections
 
 from ebpo_jax.data.clustering import NUM_CLUSTERS, cluster_texts
 from ebpo_jax.data.loading import load_records
-from ebpo_jax.data.order import ORDERS
 from ebpo_jax.data.prompts import TEMPLATES
 from ebpo_jax.data.schemas import SCHEMAS, DataError
 from ebpo_jax.data.source import MathPromptSource, make_host_reward
 from ebpo_jax.data.tokenize import OVERFLOW
+from ebpo_jax.order import ORDERS
 from ebpo_jax.rewards import get_reward
 
 TOPIC_SOURCES = ("field", "kmeans", "none")

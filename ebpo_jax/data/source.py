@@ -2,9 +2,9 @@
 
 `MathPromptSource` has the interface of `tasks.PromptSource` (next_batch, next_batches,
 state, restore) and yields `tasks.PromptBatch`es of chat-formatted, tokenised prompts in a
-`RecordOrder`. Math answers are strings, checked on the host: a batch's `answer_tokens[:, 0]`
-holds each prompt's record index (`answer_lengths` is 0), so `make_host_reward` can look the
-answer up from the rollout alone, after any resume.
+`RecordOrder`. Math answers are strings, checked on the host: a batch's `index` is each
+prompt's record index (`answer_tokens` are empty), so `make_host_reward` can look the answer
+up from the rollout alone, after any resume.
 """
 
 import zlib
@@ -15,10 +15,10 @@ import numpy as np
 
 from ebpo_jax import rewards
 from ebpo_jax.data.clustering import topic_ids_from_field
-from ebpo_jax.data.order import RecordOrder
 from ebpo_jax.data.prompts import render_prompt
 from ebpo_jax.data.schemas import DataError, Record
 from ebpo_jax.data.tokenize import encode_prompts
+from ebpo_jax.order import RecordOrder
 from ebpo_jax.tasks import PromptBatch
 from ebpo_jax.tasks.data import BatchStream
 
@@ -127,12 +127,12 @@ class MathPromptSource(BatchStream):
         self.order.restore({**state, "fingerprint": self.order.fingerprint})
 
     def batch(self, indices) -> PromptBatch:
-        """The records at `indices` as a PromptBatch (answer_tokens[:, 0] = record index)."""
+        """The records at `indices` as a PromptBatch (`index`: the record indices)."""
         idx = np.asarray(indices, np.int64)
         return PromptBatch(
             prompt_tokens=self._tokens[idx],
             prompt_lengths=self._lengths[idx],
-            answer_tokens=idx.astype(np.int32)[:, None],
+            answer_tokens=np.zeros((idx.size, 1), np.int32),
             answer_lengths=np.zeros(idx.size, np.int32),
             topic_ids=self.topic_ids[idx],
             difficulty=self._difficulty[idx],
@@ -162,7 +162,7 @@ def make_host_reward(
 ):
     """host_reward(rollout) -> rewards [P, G] float32: `reward` of each decoded completion.
 
-    `rollout` has answer_tokens [P, >=1] (record indices, as MathPromptSource puts them),
+    `rollout` has index [P] (record indices, from MathPromptSource's batches),
     tokens [P, G, N] and lengths [P, G]. `format_weight` adds that much for a response with
     a final "Answer:" line or a \\boxed{} answer.
     """
@@ -171,7 +171,7 @@ def make_host_reward(
     def host_reward(rollout) -> np.ndarray:
         tokens_PGN = np.asarray(rollout.tokens)
         P, G, N = tokens_PGN.shape
-        idx_P = np.asarray(rollout.answer_tokens)[:, 0]
+        idx_P = np.asarray(rollout.index)
         texts = decode_completions(
             tokenizer, tokens_PGN.reshape(P * G, N), np.asarray(rollout.lengths).reshape(P * G)
         )

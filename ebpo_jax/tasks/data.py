@@ -6,10 +6,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ebpo_jax.order import ORDERS, RecordOrder  # noqa: F401  (ORDERS re-exported)
 from ebpo_jax.tasks.arithmetic import Problem, max_lengths
 from ebpo_jax.tasks.tokenizer import CharTokenizer
-
-ORDERS = ("naive", "topic", "difficulty")
 
 
 class PromptBatch(NamedTuple):
@@ -94,9 +93,9 @@ class BatchStream:
 class PromptSource(BatchStream):
     """Batches of P problems in a seeded order per epoch; its whole state is {epoch, position}.
 
-    Orders: `naive` shuffles each epoch; `topic` and `difficulty` stably sort that shuffle by
-    topic id or difficulty (easy first), so each epoch sweeps the groups in turn. A batch that
-    runs past the end of an epoch continues with the start of the next one.
+    Orders (`ebpo_jax.order.RecordOrder`): `naive` shuffles each epoch; `topic` and `difficulty`
+    stably sort that shuffle by topic id or difficulty (easy first), so each epoch sweeps the
+    groups in turn. A batch that runs past the end of an epoch continues with the next one.
     """
 
     def __init__(
@@ -110,38 +109,37 @@ class PromptSource(BatchStream):
         prompt_len: int | None = None,
         answer_len: int | None = None,
     ):
-        if order not in ORDERS:
-            raise ValueError(f"unknown order {order!r}; known: {ORDERS}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.problems = list(problems)
         max_prompt, max_answer = max_lengths(self.problems)
-        self.tokenizer, self.batch_size, self.seed, self.order = tokenizer, batch_size, seed, order
+        self.tokenizer, self.batch_size, self.seed = tokenizer, batch_size, seed
         # Fixed widths over the whole list so every batch has the same shapes (one compile).
         self.prompt_len = max_prompt + 1 if prompt_len is None else prompt_len
         self.answer_len = max_answer if answer_len is None else answer_len
         self._encoded = encode_problems(
             self.problems, tokenizer, prompt_len=self.prompt_len, answer_len=self.answer_len
         )
+        # Clusters in ascending id order: each epoch sweeps topics 0, 1, ... in turn.
+        self.order = RecordOrder(
+            len(self.problems),
+            order=order,
+            seed=seed,
+            topic_ids=self._encoded.topic_ids,
+            difficulty=self._encoded.difficulty,
+            shuffle_clusters=False,
+        )
         # Identifies the problem list, seed and order, so a resume on other data fails loudly.
         key = "\n".join([str(seed), order] + [p.prompt for p in self.problems])
         self.fingerprint = zlib.crc32(key.encode())
-        self.epoch, self.position = 0, 0
-        self._order_cache: tuple[int, np.ndarray] | None = None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Problem indices in the order of `epoch`."""
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.problems))
-            if self.order != "naive":
-                key = self._encoded.topic_ids if self.order == "topic" else self._encoded.difficulty
-                perm = perm[np.argsort(key[perm], kind="stable")]
-            self._order_cache = (epoch, perm)
-        return self._order_cache[1]
+        return self.order.epoch_order(epoch)
 
     def state(self) -> dict[str, int]:
         """The resumable position (JSON-able; save it with the checkpoint)."""
-        return {"epoch": self.epoch, "position": self.position, "fingerprint": self.fingerprint}
+        return {**self.order.state(), "fingerprint": self.fingerprint}
 
     def restore(self, state: dict[str, int]) -> None:
         """Continue from a position returned by `state()`."""
@@ -150,22 +148,11 @@ class PromptSource(BatchStream):
                 f"data state {state} was saved for other problems, seed or order "
                 f"(fingerprint {self.fingerprint})"
             )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position < len(self.problems):
-            raise ValueError(f"data state {state} out of range for {len(self.problems)} problems")
-        self.epoch, self.position = epoch, position
+        self.order.restore({**state, "fingerprint": self.order.fingerprint})
 
     def next_indices(self) -> np.ndarray:
         """Indices of the next batch, advancing the state."""
-        out = []
-        while len(out) < self.batch_size:
-            order = self.epoch_order(self.epoch)
-            take = min(self.batch_size - len(out), len(order) - self.position)
-            out.extend(order[self.position : self.position + take].tolist())
-            self.position += take
-            if self.position == len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return np.array(out, np.int32)
+        return self.order.next_indices(self.batch_size)
 
     def next_batch(self) -> PromptBatch:
         """The next P problems as arrays."""

@@ -10,6 +10,15 @@ import numpy as np
 import optax
 
 from ebpo_jax import losses, models, tasks
+from ebpo_jax.spec import TaskSpec
+
+
+def _task_key(task) -> dict:
+    """The task section as it keyed caches before `task.family` existed (same cache files)."""
+    d = task.to_dict()
+    if not d.get("family"):
+        d.pop("family", None)
+    return d
 
 
 def sft_loss(model_config, params, tokens_BT, loss_mask_BT):
@@ -33,21 +42,21 @@ def make_sft_step(model_config, optimizer):
     return step
 
 
-def cache_path(config, model_config, num_problems: int) -> str:
+def cache_path(spec: TaskSpec, model_config, num_problems: int) -> str:
     """Where the warm-start params for this (model, SFT settings, data, seed) are cached."""
     key = json.dumps(
         [
             repr(model_config),
-            config.sft.to_dict(),
-            config.task.to_dict(),
-            config.seed,
+            spec.sft.to_dict(),
+            _task_key(spec.task),
+            spec.seed,
             num_problems,
         ],
         sort_keys=True,
         default=str,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = config.sft.cache_dir or os.path.join(config.workdir, "sft_cache")
+    root = spec.sft.cache_dir or os.path.join(spec.workdir, "sft_cache")
     return os.path.join(root, f"sft_{digest}.npz")
 
 
@@ -70,15 +79,15 @@ def _load(path, like):
     return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
 
 
-def warm_start(config, model_config, params, problems, tokenizer, *, log=print):
-    """Params after `config.sft.steps` supervised steps on `problems` (loaded if cached)."""
-    if config.sft.steps == 0:
+def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log=print):
+    """Params after `spec.sft.steps` supervised steps on `problems` (loaded if cached)."""
+    if spec.sft.steps == 0:
         return params
-    path = cache_path(config, model_config, len(problems))
+    path = cache_path(spec, model_config, len(problems))
     if os.path.exists(path):
         log(f"SFT warm start: loaded cached params from {path}")
         return _load(path, params)
-    sft = config.sft
+    sft = spec.sft
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
         sft.learning_rate,
@@ -91,7 +100,7 @@ def warm_start(config, model_config, params, problems, tokenizer, *, log=print):
     )
     step = jax.jit(make_sft_step(model_config, optimizer), donate_argnums=(0, 1))
     examples = tasks.sft_examples(problems, tokenizer)
-    rng = np.random.default_rng(config.seed)
+    rng = np.random.default_rng(spec.seed)
     opt_state = optimizer.init(params)
     params = jax.tree.map(jnp.copy, params)  # the caller's params are donated otherwise
     loss = float("nan")

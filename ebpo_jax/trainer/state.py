@@ -1,4 +1,4 @@
-"""The train state pytree and the optimizer built from the config."""
+"""The train state pytree, its shardings, and the optimizer built from the OptimSpec."""
 
 from typing import Any, NamedTuple
 
@@ -8,6 +8,7 @@ import optax
 
 from ebpo_jax import sharding
 from ebpo_jax.advantages import EBState, init_eb_state
+from ebpo_jax.spec import OptimSpec
 
 
 class TrainState(NamedTuple):
@@ -23,16 +24,11 @@ class TrainState(NamedTuple):
     generated_tokens: jax.Array  # int32: every generated token so far, kept or dropped
 
 
-def updates_per_step(config) -> int:
-    """Optimizer updates in one train step: PPO epochs x mini-batches."""
-    return config.loss.ppo_epochs * config.loss.num_minibatches
-
-
-def learning_rate_schedule(config) -> optax.Schedule:
+def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
     """Linear warm-up over `warmup_steps` train steps, then constant or cosine to the end."""
-    opt, per = config.optimizer, updates_per_step(config)
+    per = opt.updates_per_step
     warm = opt.warmup_steps * per
-    total = max(config.total_steps * per, warm + 1)
+    total = max(opt.total_steps * per, warm + 1)
     if opt.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
             0.0, opt.learning_rate, warm, total, end_value=opt.learning_rate * opt.final_lr_frac
@@ -48,13 +44,12 @@ def learning_rate_schedule(config) -> optax.Schedule:
     )
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def make_optimizer(opt: OptimSpec) -> optax.GradientTransformation:
     """AdamW with global-norm clipping (clip first, as verl/TRL do)."""
-    opt = config.optimizer
     return optax.chain(
         optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(
-            learning_rate_schedule(config), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
+            learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
         ),
     )
 

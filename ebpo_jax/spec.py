@@ -1,0 +1,296 @@
+"""The run spec: a validated config resolved once into frozen, typed slices.
+
+Config files stay ml_collections (`--config.x=` overrides); `resolve(config)` validates them
+(one-line `ConfigError`s naming the field) and returns a `RunSpec`. Every factory takes only
+its slice: the rollout a `RolloutSpec`, the update an `UpdateSpec`, the optimizer an
+`OptimSpec`, and so on. Nothing downstream reads the ConfigDict.
+"""
+
+import dataclasses
+import json
+from typing import Any
+
+import ml_collections
+
+from ebpo_jax import config as config_lib
+
+
+def _frozen(d) -> ml_collections.FrozenConfigDict:
+    return ml_collections.FrozenConfigDict(d)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+    """What the sampler draws each step: P prompts x G samples of up to N tokens."""
+
+    prompts: int  # P
+    group_size: int  # G
+    max_new_tokens: int  # N
+    temperature: float
+    top_p: float
+    top_k: int
+    prompts_per_call: int  # P / calls; == P for one call
+    dynamic_sampling: bool  # DAPO: drop all-equal groups, refill from extra rounds
+    max_extra_rounds: int
+
+    @property
+    def rounds(self) -> int:
+        """P-prompt rounds one step's batch holds (1 + DAPO's extra rounds)."""
+        return 1 + self.max_extra_rounds if self.dynamic_sampling else 1
+
+    @property
+    def batch_prompts(self) -> int:
+        """Prompts in one step's batch (rounds x P)."""
+        return self.rounds * self.prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateSpec:
+    """Advantages, reward shaping and the PPO update: epochs x mini-batches x micro-batches."""
+
+    prompts: int  # P
+    group_size: int  # G
+    max_new_tokens: int  # N
+    estimator: str
+    estimator_options: ml_collections.FrozenConfigDict
+    use_clusters: bool  # one EB prior per cluster id (eb_clusters != "none")
+    ppo_epochs: int
+    num_minibatches: int
+    num_microbatches: int
+    clip_low: float
+    clip_high: float
+    dual_clip: float  # 0 = off
+    agg: str
+    kl_coef: float
+    kl_estimator: str
+    entropy_coef: float
+    logits_chunk: int
+    overlong_buffer: int
+    overlong_penalty: float
+    mask_truncated: bool
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates per step: PPO epochs x mini-batches."""
+        return self.ppo_epochs * self.num_minibatches
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimSpec:
+    """AdamW with clipping and a warm-up + constant/cosine schedule, in optimizer updates."""
+
+    learning_rate: float
+    weight_decay: float
+    warmup_steps: int  # train steps
+    schedule: str
+    final_lr_frac: float
+    clip_norm: float
+    b1: float
+    b2: float
+    total_steps: int
+    updates_per_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """The trainer's mesh (-1 resolved when the device count is known) and the sampler's."""
+
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    devices: int  # 0 = every device
+    sampler: tuple[tuple[str, int], ...]  # () = the trainer's mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """What the run trains on: a task family and the sections that family reads."""
+
+    family: str  # a name in trainer.task's registry
+    seed: int
+    batch_prompts: int  # prompts per step's batch (rounds x P)
+    eb_clusters: str
+    max_new_tokens: int
+    model: ml_collections.FrozenConfigDict
+    task: ml_collections.FrozenConfigDict
+    data: ml_collections.FrozenConfigDict
+    sft: ml_collections.FrozenConfigDict
+    workdir: str
+    eval: "EvalSpec"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    """Held-out pass@1: `samples` samples per problem at `temperature` (0 = greedy, one)."""
+
+    every: int
+    batch_size: int
+    temperature: float
+    samples: int
+    seed: int
+    max_new_tokens: int
+
+    @property
+    def samples_per_problem(self) -> int:
+        return self.samples if self.temperature > 0 else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+    every: int
+    keep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything a run needs, resolved and validated once."""
+
+    workdir: str
+    seed: int
+    total_steps: int
+    steps_per_jit: int  # K steps per lax.scan (jittable reward only)
+    max_nonfinite_steps: int
+    with_ref: bool  # the KL term needs the frozen reference policy
+    rollout: RolloutSpec
+    update: UpdateSpec
+    optim: OptimSpec
+    mesh: MeshSpec
+    task: TaskSpec
+    eval: EvalSpec
+    checkpoint: CheckpointSpec
+    config_json: str  # the config as written to workdir/config.json
+
+    def to_json(self) -> str:
+        return self.config_json
+
+
+def task_family(config) -> str:
+    """The task family: `task.family` if set, else math records with data.path, else arithmetic."""
+    family = config.task.get("family", "")
+    return family or ("math" if config.data.path else "arithmetic")
+
+
+def rollout_spec(c) -> RolloutSpec:
+    s = c.sampler
+    return RolloutSpec(
+        prompts=c.prompts_per_step,
+        group_size=c.group_size,
+        max_new_tokens=s.max_new_tokens,
+        temperature=float(s.temperature),
+        top_p=float(s.top_p),
+        top_k=int(s.top_k),
+        prompts_per_call=s.prompts_per_call or c.prompts_per_step,
+        dynamic_sampling=bool(c.dapo.dynamic_sampling),
+        max_extra_rounds=c.dapo.max_extra_rounds,
+    )
+
+
+def update_spec(c) -> UpdateSpec:
+    lc = c.loss
+    return UpdateSpec(
+        prompts=c.prompts_per_step,
+        group_size=c.group_size,
+        max_new_tokens=c.sampler.max_new_tokens,
+        estimator=c.estimator,
+        estimator_options=_frozen(c.estimator_options),
+        use_clusters=c.eb_clusters != "none",
+        ppo_epochs=lc.ppo_epochs,
+        num_minibatches=lc.num_minibatches,
+        num_microbatches=lc.num_microbatches,
+        clip_low=lc.clip_low,
+        clip_high=lc.clip_high,
+        dual_clip=lc.dual_clip,
+        agg=lc.agg,
+        kl_coef=lc.kl_coef,
+        kl_estimator=lc.kl_estimator,
+        entropy_coef=lc.entropy_coef,
+        logits_chunk=lc.logits_chunk,
+        overlong_buffer=c.dapo.overlong_buffer,
+        overlong_penalty=c.dapo.overlong_penalty,
+        mask_truncated=bool(c.dapo.mask_truncated),
+    )
+
+
+def optim_spec(c) -> OptimSpec:
+    o = c.optimizer
+    return OptimSpec(
+        learning_rate=o.learning_rate,
+        weight_decay=o.weight_decay,
+        warmup_steps=o.warmup_steps,
+        schedule=o.schedule,
+        final_lr_frac=o.final_lr_frac,
+        clip_norm=o.clip_norm,
+        b1=o.b1,
+        b2=o.b2,
+        total_steps=c.total_steps,
+        updates_per_step=c.loss.ppo_epochs * c.loss.num_minibatches,
+    )
+
+
+def mesh_spec(c, num_devices: int | None = None) -> MeshSpec:
+    shape = tuple(int(s) for s in c.mesh.shape)
+    if num_devices is not None:
+        shape = config_lib.mesh_shape(c, num_devices)
+    return MeshSpec(
+        axes=tuple(c.mesh.axes),
+        shape=shape,
+        devices=int(c.mesh.get("devices", 0)),
+        sampler=tuple(config_lib.sampler_mesh_spec(c)),
+    )
+
+
+def eval_spec(c) -> EvalSpec:
+    return EvalSpec(
+        every=c.eval_every,
+        batch_size=c.eval_batch_size,
+        temperature=c.eval_temperature,
+        samples=c.eval_samples,
+        seed=c.seed,
+        max_new_tokens=c.sampler.max_new_tokens,
+    )
+
+
+def task_spec(c, rollout: RolloutSpec, ev: EvalSpec) -> TaskSpec:
+    return TaskSpec(
+        family=task_family(c),
+        seed=c.seed,
+        batch_prompts=rollout.batch_prompts,
+        eb_clusters=c.eb_clusters,
+        max_new_tokens=c.sampler.max_new_tokens,
+        model=_frozen(c.model),
+        task=_frozen(c.task),
+        data=_frozen(c.data),
+        sft=_frozen(c.sft),
+        workdir=c.workdir,
+        eval=ev,
+    )
+
+
+def resolve(config, num_devices: int | None = None) -> RunSpec:
+    """Validate `config` (ConfigError on the first bad field) and freeze it into a RunSpec.
+
+    With `num_devices` the mesh's -1 is resolved and the batch is checked against the mesh.
+    """
+    config_lib.validate(config, num_devices)
+    c = config
+    rollout, ev = rollout_spec(c), eval_spec(c)
+    return RunSpec(
+        workdir=c.workdir,
+        seed=c.seed,
+        total_steps=c.total_steps,
+        steps_per_jit=c.steps_per_jit,
+        max_nonfinite_steps=c.max_nonfinite_steps,
+        with_ref=c.loss.kl_coef > 0,
+        rollout=rollout,
+        update=update_spec(c),
+        optim=optim_spec(c),
+        mesh=mesh_spec(c, num_devices),
+        task=task_spec(c, rollout, ev),
+        eval=ev,
+        checkpoint=CheckpointSpec(every=c.checkpoint_every, keep=c.keep_checkpoints),
+        config_json=c.to_json(indent=2),
+    )
+
+
+def describe(spec: Any) -> dict:
+    """A spec as plain JSON-able data (for logs and tests)."""
+    return json.loads(json.dumps(dataclasses.asdict(spec), default=lambda x: x.to_dict()))

@@ -1,0 +1,86 @@
+"""The meshes of a run and one bundle of shardings, all from the rules table.
+
+The loop, the step builder and `aot.py` take the same `Shardings`, so the ahead-of-time
+check compiles the programs that run: the state laid out by the rules, prompt batches and
+rollout rows over the batch axes, and the sampler's copy of the weights on its own mesh.
+"""
+
+from typing import Any, NamedTuple
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ebpo_jax import config as config_lib
+from ebpo_jax import sharding
+from ebpo_jax.spec import MeshSpec, RunSpec
+from ebpo_jax.trainer.rollout import Rollout
+from ebpo_jax.trainer.state import state_shardings
+
+
+def make_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
+    """The trainer's mesh (Auto axes): over `devices`, else every device or the first
+    `spec.devices` of them (one process only)."""
+    if devices is None:
+        n = spec.devices or jax.device_count()
+        if n < jax.device_count() and jax.process_count() > 1:
+            raise config_lib.ConfigError(
+                f"mesh.devices={n}: a multi-process run's mesh must span all {jax.device_count()}"
+            )
+        if n == jax.device_count():  # jax.make_mesh lays the axes out along the topology
+            auto = (jax.sharding.AxisType.Auto,) * len(spec.axes)
+            return jax.make_mesh(spec.shape, spec.axes, axis_types=auto)
+        devices = jax.devices()[:n]
+    return sharding.make_mesh(list(zip(spec.axes, spec.shape)), devices)
+
+
+def make_sampler_mesh(spec: MeshSpec, mesh) -> jax.sharding.Mesh:
+    """`sampler.mesh` over the trainer mesh's devices, or the trainer mesh itself."""
+    if not spec.sampler:
+        return mesh
+    try:
+        return sharding.make_mesh(list(spec.sampler), mesh.devices.flat)
+    except ValueError as e:
+        raise config_lib.ConfigError(f"sampler.mesh: {e}") from None
+
+
+def rollout_shardings(mesh, prompts: int) -> Rollout:
+    """A Rollout of shardings: per-prompt fields over the batch axes (if they divide P)."""
+    rows = NamedSharding(mesh, sharding.rows_spec(mesh, prompts))
+    rep = NamedSharding(mesh, P())
+    scalars = ("generated_tokens", "all_same_frac")
+    return Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
+
+
+class Shardings(NamedTuple):
+    """Where every array of a run lives."""
+
+    mesh: Any  # the trainer's
+    sampler_mesh: Any  # the sampler's (the trainer's unless sampler.mesh is set)
+    state: Any  # TrainState of shardings
+    rollout: Rollout  # the update's input, on the trainer mesh
+    sampler_rollout: Rollout  # the rollout's output, on the sampler mesh
+    sampler_params: Any  # the sampler's copy of the policy
+    replicated: NamedSharding
+    prompt_rows: int  # prompts in one step's batch (rounds x P)
+
+    def batches(self, tree, *, axis: int = 1, on_sampler: bool = False):
+        """Prompt batches ([K]-stacked: rows on axis 1) split over the batch axes."""
+        mesh = self.sampler_mesh if on_sampler else self.mesh
+        return sharding.batch_sharded(tree, mesh, self.prompt_rows, axis=axis, strict=False)
+
+
+def make_shardings(spec: RunSpec, model_config, optimizer, abstract_state, mesh) -> Shardings:
+    """The bundle for `abstract_state` (a TrainState of arrays or ShapeDtypeStructs)."""
+    s_mesh = make_sampler_mesh(spec.mesh, mesh)
+    P_ = spec.rollout.prompts
+    return Shardings(
+        mesh=mesh,
+        sampler_mesh=s_mesh,
+        state=state_shardings(model_config, optimizer, abstract_state, mesh),
+        rollout=rollout_shardings(mesh, P_),
+        sampler_rollout=rollout_shardings(s_mesh, P_),
+        sampler_params=sharding.param_shardings(model_config, abstract_state.params, s_mesh),
+        replicated=NamedSharding(mesh, P()),
+        prompt_rows=spec.rollout.batch_prompts,
+    )

@@ -1,0 +1,87 @@
+"""The synthetic arithmetic family: char tokenizer, preset policy + SFT warm start, a jittable
+exact-answer reward, EB clusters per topic or per (topic, difficulty) cell."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ebpo_jax import models, tasks
+from ebpo_jax.spec import TaskSpec
+from ebpo_jax.trainer import sft
+from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
+from ebpo_jax.trainer.task import Reward, Task, model_config_from, tokenizer_vocab
+
+
+def load_problems(spec: TaskSpec):
+    """(tokenizer, train problems, held-out problems) of the `task` section."""
+    t = spec.task
+    topics = tuple(x for x in t.topics.split(",") if x) or tasks.TOPICS
+    levels = tuple(d for d in tasks.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
+    train, test = tasks.make_splits(
+        t.seed,
+        train_per_cell=t.train_per_cell,
+        test_per_cell=t.test_per_cell,
+        topics=topics,
+        difficulties=levels,
+    )
+    return tasks.CharTokenizer(), train, test
+
+
+def num_clusters(eb_clusters: str) -> int:
+    """EB priors: one, one per topic, or one per (topic, difficulty) cell."""
+    topics, levels = len(tasks.TOPICS), len(tasks.DIFFICULTIES)
+    return {"none": 1, "topic": topics, "cell": topics * levels}[eb_clusters]
+
+
+def cluster_ids(eb_clusters: str, batch) -> jax.Array:
+    """[P] int32 EB cluster of each prompt of a PromptBatch."""
+    topic = jnp.asarray(batch.topic_ids, jnp.int32)
+    if eb_clusters == "topic":
+        return topic
+    if eb_clusters == "cell":
+        return topic * len(tasks.DIFFICULTIES) + jnp.asarray(batch.difficulty, jnp.int32) - 1
+    return jnp.zeros_like(topic)
+
+
+def eval_set(problems, tokenizer, name: str = "heldout") -> EvalSet:
+    """The held-out problems scored by the exact-answer reward."""
+    data = tasks.encode_problems(problems, tokenizer)
+    reward = jax.jit(functools.partial(tasks.reward_fn, eos_id=tokenizer.eos_id))
+
+    def score(tokens, lengths):
+        k = len(lengths) // len(problems)
+        rep = lambda x: np.repeat(x, k, axis=0)
+        r = reward(tokens, lengths, rep(data.answer_tokens), rep(data.answer_lengths))
+        return np.asarray(r)
+
+    return EvalSet(name, data.prompt_tokens, data.prompt_lengths, score)
+
+
+def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
+    """The synthetic tasks: char tokenizer, preset init (+ SFT warm start), exact-answer reward."""
+    tokenizer, train_problems, test_problems = load_problems(spec)
+    model_config = model_config_from(spec.model, tokenizer_vocab(tokenizer))
+    params = models.init_params(model_config, jax.random.key(spec.seed))
+    params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
+    source = tasks.PromptSource(
+        train_problems,
+        tokenizer,
+        spec.batch_prompts,
+        seed=spec.seed,
+        order=spec.task.order,
+    )
+    eos = tokenizer.eos_id
+    sets = [eval_set(test_problems, tokenizer)]
+    return Task(
+        tokenizer=tokenizer,
+        model_config=model_config,
+        params=params,
+        source=source,
+        reward=Reward(functools.partial(tasks.reward_fn, eos_id=eos), jittable=True),
+        cluster_ids=functools.partial(cluster_ids, spec.eb_clusters),
+        num_clusters=num_clusters(spec.eb_clusters),
+        stop_ids=eos,
+        evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
+    )

@@ -1,0 +1,270 @@
+"""The update half of a step, as pure functions: advantages, then PPO epochs x mini-batches x
+micro-batches (gradient accumulation) with optax."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ebpo_jax import advantages, losses, models
+from ebpo_jax.spec import UpdateSpec
+from ebpo_jax.trainer.rollout import Rollout
+from ebpo_jax.trainer.state import TrainState
+
+METRIC_DEFAULTS = ("eb/shrinkage_mean", "eb/mu_glob", "eb/sigma2", "eb/tau2")
+_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high")
+
+
+def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
+    """Prompt then completion in one right-padded row: tokens [B, Tp+N] and mask."""
+    Tp, N = prompt_BTp.shape[1], comp_BN.shape[1]
+    t_T = jnp.arange(Tp + N)
+    in_prompt_BT = t_T[None] < prompt_len_B[:, None]
+    p_BT = jnp.pad(prompt_BTp, ((0, 0), (0, N)))
+    c_idx_BT = jnp.clip(t_T[None] - prompt_len_B[:, None], 0, N - 1)
+    c_BT = jnp.take_along_axis(comp_BN, c_idx_BT, 1)
+    tokens_BT = jnp.where(in_prompt_BT, p_BT, c_BT)
+    mask_BT = t_T[None] < (prompt_len_B + comp_len_B)[:, None]
+    return tokens_BT, mask_BT
+
+
+def completion_logprobs(
+    model_config,
+    params,
+    prompt_PTp,
+    prompt_len_P,
+    comp_BN,
+    comp_len_B,
+    *,
+    with_entropy,
+    chunk_size=0,
+):
+    """Per-token log-probs [B, N] (and entropy) of each completion given its prompt.
+
+    Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
+    row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
+    does self-attention, gets packed rows instead.
+    """
+    P, B = prompt_PTp.shape[0], comp_BN.shape[0]
+    G, N = B // P, comp_BN.shape[1]
+    if model_config.attention == "splash":
+        prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
+        tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
+        hidden_BTD = models.forward(
+            model_config, params, tokens_BT, mask=mask_BT, return_hidden=True
+        )
+        # The hidden state at slot L-1+n predicts completion token n.
+        idx_BN = jnp.minimum(
+            prompt_len_B[:, None] - 1 + jnp.arange(N)[None], tokens_BT.shape[1] - 1
+        )
+        h_BND = jnp.take_along_axis(hidden_BTD, idx_BN[..., None], axis=1)
+    else:
+        h_PTD, h_BND = models.forward_grouped(
+            model_config,
+            params,
+            prompt_PTp,
+            prompt_len_P,
+            comp_BN,
+            comp_len_B=comp_len_B,
+            return_hidden=True,
+        )
+        # The prompt's last token predicts completion token 0; completion token n-1, token n.
+        last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
+        h_BND = jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
+    w_DV = models.output_embedding(model_config, params)
+    if chunk_size:  # large vocabularies: never hold all [B, N, V] logits at once
+        return losses.logprobs_from_hidden(
+            h_BND, w_DV, comp_BN, chunk_size=chunk_size, with_entropy=with_entropy
+        )
+    logits_BNV = jnp.einsum("bnd,dv->bnv", h_BND, w_DV, preferred_element_type=jnp.float32)
+    logp_BN = losses.token_logprobs(logits_BNV, comp_BN)
+    return (logp_BN, losses.token_entropy(logits_BNV)) if with_entropy else logp_BN
+
+
+def overlong_penalty(lengths, max_new_tokens: int, buffer: int, factor: float):
+    """DAPO's soft length penalty: 0 up to max-buffer, then linear down to -factor at max."""
+    if buffer <= 0:
+        return jnp.zeros(lengths.shape, jnp.float32)
+    over = lengths.astype(jnp.float32) - (max_new_tokens - buffer)
+    return -factor * jnp.clip(over / buffer, 0.0, 1.0)
+
+
+def truncated(tokens_PGN, lengths_PG, eos_id):
+    """[P, G] bool: the response hit max_new_tokens without ending on a stop id (`eos_id`:
+    one id or several, e.g. EOS and a chat template's end-of-turn)."""
+    N = tokens_PGN.shape[-1]
+    last_PG = jnp.take_along_axis(tokens_PGN, jnp.maximum(lengths_PG - 1, 0)[..., None], -1)[..., 0]
+    return (lengths_PG >= N) & ~jnp.isin(last_PG, jnp.asarray(eos_id).reshape(-1))
+
+
+def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
+    """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics."""
+    N = spec.max_new_tokens
+    logprobs = functools.partial(
+        completion_logprobs,
+        model_config,
+        prompt_PTp=mb["prompt_tokens"],
+        prompt_len_P=mb["prompt_lengths"],
+        comp_BN=mb["tokens"].reshape(-1, N),
+        comp_len_B=mb["lengths"].reshape(-1),
+        chunk_size=spec.logits_chunk,
+    )
+    logp_BN, ent_BN = logprobs(params=params, with_entropy=True)
+    if spec.entropy_coef == 0:
+        ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
+    ref_BN = None
+    if spec.kl_coef > 0:
+        ref_BN = jax.lax.stop_gradient(logprobs(params=ref_params, with_entropy=False))
+    mask_BN = mb["loss_mask"].reshape(-1, N)
+    loss, metrics = losses.policy_loss(
+        logp_BN,
+        mb["logprobs"].reshape(-1, N),
+        mb["adv"].reshape(-1),
+        mask_BN,
+        clip_low=spec.clip_low,
+        clip_high=spec.clip_high,
+        dual_clip=spec.dual_clip if spec.dual_clip > 0 else None,
+        agg=spec.agg,
+        ref_logp_BT=ref_BN,
+        kl_coef=spec.kl_coef,
+        kl_estimator=spec.kl_estimator,
+        entropy_BT=ent_BN,
+        entropy_coef=spec.entropy_coef,
+        denominator=denom,
+    )
+    # Local token-mean metrics become exact mini-batch means once weighted by token share.
+    share = mask_BN.sum() / jnp.maximum(mb["mb_tokens"], 1.0)
+    metrics = {k: v * share if k in _TOKEN_WEIGHTED else v for k, v in metrics.items()}
+    metrics.setdefault("actor/kl", jnp.zeros(()))
+    return loss, metrics
+
+
+def _minibatch_update(spec: UpdateSpec, grad_fn, optimizer, carry, mb):
+    """One optimizer update on a mini-batch, accumulated over its micro-batches (lax.scan)."""
+    params, opt_state, ref_params = carry
+    U = spec.num_microbatches
+    tok_mask = mb["loss_mask"]
+    n_tok = tok_mask.sum().astype(jnp.float32)
+    n_seq = tok_mask.any(-1).sum().astype(jnp.float32)
+    denom = n_tok if spec.agg == "token-mean" else n_seq
+    micro = jax.tree.map(lambda x: x.reshape(U, x.shape[0] // U, *x.shape[1:]), mb)
+    micro["mb_tokens"] = jnp.full((U,), n_tok)
+
+    def accumulate(acc, one):
+        (loss, metrics), grads = grad_fn(params, ref_params, one, denom)
+        return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+    # Every micro-batch is normalised by the whole mini-batch's denominator, so the sums
+    # below are exactly the full mini-batch's loss, metrics and gradient.
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads, (loss_U, metrics_U) = jax.lax.scan(accumulate, zeros, micro, unroll=U == 1)
+    loss, metrics = loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
+    metrics = dict(
+        metrics, **{"actor/loss": loss, "actor/grad_norm": grad_norm, "skipped": ~finite}
+    )
+    return (params, opt_state, ref_params), metrics
+
+
+def _advantages(spec: UpdateSpec, eb_state, ro: Rollout, valid_PG):
+    """Shaped rewards [P, G], advantages [P, G], the new EB state and estimator metrics."""
+    shaped_PG = ro.rewards + overlong_penalty(
+        ro.lengths, spec.max_new_tokens, spec.overlong_buffer, spec.overlong_penalty
+    )
+    adv_PG, eb_state, est_metrics = advantages.estimate(
+        spec.estimator,
+        shaped_PG,
+        eb_state,
+        mask=valid_PG,
+        cluster_ids=ro.cluster_ids if spec.use_clusters else None,
+        **spec.estimator_options,
+    )
+    return shaped_PG, adv_PG, eb_state, est_metrics
+
+
+def _minibatches(spec: UpdateSpec, data, k_perm):
+    """`data`'s P prompt groups in E shuffled orders, cut into E*M mini-batches."""
+    P, E, M = spec.prompts, spec.ppo_epochs, spec.num_minibatches
+    perms_EP = jax.vmap(lambda k: jax.random.permutation(k, P))(jax.random.split(k_perm, E))
+    return jax.tree.map(
+        lambda x: x[perms_EP.reshape(-1)].reshape(E * M, P // M, *x.shape[1:]), data
+    )
+
+
+def _step_metrics(ro: Rollout, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens):
+    """Reward, advantage, length and throughput metrics of one step (valid groups only)."""
+    nvalid = jnp.maximum(valid_PG.sum(), 1)
+    vmean = lambda x: jnp.where(valid_PG, x, 0).sum() / nvalid
+    r_mean = vmean(shaped_PG)
+    return {
+        "reward/mean": r_mean,
+        "reward/std": jnp.sqrt(vmean((shaped_PG - r_mean) ** 2)),
+        "reward/pass_rate": vmean(ro.rewards),
+        "adv/zero_frac": vmean(adv_PG == 0),
+        "adv/all_same_group_frac": ro.all_same_frac,
+        "response_length/mean": vmean(ro.lengths),
+        "response_length/truncated_frac": vmean(trunc_PG),
+        "perf/generated_tokens_total": new_tokens,
+        "perf/step_tokens": ro.generated_tokens,
+        "train/valid_group_frac": ro.group_valid.mean(),
+    }
+
+
+def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState, ro: Rollout):
+    """Advantages, then PPO epochs x mini-batches over the rollout: (new state, metrics)."""
+    P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
+    key = jax.random.wrap_key_data(state.rng)
+    key, k_perm = jax.random.split(key)
+    valid_PG = jnp.broadcast_to(ro.group_valid[:, None], (P, G))
+    shaped_PG, adv_PG, eb_state, est_metrics = _advantages(spec, state.eb_state, ro, valid_PG)
+    trunc_PG = truncated(ro.tokens, ro.lengths, eos_id)
+    loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None]
+    if spec.mask_truncated:
+        loss_mask_PGN &= ~trunc_PG[..., None]
+    data = {
+        "prompt_tokens": ro.prompt_tokens,
+        "prompt_lengths": ro.prompt_lengths,
+        "tokens": ro.tokens,
+        "lengths": ro.lengths,
+        "logprobs": ro.logprobs,
+        "adv": adv_PG,
+        "loss_mask": loss_mask_PGN,
+    }
+    grad_fn = jax.value_and_grad(functools.partial(_loss_fn, spec, model_config), has_aux=True)
+    (params, opt_state, _), upd = jax.lax.scan(
+        functools.partial(_minibatch_update, spec, grad_fn, optimizer),
+        (state.params, state.opt_state, state.ref_params),
+        _minibatches(spec, data, k_perm),
+        unroll=spec.updates == 1,
+    )
+    skipped = upd.pop("skipped").sum()
+    new_tokens = state.generated_tokens + ro.generated_tokens
+    metrics = {k: v.mean() for k, v in upd.items()}
+    metrics.update({k: jnp.zeros(()) for k in METRIC_DEFAULTS})
+    metrics.update(est_metrics)
+    metrics.update(_step_metrics(ro, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens))
+    metrics["train/skipped_updates"] = skipped
+    nonfinite_run = jnp.where(skipped > 0, state.nonfinite_run + 1, 0)
+    new_state = TrainState(
+        params=params,
+        opt_state=opt_state,
+        eb_state=eb_state,
+        step=state.step + 1,
+        rng=jax.random.key_data(key),
+        ref_params=state.ref_params,
+        nonfinite_run=nonfinite_run,
+        generated_tokens=new_tokens,
+    )
+    metrics["train/nonfinite_run"] = nonfinite_run
+    return new_state, metrics
+
+
+def make_update_fn(spec: UpdateSpec, model_config, optimizer, eos_id):
+    """update(state, rollout) -> (state, metrics); advantages then PPO epochs x mini-batches."""
+    return functools.partial(update, spec, model_config, optimizer, eos_id)

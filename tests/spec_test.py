@@ -1,0 +1,171 @@
+"""The run spec and the orchestration's shape: frozen slices, a task family added in one place,
+the AOT path lowering the loop's own programs, no import cycles, no import-time side effects."""
+
+import ast
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import micro
+from ebpo_jax import aot, models, tasks
+from ebpo_jax.config import ConfigError
+from ebpo_jax.spec import resolve
+from ebpo_jax.trainer import loop, register, task_arithmetic
+from ebpo_jax.trainer.step import Step
+from ebpo_jax.trainer.task import Reward, Task, build_task, families
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _micro(**overrides):
+    c = micro.get_config()
+    c.unlock()
+    c.update_from_flattened_dict(overrides)
+    return c
+
+
+def test_resolve_gives_frozen_slices_and_names_bad_fields():
+    spec = resolve(_micro(**{"loss.num_minibatches": 2, "dapo.dynamic_sampling": True}))
+    assert spec.update.updates == 2 and spec.optim.updates_per_step == 2
+    assert spec.rollout.rounds == 3 and spec.task.batch_prompts == 3 * spec.rollout.prompts
+    assert spec.task.family == "arithmetic"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.update.clip_low = 0.0
+    with pytest.raises(ConfigError, match="loss.agg='nope'"):
+        resolve(_micro(**{"loss.agg": "nope"}))
+    with pytest.raises(ConfigError, match=r"sampler.mesh='data=1' needs steps_per_jit=1"):
+        resolve(_micro(**{"sampler.mesh": "data=1", "steps_per_jit": 2}))
+
+
+def test_unknown_task_family_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"task.family='nope' is not one of \("):
+        build_task(dataclasses.replace(resolve(_micro()).task, family="nope"))
+    assert {"arithmetic", "math"} <= set(families())
+
+
+def test_a_new_task_family_is_one_builder_and_a_registry_entry(tmp_path):
+    """A copy task (answer = the prompt's digits) trains through the whole loop."""
+
+    @register("copy")
+    def build(spec, *, mesh=None, log=print):
+        tok = tasks.CharTokenizer()
+        problems = [
+            tasks.Problem(f"{i}=", str(i), topic="copy", topic_id=0, difficulty=1, id=str(i))
+            for i in range(20)
+        ]
+        mc = models.get_config("tiny", vocab_size=tok.vocab_size, **spec.model.overrides)
+        return Task(
+            tokenizer=tok,
+            model_config=mc,
+            params=models.init_params(mc, jax.random.key(spec.seed)),
+            source=tasks.PromptSource(problems, tok, spec.batch_prompts, seed=spec.seed),
+            reward=Reward(lambda *a: tasks.reward_fn(*a, eos_id=tok.eos_id), jittable=True),
+            cluster_ids=lambda b: jnp.zeros(b.prompt_tokens.shape[:1], jnp.int32),
+            num_clusters=1,
+            stop_ids=tok.eos_id,
+            evaluate=None,
+        )
+
+    c = _micro(workdir=str(tmp_path), total_steps=2, **{"mesh.devices": 1})
+    c.task.family = "copy"
+    s = loop.train(c, log=lambda *_: None)
+    assert s["step"] == 2 and np.isnan(s["pass@1_end"])
+
+
+def test_aot_lowers_the_update_the_loop_runs():
+    """aot.py compiles the loop's own Step.update with the loop's shardings (same HLO)."""
+    c = _micro(**{"mesh.shape": (2, 4), "mesh.axes": ("data", "fsdp"), "prompts_per_step": 8})
+    spec = resolve(c, 8)
+    mc = aot.model_config_of(spec)
+    mesh = loop.make_mesh(spec.mesh)
+    params = models.init_params(mc, jax.random.key(0))
+    task = aot.shape_task(spec, mc, params)
+    optimizer = loop.make_optimizer(spec.optim)
+    state, sh = loop._init_state(spec, task, optimizer, mesh)
+    step, abstract_state, abstract_ro = aot.make_step(spec, mc, mesh, prompt_len=8)
+    ro = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_ro)
+    ro = jax.device_put(ro, sh.rollout)  # as the loop places a rollout
+    ran = _program(Step(spec, task, optimizer, sh).update, mesh, state, ro)
+    assert _program(step.update, mesh, abstract_state, abstract_ro) == ran
+
+
+def _program(jitted, mesh, *args):
+    """(jaxpr, the lowered entry point's signature with its argument/result shardings), up to
+    the numbering of shared sub-jaxprs (`_where3`), which depends on what was traced before."""
+    with jax.set_mesh(mesh):
+        jaxpr = str(jitted.trace(*args).jaxpr)
+        text = jitted.lower(*args).as_text()
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    return re.sub(r"\b(_[A-Za-z_]+?)\d+\b", r"\1", jaxpr), main
+
+
+def test_arithmetic_family_clusters():
+    batch = tasks.PromptBatch(*([np.array([0, 2])] * 7))._replace(difficulty=np.array([1, 2]))
+    levels = len(tasks.DIFFICULTIES)
+    assert task_arithmetic.cluster_ids("cell", batch).tolist() == [0, 2 * levels + 1]
+    assert task_arithmetic.cluster_ids("topic", batch).tolist() == [0, 2]
+    assert task_arithmetic.num_clusters("cell") == len(tasks.TOPICS) * levels
+
+
+def test_import_sets_no_xla_flags():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    code = "import ebpo_jax, ebpo_jax.trainer.loop, os; print(os.environ.get('XLA_FLAGS'))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "None"
+
+
+def _imports(path: pathlib.Path, module: str) -> set[str]:
+    """ebpo_jax modules `module` imports anywhere in its file (function bodies included)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("ebpo_jax")}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ebpo_jax"):
+            for a in node.names:  # `from ebpo_jax import losses` names a module
+                sub = f"{node.module}.{a.name}"
+                out.add(sub if _module_path(sub) else node.module)
+    out.discard(module)
+    return out
+
+
+def _module_path(name: str) -> pathlib.Path | None:
+    base = ROOT / name.replace(".", "/")
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.exists():
+            return p
+    return None
+
+
+def test_no_import_cycles_in_the_package():
+    """Imports run one way, lazy (in-function) imports included; a package's __init__ that
+    re-exports its own submodules is not a cycle."""
+    graph = {}
+    for path in (ROOT / "ebpo_jax").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        graph[name] = {m for m in _imports(path, name) if not name.startswith(m + ".")}
+    state = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
