@@ -89,16 +89,22 @@ def _merge(a: Welford, b: Welford) -> Welford:
     return Welford(n_K, mean_K, m2_K)
 
 
+def _dot(a, b):
+    """An exact one-hot gather / per-cluster sum: TPUs run DEFAULT float32 matmuls as one
+    bfloat16 pass (GPUs may use TF32), which would round mu_glob to ~3 significant digits."""
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _cluster_welford(n_P, mean_P, m2_P, onehot_PK) -> Welford:
     """Per-cluster (count, mean, M2) from per-row ones (the exact two-level decomposition)."""
-    count_K = n_P @ onehot_PK
+    count_K = _dot(n_P, onehot_PK)
     # Shifted by one member's mean per cluster, so equal means average to exactly that value.
     member_PK = onehot_PK * (n_P > 0)[:, None]
     ref_K = jnp.where(count_K > 0, mean_P[jnp.argmax(member_PK, axis=0)], 0.0)
-    dev_P = mean_P - onehot_PK @ ref_K
-    mean_K = ref_K + ((n_P * dev_P) @ onehot_PK) / jnp.where(count_K > 0, count_K, 1.0)
-    between_P = n_P * (mean_P - onehot_PK @ mean_K) ** 2
-    return Welford(count_K, mean_K, (m2_P + between_P) @ onehot_PK)
+    dev_P = mean_P - _dot(onehot_PK, ref_K)
+    mean_K = ref_K + _dot(n_P * dev_P, onehot_PK) / jnp.where(count_K > 0, count_K, 1.0)
+    between_P = n_P * (mean_P - _dot(onehot_PK, mean_K)) ** 2
+    return Welford(count_K, mean_K, _dot(m2_P + between_P, onehot_PK))
 
 
 def _population_var(w: Welford) -> jax.Array:
@@ -192,7 +198,7 @@ def _posterior(state: EBState, b: _Batch, eps, mu_glob="all_rewards") -> dict:
     mu_K = state.reward.mean if mu_glob == "all_rewards" else state.group.mean
     sigma2_K = _population_var(state.reward)
     tau2_K = _population_var(state.group)
-    mu_P, sigma2_P, tau2_P = b.onehot_PK @ mu_K, b.onehot_PK @ sigma2_K, b.onehot_PK @ tau2_K
+    mu_P, sigma2_P, tau2_P = (_dot(b.onehot_PK, x_K) for x_K in (mu_K, sigma2_K, tau2_K))
     noise_P = sigma2_P / jnp.where(b.n_P > 0, b.n_P, 1.0)
     denom_P = noise_P + tau2_P
     # A (numerically) zero denominator means no evidence of spread at all: trust the prior.
@@ -254,7 +260,7 @@ def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize
     new_state = _merge_prepared(state, b, forgetting)
     diag = _posterior(new_state, b, eps, mu_glob)
     adv_PG = jnp.where(b.mask_PG, b.rewards_PG - diag["baseline"][:, None], 0.0)
-    prior_std_P = b.onehot_PK @ jnp.sqrt(diag["sigma2"])
+    prior_std_P = _dot(b.onehot_PK, jnp.sqrt(diag["sigma2"]))
     adv_PG = _normalize(adv_PG, b.mask_PG, normalize, eps, prior_std_P)
     return jnp.where(b.mask_PG, adv_PG, 0.0), new_state, diag, b
 
@@ -392,8 +398,8 @@ def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None,
     row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)
     metrics = {
         "eb/shrinkage_mean": row_mean(diag["shrinkage"]),
-        "eb/mu_glob": row_mean(b.onehot_PK @ diag["mu_glob"]),
-        "eb/sigma2": row_mean(b.onehot_PK @ diag["sigma2"]),
-        "eb/tau2": row_mean(b.onehot_PK @ diag["tau2"]),
+        "eb/mu_glob": row_mean(_dot(b.onehot_PK, diag["mu_glob"])),
+        "eb/sigma2": row_mean(_dot(b.onehot_PK, diag["sigma2"])),
+        "eb/tau2": row_mean(_dot(b.onehot_PK, diag["tau2"])),
     }
     return adv_PG, new_state, metrics

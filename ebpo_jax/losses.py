@@ -182,6 +182,8 @@ def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_cli
     clipped per sequence, its term repeated on every token of the sequence.
 
     The paper averages over sequences: use agg="seq-mean-token-mean" for its objective.
+    `dual_clip` bounds a negative-advantage sequence as PPO's does a token (verl's GSPO has
+    no dual clip: set it off to match).
     """
     s_BT = jnp.broadcast_to(
         jnp.exp(_seq_log_ratio(logp_BT, old_logp_BT, mask_BT))[:, None], logp_BT.shape

@@ -158,6 +158,18 @@ def test_constant_groups_in_a_varied_batch():
         np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6, err_msg=normalize)
 
 
+def test_cluster_matmuls_run_at_full_float32_precision():
+    # TPUs run DEFAULT-precision float32 matmuls as one bfloat16 pass; the one-hot gathers
+    # and per-cluster sums of the EB statistics must not.
+    r, m, c = _random_batch(np.random.default_rng(6), 8, 4, 0.2, 3)
+    fn = lambda r: advantages.estimate("ebpo", r, ebpo_jax.init_eb_state(3), mask=m, cluster_ids=c)
+    text = str(jax.make_jaxpr(fn)(r))
+    assert text.count("dot_general[") >= 8
+    assert text.count("dot_general[") == text.count(
+        "precision=(Precision.HIGHEST, Precision.HIGHEST)"
+    )
+
+
 def test_eb_hand_computed_example():
     # Rows: half right, all wrong. sigma2 = 0.1875, tau2 = 0.0625, S = 0.046875 / 0.109375.
     r = jnp.array([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
