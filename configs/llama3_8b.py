@@ -4,6 +4,9 @@ The paper trains LLaMA3.1-8B, so the preset is `llama3_1_8b` (llama3 RoPE scalin
 positions; plain Llama-3-8B stops at 8192 positions, under the 12288-token rows). Every
 other number is qwen3_8b.py's, explained there; 128k vocabulary, 32 layers of 96 MiB
 per row under full remat.
+The variants (`:paper`, the default carried prior; `:authors`, the released code that
+produced the paper's numbers; `:aot`) and `loss.dual_clip = 3.0` (the authors' runs) are
+qwen3_8b.py's.
 """
 
 import importlib.util

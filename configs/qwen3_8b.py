@@ -18,6 +18,16 @@ How each number was chosen:
   put the files there or override, e.g. `--config.model.hf_path=/ckpt/Qwen3-8B`.
   `--config=configs/qwen3_8b.py:aot` is the same recipe without data or checkpoint paths
   (the synthetic tasks), for experiments/aot_compile.py on a host without them.
+- Estimator, two named variants (`--config=configs/qwen3_8b.py:paper`, the default, or
+  `:authors`; either combines with aot, e.g. `:authors,aot`):
+  `paper` is the method as the paper describes it: Welford statistics carried across steps,
+  mu_glob the running mean of all rewards. `authors` is the authors' released code, which
+  re-creates the statistics every batch and takes mu_glob as the mean of the group means
+  (`estimator_options.per_batch=True, mu_glob="group_means"`). The paper's numbers were
+  produced by the released code, so `authors` is the variant that reproduces them;
+  `paper` is the method the text describes.
+- Dual clip 3 on negative advantages (`loss.dual_clip`): the authors' runs use verl's
+  clip_ratio_c = 3.0.
 - Weights in float32, compute in bfloat16 (verl's FSDP mixed precision does the same): at
   lr 1e-6 an Adam step changes a weight by ~1e-6, far below bfloat16's resolution (2^-8
   relative), so bfloat16 master weights would never move.
@@ -56,13 +66,29 @@ EVAL_SETS = (
 )
 
 
+VARIANTS = ("paper", "authors", "aot")
+
+
+def _variants(variant: str | None) -> set[str]:
+    """`variant` as a set of names: comma-separated, "" = paper; paper and authors exclusive."""
+    chosen = {v.strip() for v in (variant or "").split(",") if v.strip()}
+    unknown = chosen - set(VARIANTS)
+    if unknown or {"paper", "authors"} <= chosen:
+        raise ValueError(
+            f"unknown config variant {variant!r}; known: {', '.join(VARIANTS)} "
+            "(comma-separated; paper or authors, not both)"
+        )
+    return chosen
+
+
 def recipe(preset: str, variant: str | None = None):
     """The paper's recipe around the model `preset` (shared by the 8B and 14B configs).
 
-    variant "aot": no data or checkpoint paths (the synthetic tasks at the same shapes).
+    variant "paper" (default): the carried prior; "authors": the released code's per-batch
+    statistics with mu_glob = mean of group means; "aot": no data or checkpoint paths (the
+    synthetic tasks at the same shapes). Comma-separated, e.g. "authors,aot".
     """
-    if variant not in (None, "", "aot"):
-        raise ValueError(f"unknown config variant {variant!r}; known: 'aot'")
+    chosen = _variants(variant)
     from ebpo_jax.models import PRESETS
 
     c = default_config()
@@ -72,6 +98,9 @@ def recipe(preset: str, variant: str | None = None):
     c.prompts_per_step = 512
     c.group_size = 4
     c.estimator = "ebpo"
+    if "authors" in chosen:  # the released code (produced the paper's numbers)
+        c.estimator_options.per_batch = True
+        c.estimator_options.mu_glob = "group_means"
     c.checkpoint_every = 10
     c.keep_checkpoints = 3
     c.eval_every = 20
@@ -93,7 +122,7 @@ def recipe(preset: str, variant: str | None = None):
     c.data.order = "topic"  # EBPO-topic, the paper's best curriculum
     c.data.topics = "field"
     c.data.reward = "math"
-    if variant != "aot":
+    if "aot" not in chosen:
         c.model.hf_path = CHECKPOINTS[preset]
         c.data.path = "data/dapo_math_17k_topics.jsonl"
         c.data.eval_path = EVAL_SETS
@@ -117,6 +146,7 @@ def recipe(preset: str, variant: str | None = None):
     c.loss.num_microbatches = 16  # one 12288-token row per chip on 32 chips
     c.loss.clip_low = 0.2
     c.loss.clip_high = 0.2
+    c.loss.dual_clip = 3.0  # the authors' runs (verl's clip_ratio_c = 3.0)
     c.loss.agg = "token-mean"
     c.loss.kl_coef = 0.001
     c.loss.kl_estimator = "k3"

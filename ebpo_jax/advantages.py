@@ -89,12 +89,22 @@ def _merge(a: Welford, b: Welford) -> Welford:
     return Welford(n_K, mean_K, m2_K)
 
 
+def _dot(a, b):
+    """An exact one-hot gather / per-cluster sum: TPUs run DEFAULT float32 matmuls as one
+    bfloat16 pass (GPUs may use TF32), which would round mu_glob to ~3 significant digits."""
+    return jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _cluster_welford(n_P, mean_P, m2_P, onehot_PK) -> Welford:
     """Per-cluster (count, mean, M2) from per-row ones (the exact two-level decomposition)."""
-    count_K = n_P @ onehot_PK
-    mean_K = ((n_P * mean_P) @ onehot_PK) / jnp.where(count_K > 0, count_K, 1.0)
-    between_P = n_P * (mean_P - onehot_PK @ mean_K) ** 2
-    return Welford(count_K, mean_K, (m2_P + between_P) @ onehot_PK)
+    count_K = _dot(n_P, onehot_PK)
+    # Shifted by one member's mean per cluster, so equal means average to exactly that value.
+    member_PK = onehot_PK * (n_P > 0)[:, None]
+    ref_K = jnp.where(count_K > 0, mean_P[jnp.argmax(member_PK, axis=0)], 0.0)
+    dev_P = mean_P - _dot(onehot_PK, ref_K)
+    mean_K = ref_K + _dot(n_P * dev_P, onehot_PK) / jnp.where(count_K > 0, count_K, 1.0)
+    between_P = n_P * (mean_P - _dot(onehot_PK, mean_K)) ** 2
+    return Welford(count_K, mean_K, _dot(m2_P + between_P, onehot_PK))
 
 
 def _population_var(w: Welford) -> jax.Array:
@@ -102,13 +112,34 @@ def _population_var(w: Welford) -> jax.Array:
     return jnp.where(w.count >= 2, w.m2 / jnp.where(w.count > 0, w.count, 1.0), 0.0)
 
 
+def _first_valid(x, mask, axis):
+    """The first valid entry along `axis` (None = all), keeping dims; 0 where none is valid."""
+    if axis is None:
+        x0 = x.reshape(-1)[jnp.argmax(mask.reshape(-1))].reshape((1,) * x.ndim)
+        return jnp.where(mask.any(), x0, 0.0)
+    idx = jnp.expand_dims(jnp.argmax(mask, axis=axis), axis)
+    return jnp.where(mask.any(axis, keepdims=True), jnp.take_along_axis(x, idx, axis), 0.0)
+
+
+def _shifted_moments(x, mask, axis):
+    """Masked (count, mean, M2) about the first valid entry (keepdims).
+
+    The shift makes equal values give a mean equal to that value and an M2 of exactly 0;
+    unshifted float32 sums of 8 equal values leave an M2 around 1e-15, whose square root
+    then divides advantages into the 1e5 range.
+    """
+    x0 = _first_valid(x, mask, axis)
+    d = jnp.where(mask, x - x0, 0.0)
+    n = mask.astype(jnp.float32).sum(axis=axis, keepdims=True)
+    mean_d = d.sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
+    m2 = jnp.where(mask, (d - mean_d) ** 2, 0.0).sum(axis=axis, keepdims=True)
+    return n, x0 + mean_d, m2
+
+
 def _row_stats(rewards_PG, mask_PG):
     """Valid count, mean and M2 of each row (0 for empty rows)."""
-    w_PG = mask_PG.astype(jnp.float32)
-    n_P = w_PG.sum(-1)
-    mean_P = (w_PG * rewards_PG).sum(-1) / jnp.where(n_P > 0, n_P, 1.0)
-    m2_P = (w_PG * (rewards_PG - mean_P[:, None]) ** 2).sum(-1)
-    return n_P, mean_P, m2_P
+    n_P1, mean_P1, m2_P1 = _shifted_moments(rewards_PG, mask_PG, -1)
+    return n_P1[:, 0], mean_P1[:, 0], m2_P1[:, 0]
 
 
 def _onehot(cluster_ids, num_prompts, num_clusters):
@@ -156,10 +187,18 @@ def merge_batch(state: EBState, rewards, *, mask=None, cluster_ids=None, forgett
 # EBPO.
 
 
-def _posterior(state: EBState, b: _Batch, eps) -> dict:
-    mu_K, sigma2_K = state.reward.mean, _population_var(state.reward)
+MU_GLOB = ("all_rewards", "group_means")
+
+
+def _posterior(state: EBState, b: _Batch, eps, mu_glob="all_rewards") -> dict:
+    if mu_glob not in MU_GLOB:
+        raise ValueError(f"mu_glob must be one of {MU_GLOB}, got {mu_glob!r}")
+    # The paper's mu_glob is the mean of every reward; the authors' released code takes the
+    # mean of the group means (they differ when masks leave groups of different sizes).
+    mu_K = state.reward.mean if mu_glob == "all_rewards" else state.group.mean
+    sigma2_K = _population_var(state.reward)
     tau2_K = _population_var(state.group)
-    mu_P, sigma2_P, tau2_P = b.onehot_PK @ mu_K, b.onehot_PK @ sigma2_K, b.onehot_PK @ tau2_K
+    mu_P, sigma2_P, tau2_P = (_dot(b.onehot_PK, x_K) for x_K in (mu_K, sigma2_K, tau2_K))
     noise_P = sigma2_P / jnp.where(b.n_P > 0, b.n_P, 1.0)
     denom_P = noise_P + tau2_P
     # A (numerically) zero denominator means no evidence of spread at all: trust the prior.
@@ -175,22 +214,24 @@ def _posterior(state: EBState, b: _Batch, eps) -> dict:
     }
 
 
-def eb_diagnostics(rewards, state: EBState, *, mask=None, cluster_ids=None, eps=1e-6):
+def eb_diagnostics(
+    rewards, state: EBState, *, mask=None, cluster_ids=None, eps=1e-6, mu_glob="all_rewards"
+):
     """Posterior quantities from an (already merged) state, for logging.
 
     Returns a dict: `shrinkage` [P], `baseline` [P], `group_mean` [P], `group_size` [P],
     and the per-cluster `mu_glob`, `sigma2`, `tau2` [K].
     """
-    return _posterior(state, _prepare(state, rewards, mask, cluster_ids), eps)
+    return _posterior(state, _prepare(state, rewards, mask, cluster_ids), eps, mu_glob)
 
 
 def _masked_mean_std(x_PG, mask_PG, axis=None):
-    """Masked mean and unbiased (ddof=1) std; std is 0 with fewer than two entries."""
-    w_PG = mask_PG.astype(jnp.float32)
-    n = w_PG.sum(axis=axis, keepdims=True)
-    mean = (w_PG * x_PG).sum(axis=axis, keepdims=True) / jnp.maximum(n, 1.0)
-    var = (w_PG * (x_PG - mean) ** 2).sum(axis=axis, keepdims=True) / jnp.maximum(n - 1.0, 1.0)
-    return mean, jnp.sqrt(var), n
+    """Masked mean and unbiased (ddof=1) std; std is 0 with fewer than two entries.
+
+    Equal values give a std of exactly 0 (see `_shifted_moments`).
+    """
+    n, mean, m2 = _shifted_moments(x_PG, mask_PG, axis)
+    return mean, jnp.sqrt(m2 / jnp.maximum(n - 1.0, 1.0)), n
 
 
 def _normalize(adv_PG, mask_PG, how: str, eps: float, fallback_std_P=None):
@@ -209,7 +250,7 @@ def _normalize(adv_PG, mask_PG, how: str, eps: float, fallback_std_P=None):
     raise ValueError(f"normalize must be 'batch', 'group' or 'none', got {how!r}")
 
 
-def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize):
+def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize, mu_glob):
     """EBPO core: (advantages, merged state, posterior diagnostics, prepared batch)."""
     if not 0.0 < forgetting <= 1.0:
         raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
@@ -217,9 +258,9 @@ def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize
         state = jax.tree.map(jnp.zeros_like, state)
     b = _prepare(state, rewards, mask, cluster_ids)
     new_state = _merge_prepared(state, b, forgetting)
-    diag = _posterior(new_state, b, eps)
+    diag = _posterior(new_state, b, eps, mu_glob)
     adv_PG = jnp.where(b.mask_PG, b.rewards_PG - diag["baseline"][:, None], 0.0)
-    prior_std_P = b.onehot_PK @ jnp.sqrt(diag["sigma2"])
+    prior_std_P = _dot(b.onehot_PK, jnp.sqrt(diag["sigma2"]))
     adv_PG = _normalize(adv_PG, b.mask_PG, normalize, eps, prior_std_P)
     return jnp.where(b.mask_PG, adv_PG, 0.0), new_state, diag, b
 
@@ -234,15 +275,17 @@ def eb_advantage(
     per_batch: bool = False,
     forgetting: float = 1.0,
     normalize: str = "batch",
+    mu_glob: str = "all_rewards",
 ):
     """EBPO advantages `[P, G]` and the updated EBState (see PAPER.md).
 
     The batch is merged into the accumulators first, then each prompt's baseline is
     shrunk toward its cluster's running mean. `per_batch=True` resets the statistics
-    every call (the authors' released code); `forgetting` < 1 decays the history.
+    every call and `mu_glob="group_means"` shrinks toward the mean of the group means:
+    both together are the authors' released code; `forgetting` < 1 decays the history.
     """
     adv_PG, new_state, _, _ = _eb(
-        rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize
+        rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize, mu_glob
     )
     return adv_PG, new_state
 
@@ -261,7 +304,11 @@ def _group_baseline(rewards, mask):
 
 
 def grpo_advantage(rewards, *, mask=None, eps: float = 1e-6):
-    """GRPO: (r - group mean) / (group unbiased std + eps)."""
+    """GRPO: (r - group mean) / (group unbiased std + eps).
+
+    The numerics are verl's (eps 1e-6; a singleton group has mean 0 and std 1, so A = r);
+    TRL adds eps 1e-4 and gives singleton groups A = 0.
+    """
     r_PG, m_PG, mean_P1, std_P1, _ = _group_baseline(rewards, mask)
     return jnp.where(m_PG, (r_PG - mean_P1) / (std_P1 + eps), 0.0)
 
@@ -281,7 +328,11 @@ def rloo_advantage(rewards, *, mask=None):
 
 
 def reinforce_pp_baseline_advantage(rewards, *, mask=None, eps: float = 1e-6):
-    """REINFORCE++ with baseline: r - group mean, then standardised over the batch."""
+    """REINFORCE++ with baseline: r - group mean, then standardised over the batch.
+
+    One value per sequence is standardised (every valid sample counts once); verl whitens
+    the token-level advantages over the response mask, so long responses weigh more there.
+    """
     adv_PG = dr_grpo_advantage(rewards, mask=mask)
     _, m_PG = _check_inputs(rewards, mask)
     return jnp.where(m_PG, _normalize(adv_PG, m_PG, "batch", eps), 0.0)
@@ -335,14 +386,20 @@ def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None,
     if fn is not eb_advantage:
         adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
         return adv_PG, new_state, {}
-    opts = {"eps": 1e-6, "per_batch": False, "forgetting": 1.0, "normalize": "batch"} | options
+    opts = {
+        "eps": 1e-6,
+        "per_batch": False,
+        "forgetting": 1.0,
+        "normalize": "batch",
+        "mu_glob": "all_rewards",
+    } | options
     adv_PG, new_state, diag, b = _eb(rewards, state, mask, cluster_ids, **opts)
     valid_P = (b.n_P > 0).astype(jnp.float32)
     row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)
     metrics = {
         "eb/shrinkage_mean": row_mean(diag["shrinkage"]),
-        "eb/mu_glob": row_mean(b.onehot_PK @ diag["mu_glob"]),
-        "eb/sigma2": row_mean(b.onehot_PK @ diag["sigma2"]),
-        "eb/tau2": row_mean(b.onehot_PK @ diag["tau2"]),
+        "eb/mu_glob": row_mean(_dot(b.onehot_PK, diag["mu_glob"])),
+        "eb/sigma2": row_mean(_dot(b.onehot_PK, diag["sigma2"])),
+        "eb/tau2": row_mean(_dot(b.onehot_PK, diag["tau2"])),
     }
     return adv_PG, new_state, metrics

@@ -5,9 +5,11 @@ import os
 
 import ml_collections
 
+from ebpo_jax import losses
 from ebpo_jax.data.config import data_config
+from ebpo_jax.importance import IS_LEVELS, IS_MODES
+from ebpo_jax.losses import AGG_MODES
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SCHEDULES = ("constant", "cosine")
 
 
@@ -82,6 +84,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.optimizer.b2 = 0.999
 
     c.loss = ml_collections.ConfigDict()
+    c.loss.name = "ppo"  # any name in ebpo_jax.losses' registry: ppo | gspo | gspo_token | cispo
     c.loss.ppo_epochs = 1
     c.loss.num_minibatches = 1  # per PPO epoch; splits the P prompts
     c.loss.num_microbatches = 1  # gradient accumulation within a mini-batch
@@ -93,6 +96,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.loss.kl_estimator = "k3"
     c.loss.entropy_coef = 0.0
     c.loss.logits_chunk = 0  # >0: completion logits in chunks of this many positions (big vocab)
+    # Old log-probs from the trainer's own forward instead of the sampler's (ebpo_jax.importance).
+    c.loss.recompute_old_logprobs = False
+    c.loss.is_correction = "none"  # none | tis | mis (needs recompute_old_logprobs)
+    c.loss.is_level = "token"  # token | sequence (product of ratios) | geometric (their mean)
+    c.loss.is_cap = 2.0  # TIS: weights truncated at this
+    c.loss.is_low = 0.5  # MIS: tokens / sequences with a ratio outside [is_low, is_high] dropped
+    c.loss.is_high = 2.0
 
     c.dapo = ml_collections.ConfigDict()
     c.dapo.dynamic_sampling = False  # drop all-equal groups, refill from further prompts
@@ -232,6 +242,33 @@ def _validate_data_and_model(c, need) -> None:
     )
 
 
+def _validate_loss_choice(loss, need) -> None:
+    """The surrogate's name, the dual clip and the importance-sampling correction."""
+    need(
+        loss.name in losses.names(),
+        f"loss.name={loss.name!r} is not in the policy-loss registry ({', '.join(losses.names())})",
+    )
+    need(
+        loss.dual_clip == 0 or loss.dual_clip > 1,
+        f"loss.dual_clip={loss.dual_clip} must be 0 (off) or > 1",
+    )
+    need(
+        loss.is_correction in IS_MODES,
+        f"loss.is_correction={loss.is_correction!r} is not one of {IS_MODES}",
+    )
+    need(loss.is_level in IS_LEVELS, f"loss.is_level={loss.is_level!r} is not one of {IS_LEVELS}")
+    need(loss.is_cap >= 1, f"loss.is_cap={loss.is_cap} must be >= 1 (a matched token has weight 1)")
+    need(
+        0 < loss.is_low <= 1 <= loss.is_high,
+        f"loss.is_low={loss.is_low}, loss.is_high={loss.is_high}: need 0 < is_low <= 1 <= is_high",
+    )
+    need(
+        loss.is_correction == "none" or loss.recompute_old_logprobs,
+        f"loss.is_correction={loss.is_correction!r} needs loss.recompute_old_logprobs=True "
+        "(without it the old log-probs are the sampler's and every weight is 1)",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -271,7 +308,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         loss.logits_chunk >= 0 and (loss.logits_chunk == 0 or n % loss.logits_chunk == 0),
         f"loss.logits_chunk={loss.logits_chunk} must be 0 or divide sampler.max_new_tokens={n}",
     )
-    need(loss.agg in LOSS_AGGS, f"loss.agg={loss.agg!r} is not one of {LOSS_AGGS}")
+    need(loss.agg in AGG_MODES, f"loss.agg={loss.agg!r} is not one of {AGG_MODES}")
+    _validate_loss_choice(loss, need)
     need(loss.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {loss.kl_coef}")
     need(loss.clip_low >= 0 and loss.clip_high >= 0, "loss.clip_low/clip_high must be >= 0")
     need(

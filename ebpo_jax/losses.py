@@ -1,8 +1,15 @@
-"""Policy-gradient losses: token log-probs, PPO clipping, aggregation, KL, entropy.
+"""Policy-gradient losses: token log-probs, a registry of surrogates, aggregation, KL, entropy.
 
 All functions are pure. Logits may be bf16; softmax math runs in float32, never in
 float64, and targets are gathered by index (no one-hot of the vocabulary).
+
+Surrogates (`ppo`, `gspo`, `gspo_token`, `cispo`, or your own via `@register(name)`) map
+per-token log-probs to a per-token policy-gradient term; `policy_loss` picks one by name and
+adds IS weights, aggregation, KL and entropy, so any advantage estimator fits any surrogate.
 """
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +77,9 @@ def aggregate(x_BT, mask_BT, mode: str = "token-mean", *, max_tokens=None, denom
 
     `denominator` overrides the local normaliser (valid tokens for token-mean, non-empty
     sequences for the seq-mean modes) so that gradient accumulation over micro-batches
-    equals one step on the full batch. `max_tokens` is Dr. GRPO's constant (default T).
+    equals one step on the full batch. `max_tokens` is Dr. GRPO's constant (default T):
+    seq-mean-token-sum-norm divides the token sum by n_seq * T as TRL's dr_grpo loss does
+    (verl's mode of that name divides by T alone, a factor n_seq larger).
     """
     w_BT = mask_BT.astype(jnp.float32)
     x_BT = jnp.where(mask_BT, x_BT, 0.0)
@@ -90,6 +99,129 @@ def aggregate(x_BT, mask_BT, mode: str = "token-mean", *, max_tokens=None, denom
     raise ValueError(f"agg must be one of {AGG_MODES}, got {mode!r}")
 
 
+# Exp of a log-ratio above ~88 overflows float32 (then A = 0 gives 0 * inf = NaN); verl
+# clamps at the same bound. The gradient is zero beyond it.
+LOG_RATIO_CLAMP = 20.0
+
+
+class Surrogate(NamedTuple):
+    """A surrogate's per-token output: the loss term and where its ratio was clipped."""
+
+    pg_BT: jax.Array  # float32 [B, T], minimised; aggregated by policy_loss
+    clipped_low_BT: jax.Array  # bool [B, T], token-averaged into actor/clip_frac_low
+    clipped_high_BT: jax.Array  # bool [B, T], token-averaged into actor/clip_frac_high
+
+
+_REGISTRY: dict[str, Callable[..., Surrogate]] = {}
+
+
+def register(name: str):
+    """Decorator adding a surrogate to the registry under `name`.
+
+    A surrogate is `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high,
+    dual_clip) -> Surrogate`; `dual_clip` is None when off.
+    """
+
+    def wrap(fn):
+        _REGISTRY[name] = fn
+        return fn
+
+    return wrap
+
+
+def names() -> tuple[str, ...]:
+    """All registered surrogate names."""
+    return tuple(sorted(_REGISTRY))
+
+
+def get(name: str) -> Callable[..., Surrogate]:
+    """The surrogate registered as `name`."""
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown policy loss {name!r}; known: {', '.join(names())}")
+    return _REGISTRY[name]
+
+
+def _clipped_pg(ratio_BT, adv_BT, clip_low, clip_high, dual_clip):
+    """PPO's pessimistic clipped term, with the dual clip on negative advantages."""
+    pg_BT = jnp.maximum(
+        -adv_BT * ratio_BT, -adv_BT * jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
+    )
+    if dual_clip is not None:
+        # Bounds the loss of a negative-advantage token whose ratio has exploded.
+        pg_BT = jnp.where(adv_BT < 0, jnp.minimum(pg_BT, -adv_BT * dual_clip), pg_BT)
+    return pg_BT
+
+
+def _ppo_clip_flags(ratio_BT, adv_BT, clip_low, clip_high):
+    return (adv_BT < 0) & (ratio_BT < 1.0 - clip_low), (adv_BT > 0) & (ratio_BT > 1.0 + clip_high)
+
+
+def _token_log_ratio(logp_BT, old_logp_BT):
+    return jnp.clip(logp_BT - old_logp_BT, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def _seq_log_ratio(logp_BT, old_logp_BT, mask_BT):
+    """log s_i = mean over the valid tokens of log(pi / pi_old), clamped; `[B]`."""
+    n_B = mask_BT.sum(-1)
+    sum_B = jnp.where(mask_BT, logp_BT - old_logp_BT, 0.0).sum(-1)
+    return jnp.clip(sum_B / jnp.maximum(n_B, 1), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+@register("ppo")
+def ppo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+    """PPO: token ratio pi/pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher)."""
+    del mask_BT
+    ratio_BT = jnp.exp(_token_log_ratio(logp_BT, old_logp_BT))
+    pg_BT = _clipped_pg(ratio_BT, adv_BT, clip_low, clip_high, dual_clip)
+    return Surrogate(pg_BT, *_ppo_clip_flags(ratio_BT, adv_BT, clip_low, clip_high))
+
+
+@register("gspo")
+def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+    """GSPO (Zheng et al. 2025): the sequence ratio s_i (geometric mean of the token ratios)
+    clipped per sequence, its term repeated on every token of the sequence.
+
+    The paper averages over sequences: use agg="seq-mean-token-mean" for its objective.
+    `dual_clip` bounds a negative-advantage sequence as PPO's does a token (verl's GSPO has
+    no dual clip: set it off to match).
+    """
+    s_BT = jnp.broadcast_to(
+        jnp.exp(_seq_log_ratio(logp_BT, old_logp_BT, mask_BT))[:, None], logp_BT.shape
+    )
+    pg_BT = _clipped_pg(s_BT, adv_BT, clip_low, clip_high, dual_clip)
+    return Surrogate(pg_BT, *_ppo_clip_flags(s_BT, adv_BT, clip_low, clip_high))
+
+
+@register("gspo_token")
+def gspo_token(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+    """GSPO-token: per-token ratio sg[s_i] * pi / sg[pi], so each token carries its own
+    advantage; with one advantage per sequence it equals `gspo` in value and gradient.
+
+    verl's `gspo` loss is this form (its log-ratio clamp is 10, here 20).
+    """
+    log_s_B = jax.lax.stop_gradient(_seq_log_ratio(logp_BT, old_logp_BT, mask_BT))
+    # logp - sg(logp) is exactly 0 in value, so the ratio's value is s_i to the last bit.
+    ratio_BT = jnp.exp(logp_BT - jax.lax.stop_gradient(logp_BT) + log_s_B[:, None])
+    pg_BT = _clipped_pg(ratio_BT, adv_BT, clip_low, clip_high, dual_clip)
+    return Surrogate(pg_BT, *_ppo_clip_flags(ratio_BT, adv_BT, clip_low, clip_high))
+
+
+@register("cispo")
+def cispo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi.
+
+    Clipped tokens keep their gradient (PPO drops it). The weight is already at most
+    1 + clip_high, so `dual_clip` does not apply. MiniMax-M1 sets no lower bound
+    (clip_low = 1); the clip fractions count clipped weights whatever the advantage's sign.
+    """
+    del mask_BT, dual_clip
+    ratio_BT = jnp.exp(_token_log_ratio(logp_BT, old_logp_BT))
+    w_BT = jax.lax.stop_gradient(jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high))
+    return Surrogate(
+        -adv_BT * w_BT * logp_BT, ratio_BT < 1.0 - clip_low, ratio_BT > 1.0 + clip_high
+    )
+
+
 def policy_loss(
     logp_BT,
     old_logp_BT,
@@ -107,16 +239,21 @@ def policy_loss(
     entropy_coef: float = 0.0,
     max_tokens=None,
     denominator=None,
+    name: str = "ppo",
+    is_weights_BT=None,
 ):
-    """PPO clipped surrogate with clip-higher and dual clip, plus KL and entropy terms.
+    """The surrogate registered as `name`, plus KL and entropy terms.
 
-    `adv_B` is one advantage per sequence (or `[B, T]` per token). Returns
-    `(loss, metrics)`; metric names match the trainer's fixed metric names.
+    `adv_B` is one advantage per sequence (or `[B, T]` per token). `is_weights_BT`
+    (stop-gradient) multiplies each token's policy-gradient term, as verl applies
+    `rollout_is_weights` (see `ebpo_jax.importance`). Returns `(loss, metrics)`; metric
+    names match the trainer's fixed metric names.
     """
     if agg not in AGG_MODES:
         raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    surrogate = get(name)
     adv_BT = adv_B[:, None] if adv_B.ndim == 1 else adv_B
     adv_BT = jnp.broadcast_to(adv_BT, logp_BT.shape).astype(jnp.float32)
     reduce = lambda x_BT: aggregate(
@@ -124,18 +261,23 @@ def policy_loss(
     )
     token_mean = lambda x_BT: aggregate(x_BT.astype(jnp.float32), mask_BT, "token-mean")
 
-    ratio_BT = jnp.exp(logp_BT - old_logp_BT)
-    pg_unclipped_BT = -adv_BT * ratio_BT
-    pg_clipped_BT = -adv_BT * jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
-    pg_BT = jnp.maximum(pg_unclipped_BT, pg_clipped_BT)
-    if dual_clip is not None:
-        # Bounds the loss of a negative-advantage token whose ratio has exploded.
-        pg_BT = jnp.where(adv_BT < 0, jnp.minimum(pg_BT, -adv_BT * dual_clip), pg_BT)
+    out = surrogate(
+        logp_BT,
+        old_logp_BT,
+        adv_BT,
+        mask_BT,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+    )
+    pg_BT = out.pg_BT
+    if is_weights_BT is not None:
+        pg_BT = pg_BT * jax.lax.stop_gradient(is_weights_BT)
     pg_loss = reduce(pg_BT)
     metrics = {
         "actor/pg_loss": pg_loss,
-        "actor/clip_frac_low": token_mean((adv_BT < 0) & (ratio_BT < 1.0 - clip_low)),
-        "actor/clip_frac_high": token_mean((adv_BT > 0) & (ratio_BT > 1.0 + clip_high)),
+        "actor/clip_frac_low": token_mean(out.clipped_low_BT),
+        "actor/clip_frac_high": token_mean(out.clipped_high_BT),
     }
     loss = pg_loss
     if ref_logp_BT is not None:

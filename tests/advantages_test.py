@@ -16,13 +16,22 @@ EPS = 1e-6
 
 
 class ReferenceEB:
-    """Float64 brute force: keeps every reward and group mean seen, per cluster."""
+    """Float64 brute force: keeps every reward and group mean seen, per cluster.
 
-    def __init__(self, num_clusters=1):
+    `per_batch` forgets the history every call; `mu_glob="group_means"` shrinks toward the
+    mean of the group means (both: the authors' released code); `normalize` as eb_advantage.
+    """
+
+    def __init__(self, num_clusters=1, mu_glob="all_rewards", per_batch=False, normalize="batch"):
+        self.num_clusters, self.mu_glob, self.per_batch = num_clusters, mu_glob, per_batch
+        self.normalize = normalize
         self.rewards = [[] for _ in range(num_clusters)]
         self.group_means = [[] for _ in range(num_clusters)]
 
     def __call__(self, rewards, mask=None, cluster_ids=None):
+        if self.per_batch:
+            self.__init__(self.num_clusters, self.mu_glob, False, self.normalize)
+            self.per_batch = True
         r = np.asarray(rewards, np.float64)
         m = np.ones(r.shape, bool) if mask is None else np.asarray(mask)
         cids = np.zeros(len(r), int) if cluster_ids is None else np.asarray(cluster_ids)
@@ -31,7 +40,7 @@ class ReferenceEB:
                 self.rewards[cids[q]].extend(r[q][m[q]])
                 self.group_means[cids[q]].append(r[q][m[q]].mean())
         raw = np.zeros_like(r)
-        shrink = np.zeros(len(r))
+        shrink, prior_std = np.zeros(len(r)), np.zeros(len(r))
         for q in range(len(r)):
             if not m[q].any():
                 continue
@@ -39,11 +48,22 @@ class ReferenceEB:
             rew, gm = np.array(self.rewards[k]), np.array(self.group_means[k])
             sigma2 = rew.var() if len(rew) >= 2 else 0.0
             tau2 = gm.var() if len(gm) >= 2 else 0.0
+            mu = rew.mean() if self.mu_glob == "all_rewards" else gm.mean()
             noise = sigma2 / m[q].sum()
             s = noise / (noise + tau2) if noise + tau2 > EPS else 1.0
-            v = (1 - s) * r[q][m[q]].mean() + s * rew.mean()
+            v = (1 - s) * r[q][m[q]].mean() + s * mu
             raw[q] = r[q] - v
-            shrink[q] = s
+            shrink[q], prior_std[q] = s, np.sqrt(sigma2)
+        if self.normalize == "none":
+            return np.where(m, raw, 0.0), shrink
+        if self.normalize == "group":
+            adv = np.zeros_like(r)
+            for q in range(len(r)):
+                vals = raw[q][m[q]]
+                # A constant group (or a singleton) has std exactly 0: the prior's std instead.
+                std = vals.std(ddof=1) if vals.size > 1 and np.ptp(vals) > 0 else 0.0
+                adv[q] = raw[q] / ((std if std > 0 else prior_std[q]) + EPS)
+            return np.where(m, adv, 0.0), shrink
         vals = raw[m]
         std = vals.std(ddof=1) if vals.size > 1 else 0.0
         adv = np.where(m, (raw - vals.mean()) / (std + EPS), 0.0)
@@ -70,6 +90,84 @@ def test_eb_advantage_matches_float64_reference_over_a_stream(num_clusters, p_ma
         np.testing.assert_allclose(adv, want, atol=2e-5, rtol=1e-4)
         diag = ebpo_jax.eb_diagnostics(r, state, mask=m, cluster_ids=c)
         np.testing.assert_allclose(diag["shrinkage"], want_shrink, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "mu_glob,per_batch,normalize",
+    [
+        ("group_means", True, "batch"),  # the authors' released code
+        ("group_means", False, "batch"),
+        ("all_rewards", False, "group"),
+        ("group_means", True, "group"),
+    ],
+)
+def test_eb_variants_match_float64_reference(mu_glob, per_batch, normalize):
+    rng = np.random.default_rng(5)
+    ref = ReferenceEB(3, mu_glob, per_batch, normalize)
+    opts = {"mu_glob": mu_glob, "per_batch": per_batch, "normalize": normalize}
+    step = jax.jit(lambda r, s, m, c: ebpo_jax.eb_advantage(r, s, mask=m, cluster_ids=c, **opts))
+    state, other = ebpo_jax.init_eb_state(3), ebpo_jax.init_eb_state(3)
+    differs = False
+    for _ in range(4):
+        # G = 8 with masks: constant groups (all fail / all pass) and unequal group sizes.
+        r, m, c = _random_batch(rng, 16, 8, 0.3, 3)
+        adv, state = step(r, state, m, c)
+        want, want_shrink = ref(r, m, c)
+        np.testing.assert_allclose(adv, want, atol=2e-5, rtol=1e-4)
+        assert np.abs(adv).max() < 50  # the 1e5 blow-up of constant groups is gone
+        diag = ebpo_jax.eb_diagnostics(r, state, mask=m, cluster_ids=c, mu_glob=mu_glob)
+        np.testing.assert_allclose(diag["shrinkage"], want_shrink, atol=1e-5)
+        flip = {"all_rewards": "group_means", "group_means": "all_rewards"}[mu_glob]
+        adv_other, other = ebpo_jax.eb_advantage(
+            r, other, mask=m, cluster_ids=c, **(opts | {"mu_glob": flip})
+        )
+        differs |= bool(np.abs(np.asarray(adv) - np.asarray(adv_other)).max() > 1e-3)
+    assert differs  # the two mu_glob choices really differ on these batches
+
+
+CONSTANTS = (0.0, 1.0, 0.3, 1e3, -2.7)
+ESTIMATOR_CASES = [("grpo", {}), ("dr_grpo", {}), ("rloo", {}), ("reinforce_pp_baseline", {})] + [
+    ("ebpo", {"normalize": n, "mu_glob": g, "per_batch": b})
+    for n in ("batch", "group", "none")
+    for g, b in (("all_rewards", False), ("group_means", True))
+]
+
+
+@pytest.mark.parametrize("name,options", ESTIMATOR_CASES, ids=lambda x: str(x))
+def test_constant_batches_give_exactly_zero(name, options):
+    # Float32 sums of 7-8 equal values are not exact: unshifted, the std of a constant group
+    # came out around 1e-9..5e-7 instead of 0 and EBPO's group normalisation gave 1e5.
+    rewards = np.array(CONSTANTS, np.float32)[:, None, None] * np.ones((1, 3, 8), np.float32)
+    mask = np.ones((3, 8), bool)
+    mask[1, 7] = False  # one G = 7 group
+    rewards[:, 1, 7] = 123.0  # masked: must not count
+    state = ebpo_jax.init_eb_state()
+    fn = lambda r: advantages.estimate(name, r, state, mask=mask, **options)[0]
+    adv = jax.jit(jax.vmap(fn))(rewards)
+    np.testing.assert_array_equal(adv, 0.0)
+
+
+def test_constant_groups_in_a_varied_batch():
+    rewards = np.repeat(np.array(CONSTANTS + (0.0,), np.float32)[:, None], 8, axis=1)
+    rewards[-1] = [1.0, 0.0, 1.0, 1.0, 0.0, 0.5, 1.0, 0.0]
+    for name in ("grpo", "dr_grpo", "rloo"):
+        np.testing.assert_array_equal(advantages.get(name)(rewards)[:-1], 0.0, err_msg=name)
+    for normalize in ("group", "batch", "none"):
+        adv, _ = ebpo_jax.eb_advantage(rewards, ebpo_jax.init_eb_state(), normalize=normalize)
+        want, _ = ReferenceEB(normalize=normalize)(rewards)
+        np.testing.assert_allclose(adv, want, rtol=1e-5, atol=1e-6, err_msg=normalize)
+
+
+def test_cluster_matmuls_run_at_full_float32_precision():
+    # TPUs run DEFAULT-precision float32 matmuls as one bfloat16 pass; the one-hot gathers
+    # and per-cluster sums of the EB statistics must not.
+    r, m, c = _random_batch(np.random.default_rng(6), 8, 4, 0.2, 3)
+    fn = lambda r: advantages.estimate("ebpo", r, ebpo_jax.init_eb_state(3), mask=m, cluster_ids=c)
+    text = str(jax.make_jaxpr(fn)(r))
+    assert text.count("dot_general[") >= 8
+    assert text.count("dot_general[") == text.count(
+        "precision=(Precision.HIGHEST, Precision.HIGHEST)"
+    )
 
 
 def test_eb_hand_computed_example():

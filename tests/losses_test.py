@@ -139,3 +139,215 @@ def test_denominator_makes_microbatches_sum_to_full_batch(batch):
     np.testing.assert_allclose(sum(parts), full, rtol=1e-6)
     with pytest.raises(ValueError, match="agg must be one of"):
         losses.policy_loss(logp, old, adv, mask, agg="mean")
+
+
+# ---------------------------------------------------------------------------
+# The surrogate registry against float64 references (values and gradients w.r.t. logp).
+
+BUILTIN = ("ppo", "gspo", "gspo_token", "cispo")
+
+
+def _np_agg_weights(mask, agg, denominator=None):
+    """c[B, T] with loss = sum(c * pg): each aggregation mode as explicit token weights."""
+    m = mask.astype(np.float64)
+    n_b, T = m.sum(-1), mask.shape[1]
+    if agg == "token-mean":
+        return m / max(m.sum() if denominator is None else denominator, 1.0)
+    n_seq = max((n_b > 0).sum() if denominator is None else denominator, 1.0)
+    return {
+        "seq-mean-token-mean": m / np.maximum(n_b, 1.0)[:, None] / n_seq,
+        "seq-mean-token-sum": m / n_seq,
+        "seq-mean-token-sum-norm": m / (n_seq * T),
+    }[agg]
+
+
+def _np_clipped(ratio, a, cl, ch, dual):
+    """PPO's term, and where its derivative w.r.t. the ratio is -A (else 0)."""
+    u, c = -a * ratio, -a * np.clip(ratio, 1 - cl, 1 + ch)
+    pg, live = np.maximum(u, c), u >= c
+    if dual is not None:
+        capped = (a < 0) & (-a * dual < pg)
+        pg, live = np.where(capped, -a * dual, pg), live & ~capped
+    return pg, live
+
+
+def _np_loss_and_grad(name, logp, old, adv, mask, agg, cl, ch, dual, is_w, denominator=None):
+    """Float64 loss and d loss / d logp of every built-in surrogate."""
+    logp, old = np.float64(logp), np.float64(old)
+    a = np.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, logp.shape).astype(np.float64)
+    c = _np_agg_weights(mask, agg, denominator) * (1.0 if is_w is None else np.float64(is_w))
+    if name in ("ppo", "cispo"):
+        lr = logp - old
+        ratio = np.exp(np.clip(lr, -20, 20))
+        inside = np.abs(lr) < 20
+        if name == "cispo":
+            w = np.clip(ratio, 1 - cl, 1 + ch)
+            return (c * -a * w * logp).sum(), c * -a * w
+        pg, live = _np_clipped(ratio, a, cl, ch, dual)
+        return (c * pg).sum(), c * -a * ratio * live * inside
+    n = np.maximum(mask.sum(-1), 1)
+    ls = np.clip(np.where(mask, logp - old, 0).sum(-1) / n, -20, 20)
+    s = np.broadcast_to(np.exp(ls)[:, None], logp.shape)
+    pg, live = _np_clipped(s, a, cl, ch, dual)
+    if name == "gspo_token":
+        return (c * pg).sum(), c * -a * s * live
+    # gspo: every token moves log s_i by 1/n_i, and s_i moves every term of its sequence.
+    dloss_ds = (c * -a * live).sum(-1) * np.exp(ls) * (np.abs(ls) < 20)
+    return (c * pg).sum(), mask * (dloss_ds / n)[:, None]
+
+
+@pytest.fixture
+def surrogate_batch():
+    rng = np.random.default_rng(7)
+    B, T = 6, 7
+    lengths = np.array([7, 3, 0, 5, 1, 6])
+    mask = np.arange(T)[None] < lengths[:, None]
+    logp = np.log(rng.uniform(0.05, 1.0, (B, T)))
+    # Token noise plus a per-sequence shift, so token and sequence ratios leave the clip range
+    # on both sides; row 3 has a ratio near e^1.3 (past dual clip 3) on some of its tokens.
+    old = logp + rng.normal(0, 0.3, (B, T)) + rng.normal(0, 0.2, (B, 1))
+    old[3] = logp[3] - 1.3 + rng.normal(0, 0.05, T)
+    old[0, 2] = logp[0, 2] - 1.4
+    adv = np.array([1.3, -0.8, 0.5, -1.1, 2.0, -0.4])
+    is_w = rng.uniform(0.3, 2.0, (B, T))
+    f32 = lambda x: np.asarray(x, np.float32)
+    return f32(logp), f32(old), f32(adv), mask, f32(is_w)
+
+
+def _loss_and_grad(name, logp, old, adv, mask, **kw):
+    fn = lambda lp: losses.policy_loss(lp, old, adv, mask, name=name, **kw)[0]
+    return jax.value_and_grad(fn)(jnp.asarray(logp))
+
+
+@pytest.mark.parametrize("agg", losses.AGG_MODES)
+@pytest.mark.parametrize("name", BUILTIN)
+def test_surrogates_match_float64_values_and_gradients(surrogate_batch, name, agg):
+    logp, old, adv, mask, is_w = surrogate_batch
+    cases = [(None, None, None), (3.0, None, None), (None, is_w, None), (3.0, is_w, 9.0)]
+    for dual, w, denom in cases:
+        kw = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": dual, "agg": agg, "is_weights_BT": w}
+        loss, grad = _loss_and_grad(name, logp, old, adv, mask, denominator=denom, **kw)
+        want, want_grad = _np_loss_and_grad(
+            name, logp, old, adv, mask, agg, 0.2, 0.28, dual, w, denom
+        )
+        np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7, err_msg=f"{dual} {denom}")
+        np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-7, err_msg=f"{dual}")
+    # Per-token advantages take the same path.
+    adv_BT = adv[:, None] * np.linspace(0.5, 1.5, logp.shape[1])[None].astype(np.float32)
+    loss, grad = _loss_and_grad(name, logp, old, adv_BT, mask, agg=agg, clip_high=0.28)
+    want, want_grad = _np_loss_and_grad(name, logp, old, adv_BT, mask, agg, 0.2, 0.28, None, None)
+    np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-7)
+
+
+def test_reference_batch_exercises_every_branch(surrogate_batch):
+    # Guards the test above: the inputs must reach both clips, the dual clip and zero grads.
+    logp, old, adv, mask, _ = surrogate_batch
+    a = np.broadcast_to(adv[:, None], logp.shape)
+    ratio = np.exp(np.float64(logp) - old)
+    assert ((ratio < 0.8) & (a < 0) & mask).any() and ((ratio > 1.28) & (a > 0) & mask).any()
+    assert ((ratio > 3.0) & (a < 0) & mask).any()
+    n = np.maximum(mask.sum(-1), 1)
+    s = np.exp(np.where(mask, np.float64(logp) - old, 0).sum(-1) / n)
+    assert ((s < 0.8) & (adv < 0)).any() and ((s > 1.28) & (adv > 0)).any()
+    assert ((s > 3.0) & (adv < 0)).any()
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_microbatches_with_denominator_sum_to_the_full_batch(surrogate_batch, name):
+    logp, old, adv, mask, is_w = surrogate_batch
+    for agg in losses.AGG_MODES:
+        kw = {"agg": agg, "dual_clip": 3.0, "clip_high": 0.28}
+        full, g_full = _loss_and_grad(name, logp, old, adv, mask, is_weights_BT=is_w, **kw)
+        denom = mask.sum() if agg == "token-mean" else mask.any(-1).sum()
+        parts = [
+            _loss_and_grad(
+                name, logp[i:j], old[i:j], adv[i:j], mask[i:j],
+                is_weights_BT=is_w[i:j], denominator=denom, **kw,
+            )
+            for i, j in ((0, 2), (2, 4), (4, 6))
+        ]  # fmt: skip
+        np.testing.assert_allclose(sum(p[0] for p in parts), full, rtol=1e-5, err_msg=agg)
+        g = np.concatenate([p[1] for p in parts])
+        np.testing.assert_allclose(g, g_full, rtol=1e-5, atol=1e-8, err_msg=agg)
+
+
+def test_gspo_token_equals_gspo_for_sequence_advantages(surrogate_batch):
+    logp, old, adv, mask, _ = surrogate_batch
+    for agg in losses.AGG_MODES:
+        a = _loss_and_grad("gspo", logp, old, adv, mask, agg=agg, dual_clip=3.0)
+        b = _loss_and_grad("gspo_token", logp, old, adv, mask, agg=agg, dual_clip=3.0)
+        np.testing.assert_allclose(a[0], b[0], rtol=1e-6)
+        np.testing.assert_allclose(a[1], b[1], rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("name", BUILTIN)
+def test_huge_log_ratios_give_finite_loss_and_gradients(name):
+    # exp(100) overflows float32; unclamped, A = 0 gives 0 * inf = NaN.
+    logp = jnp.array([[-0.5, -1.0, -2.0], [-0.1, -0.2, -0.3]])
+    old = logp - jnp.array([[100.0, 0.0, -100.0], [95.0, 90.0, 0.0]])
+    mask = jnp.ones((2, 3), bool)
+    for adv in (jnp.array([0.0, 0.0]), jnp.array([1.0, -1.0]), jnp.array([-1.0, 1.0])):
+        (loss, metrics), grad = jax.value_and_grad(
+            lambda lp, a=adv: losses.policy_loss(lp, old, a, mask, name=name), has_aux=True
+        )(logp)
+        assert np.isfinite(loss) and np.isfinite(grad).all(), (name, adv)
+        assert all(np.isfinite(v) for v in metrics.values())
+
+
+def test_any_estimator_with_any_loss_is_finite():
+    from ebpo_jax import advantages
+
+    rng = np.random.default_rng(3)
+    P, G, T = 4, 4, 5
+    rewards = (rng.random((P, G)) < 0.5).astype(np.float32)
+    rewards[0] = 0.0  # an all-fail group
+    logp = jnp.asarray(np.log(rng.uniform(0.1, 1.0, (P * G, T))), jnp.float32)
+    old = logp + jnp.asarray(rng.normal(0, 0.2, (P * G, T)), jnp.float32)
+    mask = np.arange(T)[None] < rng.integers(1, T + 1, (P * G, 1))
+    state = advantages.init_eb_state()
+    adv = {  # jitted: eager dispatch of every estimator costs ~4x more here
+        est: jax.jit(lambda r, e=est: advantages.estimate(e, r, state)[0])(rewards).reshape(-1)
+        for est in advantages.names()
+    }
+    for name in losses.names():
+        fn = lambda lp, a, n=name: losses.policy_loss(lp, old, a, mask, name=n)[0]
+        value_and_grad = jax.jit(jax.value_and_grad(fn))
+        for est, adv_B in adv.items():
+            loss, grad = value_and_grad(logp, adv_B)
+            assert np.isfinite(loss) and np.isfinite(grad).all(), (est, name)
+            assert np.abs(grad).sum() > 0, (est, name)
+
+
+def test_register_your_own_surrogate(surrogate_batch):
+    logp, old, adv, mask, _ = surrogate_batch
+
+    @losses.register("reinforce_test")
+    def reinforce(logp_BT, old_logp_BT, adv_BT, mask_BT, **_):
+        no_clip = jnp.zeros(logp_BT.shape, bool)
+        return losses.Surrogate(-adv_BT * logp_BT, no_clip, no_clip)
+
+    try:
+        assert "reinforce_test" in losses.names()
+        loss, grad = _loss_and_grad("reinforce_test", logp, old, adv, mask)
+        c = _np_agg_weights(mask, "token-mean")
+        a = np.broadcast_to(np.float64(adv)[:, None], logp.shape)
+        np.testing.assert_allclose(loss, (c * -a * logp).sum(), rtol=1e-5)
+        np.testing.assert_allclose(grad, c * -a, rtol=1e-5, atol=1e-8)
+    finally:
+        losses._REGISTRY.pop("reinforce_test")
+    with pytest.raises(KeyError, match="known: cispo, gspo, gspo_token, ppo"):
+        losses.policy_loss(logp, old, adv, mask, name="grpo")
+
+
+def test_config_validates_loss_name_and_dual_clip():
+    from ebpo_jax import config
+
+    c = config.default_config()
+    config.validate(c)
+    c.loss.name = "gpso"
+    with pytest.raises(config.ConfigError, match=r"loss.name='gpso' is not in the policy-loss"):
+        config.validate(c)
+    c.loss.name, c.loss.dual_clip = "cispo", 0.5
+    with pytest.raises(config.ConfigError, match="loss.dual_clip=0.5"):
+        config.validate(c)
