@@ -54,6 +54,7 @@ class UpdateSpec:
     estimator: str
     estimator_options: ml_collections.FrozenConfigDict
     use_clusters: bool  # one EB prior per cluster id (eb_clusters != "none")
+    loss: str  # a name in ebpo_jax.losses' registry
     ppo_epochs: int
     num_minibatches: int
     num_microbatches: int
@@ -68,6 +69,12 @@ class UpdateSpec:
     overlong_buffer: int
     overlong_penalty: float
     mask_truncated: bool
+    recompute_old_logprobs: bool  # old log-probs from the trainer's forward, not the sampler's
+    is_correction: str  # none | tis | mis (ebpo_jax.importance)
+    is_level: str
+    is_cap: float
+    is_low: float
+    is_high: float
 
     @property
     def updates(self) -> int:
@@ -193,6 +200,7 @@ def update_spec(c) -> UpdateSpec:
         estimator=c.estimator,
         estimator_options=_frozen(c.estimator_options),
         use_clusters=c.eb_clusters != "none",
+        loss=lc.name,
         ppo_epochs=lc.ppo_epochs,
         num_minibatches=lc.num_minibatches,
         num_microbatches=lc.num_microbatches,
@@ -207,6 +215,12 @@ def update_spec(c) -> UpdateSpec:
         overlong_buffer=c.dapo.overlong_buffer,
         overlong_penalty=c.dapo.overlong_penalty,
         mask_truncated=bool(c.dapo.mask_truncated),
+        recompute_old_logprobs=bool(lc.recompute_old_logprobs),
+        is_correction=lc.is_correction,
+        is_level=lc.is_level,
+        is_cap=float(lc.is_cap),
+        is_low=float(lc.is_low),
+        is_high=float(lc.is_high),
     )
 
 

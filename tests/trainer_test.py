@@ -420,3 +420,25 @@ def test_rollout_in_prompt_chunks_matches_one_call(setup):
         np.testing.assert_allclose(
             chunked.logprobs[2 * k : 2 * k + 2].reshape(8, -1), ref.logprobs, rtol=1e-6
         )
+
+
+def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(setup):
+    """recompute_old_logprobs: the trainer's forward equals the sampler's log-probs (same
+    params), so the update is unchanged; a perturbed sampler shows in mismatch/* and MIS."""
+    c, mc, params, batches = setup
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    plain = _config()
+    rec = _config(**{"loss.recompute_old_logprobs": True, "loss.is_correction": "mis"})
+    update = lambda cc, r: jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))(
+        _state(cc, params), r
+    )
+    (s0, m0), (s1, m1) = update(plain, ro), update(rec, ro)
+    assert float(m1["mismatch/abs_diff_max"]) < 1e-4 and float(m1["is/masked_frac"]) == 0.0
+    np.testing.assert_allclose(m1["actor/pg_loss"], m0["actor/pg_loss"], atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s1.params, s0.params)
+    # A sampler whose log-probs are off by 1 nat on every other token.
+    shift = jnp.where(jnp.arange(ro.logprobs.shape[-1]) % 2 == 0, 1.0, 0.0)
+    _, m2 = update(rec, ro._replace(logprobs=ro.logprobs + shift))
+    assert float(m2["mismatch/abs_diff_max"]) == pytest.approx(1.0, abs=1e-4)
+    assert float(m2["mismatch/ratio_out_frac"]) > 0.2  # exp(-1) < 1/2: outside [1/2, 2]
+    assert float(m2["is/masked_frac"]) > 0.2 and np.isfinite(float(m2["actor/loss"]))

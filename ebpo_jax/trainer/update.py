@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ebpo_jax import advantages, losses, models
+from ebpo_jax import advantages, importance, losses, models
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
@@ -117,6 +117,7 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     if spec.kl_coef > 0:
         ref_BN = jax.lax.stop_gradient(logprobs(params=ref_params, with_entropy=False))
     mask_BN = mb["loss_mask"].reshape(-1, N)
+    is_w_BN = mb["is_weights"].reshape(-1, N) if "is_weights" in mb else None
     loss, metrics = losses.policy_loss(
         logp_BN,
         mb["logprobs"].reshape(-1, N),
@@ -132,6 +133,8 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
         entropy_BT=ent_BN,
         entropy_coef=spec.entropy_coef,
         denominator=denom,
+        name=spec.loss,
+        is_weights_BT=is_w_BN,
     )
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
     share = mask_BN.sum() / jnp.maximum(mb["mb_tokens"], 1.0)
@@ -197,6 +200,53 @@ def _minibatches(spec: UpdateSpec, data, k_perm):
     )
 
 
+def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
+    """The trainer's own log-probs [P, G, N] of the sampled tokens, one micro-batch of prompts
+    at a time (lax.map), so no more activations live at once than in the update."""
+    P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
+    per = P // spec.num_minibatches // spec.num_microbatches
+    split = lambda x: x.reshape(P // per, per, *x.shape[1:])
+
+    def one(mb):
+        prompt_PTp, plen_P, comp_PGN, clen_PG = mb
+        logp_BN = completion_logprobs(
+            model_config,
+            params,
+            prompt_PTp,
+            plen_P,
+            comp_PGN.reshape(-1, N),
+            clen_PG.reshape(-1),
+            with_entropy=False,
+            chunk_size=spec.logits_chunk,
+        )
+        return logp_BN.reshape(per, G, N)
+
+    chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths)
+    old_CPGN = jax.lax.map(one, jax.tree.map(split, chunks))
+    return jax.lax.stop_gradient(old_CPGN.reshape(P, G, N))
+
+
+def _off_policy(spec: UpdateSpec, model_config, params, ro: Rollout, mask_PGN):
+    """Old log-probs, loss mask and IS weights [P, G, N] from the trainer's own forward, with
+    the sampler-vs-trainer mismatch and IS metrics (ebpo_jax.importance)."""
+    P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
+    old_PGN = _recomputed_logprobs(spec, model_config, params, ro)
+    flat = lambda x: x.reshape(P * G, N)
+    metrics = importance.mismatch_metrics(flat(ro.logprobs), flat(old_PGN), flat(mask_PGN))
+    w_BN, mask_BN, is_metrics = importance.is_correction(
+        flat(old_PGN),
+        flat(ro.logprobs),
+        flat(mask_PGN),
+        mode=spec.is_correction,
+        level=spec.is_level,
+        cap=spec.is_cap,
+        low=spec.is_low,
+        high=spec.is_high,
+    )
+    shape = lambda x: x.reshape(P, G, N)
+    return old_PGN, shape(mask_BN), shape(w_BN), {**metrics, **is_metrics}
+
+
 def _step_metrics(ro: Rollout, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens):
     """Reward, advantage, length and throughput metrics of one step (valid groups only)."""
     nvalid = jnp.maximum(valid_PG.sum(), 1)
@@ -236,6 +286,12 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         "adv": adv_PG,
         "loss_mask": loss_mask_PGN,
     }
+    off_metrics = {}
+    if spec.recompute_old_logprobs:
+        old, mask, w, off_metrics = _off_policy(spec, model_config, state.params, ro, loss_mask_PGN)
+        data.update(logprobs=old, loss_mask=mask)
+        if spec.is_correction != "none":
+            data["is_weights"] = w
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, spec, model_config), has_aux=True)
     (params, opt_state, _), upd = jax.lax.scan(
         functools.partial(_minibatch_update, spec, grad_fn, optimizer),
@@ -248,6 +304,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     metrics = {k: v.mean() for k, v in upd.items()}
     metrics.update({k: jnp.zeros(()) for k in METRIC_DEFAULTS})
     metrics.update(est_metrics)
+    metrics.update(off_metrics)
     metrics.update(_step_metrics(ro, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens))
     metrics["train/skipped_updates"] = skipped
     nonfinite_run = jnp.where(skipped > 0, state.nonfinite_run + 1, 0)
