@@ -11,7 +11,9 @@ Needs the [cluster] extra.
 import dataclasses
 from collections import Counter
 
-from absl import app, flags
+from absl import flags
+
+from ebpo_jax import cli
 
 _DATA = flags.DEFINE_string("data", None, "Dataset file or folder.")
 _SCHEMA = flags.DEFINE_string("schema", "record", "Schema name (ebpo_jax.data.SCHEMAS).")
@@ -34,4 +36,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["data", "out"])
-    app.run(main)
+    cli.run(main)

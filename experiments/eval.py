@@ -13,6 +13,8 @@ import time
 
 from absl import app, flags
 
+from ebpo_jax import cli
+
 _MODEL = flags.DEFINE_string(
     "model", None, "Local HF checkpoint folder (config, weights, tokenizer)."
 )
@@ -83,4 +85,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["model", "benchmarks"])
-    app.run(main)
+    cli.run(main)
