@@ -216,22 +216,25 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
 def test_workers_die_with_the_parent(tmp_path):
+    # The workers are busy on a reward that never returns when the owner is SIGKILLed.
+    (tmp_path / "spin.py").write_text("def spin(r, a):\n    while True:\n        pass\n")
     script = tmp_path / "owner.py"
     script.write_text(
-        "import time\n"
         "from ebpo_jax import rewards\n"
-        "pool = rewards.RewardPool(2)\n"
-        "pool.wait_ready()\n"
-        "print(' '.join(str(w.process.pid) for w in pool._workers), flush=True)\n"
-        "time.sleep(600)\n"
+        "if __name__ == '__main__':\n"
+        "    pool = rewards.RewardPool(2)\n"
+        "    pool.wait_ready()\n"
+        "    print(' '.join(str(w.process.pid) for w in pool._workers), flush=True)\n"
+        "    pool.map('spin:spin', ['a', 'b'], ['a', 'b'], timeout_s=600)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     proc = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
     )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(_alive(p) for p in pids)
+        time.sleep(1.0)  # both items sent: the workers spin
     finally:
         proc.kill()  # SIGKILL: no atexit, no close()
         proc.wait()
