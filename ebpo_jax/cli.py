@@ -1,4 +1,5 @@
-"""Command-line entry points: bad input becomes `error: <one line>` and exit status 2.
+"""Command-line entry points: bad input becomes `error: <one line>` and exit status 2; a run
+that cannot go on (workdir in use or unwritable, disk full, no intact checkpoint) exit 1.
 
 ml_collections parses `--config.field=value` overrides while the flag is defined (no
 --config given) or while absl parses argv (--config given), and reports a misspelt field
@@ -14,10 +15,10 @@ from typing import NoReturn
 EXIT_USAGE = 2
 
 
-def fail(message: str) -> NoReturn:
-    """Print `error: message` to stderr and exit with status 2 (no traceback)."""
+def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+    """Print `error: message` to stderr and exit with `status` (2: bad input) and no traceback."""
     print(f"error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(EXIT_USAGE)
+    raise SystemExit(status)
 
 
 def _field_error(e: BaseException) -> str:
@@ -65,22 +66,28 @@ def define_config(name: str, default: str, help_string: str):
         fail(config_error_line(e, sys.argv, name))
 
 
+EXIT_FAILURE = 1
+
+
 def _usage_errors() -> tuple[type[BaseException], ...]:
+    """Bad input (exit 2): config fields and data files."""
     from ebpo_jax.config import ConfigError
     from ebpo_jax.data import DataError
 
-    errors: tuple[type[BaseException], ...] = (ConfigError, DataError)
-    try:
-        from ebpo_jax.workdir import WorkdirError
+    return (ConfigError, DataError)
 
-        errors += (WorkdirError,)
-    except ImportError:
-        pass
-    return errors
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """A run that cannot go on (exit 1): its folder, metrics or checkpoints, or a failed write."""
+    from ebpo_jax.checkpoint import CheckpointError
+    from ebpo_jax.metrics import MetricsError
+    from ebpo_jax.workdir import WorkdirError
+
+    return (WorkdirError, MetricsError, CheckpointError, OSError)
 
 
 def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:
-    """absl.app.run(main), with flag, config, data and workdir errors as one line and exit 2."""
+    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1."""
     from absl import app, flags
 
     def parse(argv):
@@ -91,7 +98,7 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             fail(config_error_line(e, argv, config_flag))
 
-    usage = _usage_errors()
+    usage, run_errors = _usage_errors(), _run_errors()
 
     def wrapped(args):
         try:
@@ -100,5 +107,11 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
             fail(" ".join(str(e).split()) or type(e).__name__)
         except app.UsageError as e:
             fail(str(e))
+        except run_errors as e:
+            if isinstance(e, OSError) and e.strerror:  # e.g. disk full: name the file
+                text = (f"{e.filename}: " if e.filename else "") + e.strerror
+            else:
+                text = " ".join(str(e).split()) or type(e).__name__
+            fail(text, status=EXIT_FAILURE)
 
     app.run(wrapped, flags_parser=parse)
