@@ -70,11 +70,12 @@ EXIT_FAILURE = 1
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
-    """Bad input (exit 2): config fields and data files."""
+    """Bad input (exit 2): config fields, data files, model checkpoint folders."""
     from ebpo_jax.config import ConfigError
     from ebpo_jax.data import DataError
+    from ebpo_jax.models.hf import HFCheckpointError
 
-    return (ConfigError, DataError)
+    return (ConfigError, DataError, HFCheckpointError)
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:

@@ -175,7 +175,7 @@ def test_bad_input(tmp_path):
     with pytest.raises(DataError, match="unsupported file type"):
         data.load_records(str(tmp_path / "x.csv"), "gsm8k")
     (tmp_path / "broken.jsonl").write_text("{not json\n")
-    with pytest.raises(DataError, match="cannot read .*broken.jsonl"):
+    with pytest.raises(DataError, match=r"broken\.jsonl: line 1, column 2: malformed JSON"):
         data.load_records(str(tmp_path / "broken.jsonl"), "gsm8k")
     bad_level = write_jsonl(
         tmp_path / "lv.jsonl", [{"prompt": "p", "answer": "1", "difficulty": "hard"}]
@@ -433,3 +433,61 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
         lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), state.params, params0
     )
     assert max(jax.tree.leaves(moved)) > 0
+
+
+# Issue 22: every bad file names file, line/row and field, in one line.
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b'{"question": "q", "answer": "#### 1"}\n{"question": "\xff\xfe", "answer": "#### 2"}\n',
+            r"bad\.jsonl: line 2, column 15: byte 0xff is not UTF-8 text",
+        ),
+        (
+            b'{"question": "q", "answer": "#### 1"}\n{"question": "q2", "answer": \n',
+            r"bad\.jsonl: line 2, column \d+: malformed JSON",
+        ),
+        (b"", r"bad\.jsonl: empty file"),
+        (b"  \n\n", r"bad\.jsonl: empty file"),
+        (
+            b'{"question": "q", "answer": "#### 1"}\n[1, 2]\n',
+            r"bad\.jsonl: line 2 is not a JSON object",
+        ),
+    ],
+    ids=["non-utf8", "malformed", "empty", "blank", "not-object"],
+)
+def test_bad_files_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as err:
+        data.load_records(str(path), "gsm8k")
+    assert "\n" not in str(err.value)
+
+
+def test_json_array_and_field_files(tmp_path):
+    rows = [{"question": "q", "answer": "#### 1"}, {"question": "r", "answer": "#### 2"}]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    assert [r.answer for r in data.load_records(str(tmp_path / "a.json"), "gsm8k")] == ["1", "2"]
+    (tmp_path / "f.json").write_text(json.dumps({"data": rows}))
+    got = data.load_records(str(tmp_path / "f.json"), "gsm8k", field="data")
+    assert [r.prompt for r in got] == ["q", "r"]
+    (tmp_path / "b.json").write_text('[{"question": "q",\n "answer": }]')
+    with pytest.raises(DataError, match=r"b\.json: line 2, column 12: malformed JSON"):
+        data.load_records(str(tmp_path / "b.json"), "gsm8k")
+    with pytest.raises(DataError, match=r"f\.json: no top-level field 'rows'"):
+        data.load_records(str(tmp_path / "f.json"), "gsm8k", field="rows")
+
+
+def test_duplicate_ids_with_conflicting_answers(tmp_path):
+    rows = [
+        {"prompt": "p", "answer": "1", "id": "a"},
+        {"prompt": "p", "answer": "1.0", "id": "a"},  # the same answer, written differently: fine
+        {"prompt": "q", "answer": "2", "id": "b"},
+        {"prompt": "p", "answer": "3", "id": "a"},
+    ]
+    path = write_jsonl(tmp_path / "dup.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r"dup\.jsonl row 3: id 'a' repeats .*dup\.jsonl row 0 with another answer"
+    ):
+        data.load_records(path, "record")
+    assert len(data.load_records(write_jsonl(tmp_path / "ok.jsonl", rows[:3]), "record")) == 3
