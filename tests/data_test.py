@@ -491,3 +491,84 @@ def test_duplicate_ids_with_conflicting_answers(tmp_path):
     ):
         data.load_records(path, "record")
     assert len(data.load_records(write_jsonl(tmp_path / "ok.jsonl", rows[:3]), "record")) == 3
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny random Llama written by models.to_hf in two shards (so it has an index)."""
+    import jax
+
+    from ebpo_jax import models
+    from ebpo_jax.models.model import init_params
+
+    config = models.get_config(
+        "tiny",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
+    path = tmp_path_factory.mktemp("hf") / "model"
+    models.to_hf(config, init_params(config, jax.random.key(0)), str(path), max_shard_bytes=4096)
+    return path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_hf_config_missing_a_field_is_named(hf_folder, tmp_path):
+    from ebpo_jax import models
+    from ebpo_jax.models.hf import HFCheckpointError
+
+    folder = _copy(hf_folder, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        HFCheckpointError, match=r"config\.json: field num_attention_heads is missing"
+    ):
+        models.from_hf(str(folder))
+    (folder / "config.json").write_bytes(b'{"model_type": "llama",\xff}')
+    with pytest.raises(HFCheckpointError, match=r"config\.json: not a JSON object"):
+        models.from_hf(str(folder))
+
+
+def test_hf_index_cannot_point_outside_the_folder(hf_folder, tmp_path):
+    from ebpo_jax import models
+    from ebpo_jax.models.hf import HFCheckpointError
+
+    folder = _copy(hf_folder, tmp_path / "m")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name, file = next(iter(index["weight_map"].items()))
+    (tmp_path / "x.safetensors").write_bytes((folder / file).read_bytes())  # a real file outside
+    for outside in ("../x.safetensors", str(tmp_path / "x.safetensors")):
+        index["weight_map"][name] = outside
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(HFCheckpointError, match="outside the checkpoint folder"):
+            models.from_hf(str(folder))
+    # A symlink inside the folder that leads out is refused too.
+    (folder / "link.safetensors").symlink_to(tmp_path / "x.safetensors")
+    index["weight_map"][name] = "link.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(HFCheckpointError, match="outside the checkpoint folder"):
+        models.from_hf(str(folder))
+
+
+def test_eval_checkpoint_typo_creates_nothing(hf_folder, tmp_path):
+    from ebpo_jax import policy_eval
+
+    typo = tmp_path / "runs" / "typo"
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint=.*typo: not a trainer workdir"):
+        policy_eval.load_policy(str(hf_folder), checkpoint=str(typo))
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(FileNotFoundError, match=r"--model=.*: not a local HF folder"):
+        policy_eval.check_policy_paths(str(tmp_path / "nope"))
