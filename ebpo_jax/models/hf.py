@@ -222,6 +222,7 @@ class _Reader:
 
     def __init__(self, path, stack: ExitStack):
         self.path, self.stack, self.handles = path, stack, {}
+        self.source = path  # what names a bad weight file (the index, once read)
         index = os.path.join(path, _INDEX)
         if os.path.exists(index):
             self.weight_map = _read_index(index)
