@@ -30,6 +30,10 @@ class CheckpointError(RuntimeError):
     """No intact checkpoint could be restored; the message names each step and its fault."""
 
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:500]
+
+
 def _step_files(step_dir: str) -> list[str]:
     """Every file under a step folder, relative to it, sorted (the manifest excepted)."""
     out = []
@@ -126,7 +130,12 @@ class Checkpointer:
             state=ocp.args.StandardSave(pytree), extra=ocp.args.JsonSave(dict(extra or {}))
         )
         self._write_manifests()
-        saved = self._manager.save(step, args=args, force=force)
+        try:
+            saved = self._manager.save(step, args=args, force=force)
+        except Exception as e:  # disk full, a file where a folder should be, ...
+            raise CheckpointError(
+                f"saving step {step} to {self.directory} failed: {_one_line(e)}"
+            ) from e
         if saved and self.checksums:
             self._unhashed.append(step)
         return saved
@@ -135,11 +144,21 @@ class Checkpointer:
         """Hash the steps saved since the last call, once their (async) save has committed."""
         if not self._unhashed:
             return
-        self._manager.wait_until_finished()
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # raised by orbax's background save thread
+            self._unhashed = []
+            raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from e
         for step in self._unhashed:
             step_dir = os.path.join(self.directory, str(step))
             if os.path.isdir(step_dir):  # not already removed by max_to_keep
-                write_manifest(step_dir)
+                try:
+                    write_manifest(step_dir)
+                except OSError as e:
+                    self._unhashed = []
+                    raise CheckpointError(
+                        f"writing the checksums of {step_dir} failed: {_one_line(e)}"
+                    ) from e
         self._unhashed = []
 
     def restore(self, step: int | None = None, target: Any = None) -> tuple[Any, dict]:
@@ -186,7 +205,7 @@ class Checkpointer:
                 pytree, extra = self.restore(step, target)
                 return step, pytree, extra
             except Exception as e:  # noqa: BLE001  any fault of this step: fall back to the previous
-                fault = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                fault = _one_line(e)[:300]
                 faults.append(f"step {step}: {fault}")
                 moved = self._quarantine(step)
                 nxt = f"falling back to step {steps[i - 1]}" if i else "no earlier step"
@@ -216,8 +235,14 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Block until any asynchronous save has been committed (and its manifest written)."""
-        self._manager.wait_until_finished()
+        """Block until any asynchronous save has been committed (and its manifest written).
+
+        CheckpointError (one line) if the save failed, e.g. the disk filled up meanwhile.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # raised by orbax's background save thread
+            raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from e
         self._write_manifests()
 
     def close(self) -> None:

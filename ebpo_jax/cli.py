@@ -7,6 +7,7 @@ as a chain of three AttributeError/KeyError tracebacks. `define_config` and `run
 those, and `ConfigError` / `DataError` raised by the program, into one line.
 """
 
+import os
 import re
 import sys
 from collections.abc import Callable
@@ -113,6 +114,12 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
                 text = (f"{e.filename}: " if e.filename else "") + e.strerror
             else:
                 text = " ".join(str(e).split()) or type(e).__name__
+            if type(e).__name__ == "CheckpointError":
+                # A failed orbax save leaves non-daemon threads waiting ~5 min on signals
+                # that never come; committed checkpoints are intact, so leave at once.
+                print(f"error: {text}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_FAILURE)
             fail(text, status=EXIT_FAILURE)
 
     app.run(wrapped, flags_parser=parse)

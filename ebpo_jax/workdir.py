@@ -169,11 +169,15 @@ def _harmless(name: str) -> bool:
 
 
 def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """Dotted names whose values differ between two config dicts (added/removed included)."""
+    """Dotted names whose values differ between two config dicts.
+
+    A field absent on one side counts as None (a field added later with a None default, such
+    as an estimator option, is no change).
+    """
     a, b = _flatten(old), _flatten(new)
     # JSON turns tuples into lists: compare what a JSON round trip keeps.
     b = json.loads(json.dumps(b))
-    return sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def _next_history_path(workdir: str) -> str:

@@ -114,6 +114,10 @@ def test_resume_with_another_config_is_refused_and_harmless_changes_kept(tmp_pat
     assert changed == ["total_steps"] and "total_steps" in logs[0]
     assert json.loads((tmp_path / "config.1.json").read_text()) == saved  # history
     assert json.loads((tmp_path / "config.json").read_text())["total_steps"] == 500
+    # A field added later with a None default (an estimator option) is no change.
+    old = _cfg(total_steps=500)
+    del old["estimator_options"]["forgetting"]
+    assert W.config_diff(old, _cfg(total_steps=500)) == []
     # The same config again: nothing changes, no new history file.
     assert W.reconcile_config(wd, _cfg(total_steps=500), resuming=True) == []
     assert not (tmp_path / "config.2.json").exists()
