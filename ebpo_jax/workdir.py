@@ -174,9 +174,8 @@ def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
     A field absent on one side counts as None (a field added later with a None default, such
     as an estimator option, is no change).
     """
-    a, b = _flatten(old), _flatten(new)
     # JSON turns tuples into lists: compare what a JSON round trip keeps.
-    b = json.loads(json.dumps(b))
+    a, b = (json.loads(json.dumps(_flatten(d))) for d in (old, new))
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
