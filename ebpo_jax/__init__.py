@@ -1,10 +1,8 @@
 """ebpo-jax: Empirical Bayes Policy Optimization for LLM RL in pure JAX."""
 
 from ebpo_jax.cpu_flags import add_cpu_flags
-from ebpo_jax.platforms import skip_absent_tpu
 
 add_cpu_flags()  # before anything below can start an XLA backend
-skip_absent_tpu()  # no libtpu error lines on a machine without a TPU
 
 from ebpo_jax import advantages, losses
 from ebpo_jax.advantages import (

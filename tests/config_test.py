@@ -28,7 +28,8 @@ def _micro(**changes):
 
 
 BAD = [
-    ("optimizer.clip_norm", -1.0, "optimizer.clip_norm must be >= 0"),
+    ("optimizer.clip_norm", -1.0, "optimizer.clip_norm must be > 0"),
+    ("optimizer.clip_norm", 0.0, "optimizer.clip_norm must be > 0"),
     ("optimizer.b1", 1.0, r"optimizer.b1 must be in \[0, 1\)"),
     ("optimizer.b2", 1.5, r"optimizer.b2 must be in \[0, 1\)"),
     ("optimizer.warmup_steps", -5, "optimizer.warmup_steps must be >= 0"),
@@ -59,7 +60,6 @@ def test_bad_value_is_one_line_naming_the_field(field, value, message):
 
 def test_defaults_and_shipped_configs_validate():
     validate(_micro())
-    validate(_micro(**{"optimizer.clip_norm": 0.0}))  # 0 = no clipping
     from configs import tiny
 
     validate(tiny.get_config())
@@ -128,7 +128,7 @@ def _train(*args):
         ),
         (  # misspelt with --config (parsed by absl), and an impossible value
             [f"--config={MICRO}", "--config.optimizer.clip_norm=-1"],
-            "error: optimizer.clip_norm must be >= 0 (0 = off), got -1.0",
+            "error: optimizer.clip_norm must be > 0, got -1.0",
         ),
         ([f"--config={MICRO}", "--config.gruop_size=2"], "error: unknown config field"),
         ([f"--config={MICRO}", "--config.seed=abc"], "error: flag --config.seed=abc"),

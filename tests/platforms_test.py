@@ -29,7 +29,14 @@ def test_no_libtpu_error_lines_on_a_cpu_machine():
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env["PYTHONPATH"] = os.pathsep.join(sys.path)
     out = subprocess.run(
-        [sys.executable, "-c", "import ebpo_jax, jax; print(jax.devices()[0].platform)"],
+        [
+            sys.executable,
+            "-c",
+            (
+                "from ebpo_jax.cpu_flags import add_cpu_flags; add_cpu_flags(); import jax; "
+                "print(jax.devices()[0].platform)"
+            ),
+        ],
         capture_output=True,
         text=True,
         check=True,

@@ -49,12 +49,10 @@ def learning_rate_schedule(config) -> optax.Schedule:
 
 
 def make_optimizer(config) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping (clip first, as verl/TRL do); clip_norm 0 = no clipping."""
+    """AdamW with global-norm clipping (clip first, as verl/TRL do)."""
     opt = config.optimizer
-    # clip_by_global_norm(0) would zero every gradient; config.validate refuses < 0.
-    clip = optax.clip_by_global_norm(opt.clip_norm) if opt.clip_norm > 0 else optax.identity()
     return optax.chain(
-        clip,
+        optax.clip_by_global_norm(opt.clip_norm),
         optax.adamw(
             learning_rate_schedule(config), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
         ),
