@@ -45,6 +45,17 @@ def _step_files(step_dir: str) -> list[str]:
     return sorted(out)
 
 
+def list_steps(directory: str) -> list[int]:
+    """Steps with a committed folder in `directory` (no orbax manager; [] if none), ascending."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))
+    )
+
+
 def _sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
@@ -289,14 +300,3 @@ class PreemptionGuard:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous.clear()
-
-
-def list_steps(directory: str) -> list[int]:
-    """Steps with a committed folder in `directory` (no orbax manager; [] if none), ascending."""
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(
-        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))
-    )
