@@ -130,15 +130,24 @@ def _train(*args):
             [f"--config={MICRO}", "--config.optimizer.clip_norm=-1"],
             "error: optimizer.clip_norm must be > 0, got -1.0",
         ),
-        ([f"--config={MICRO}", "--config.gruop_size=2"], "error: unknown config field"),
-        ([f"--config={MICRO}", "--config.seed=abc"], "error: flag --config.seed=abc"),
-        (  # settable from the command line (the value reaches validate, which names it)
+        pytest.param(
+            [f"--config={MICRO}", "--config.gruop_size=2"],
+            "error: unknown config field 'config.gruop_size'",
+            marks=pytest.mark.slow,  # each CLI run: ~5 s idle, 12-30 s on a loaded 2-core CPU
+        ),
+        pytest.param(
+            [f"--config={MICRO}", "--config.seed=abc"],
+            "error: flag --config.seed=abc",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(  # settable from the command line (the value reaches validate)
             [
                 f"--config={MICRO}",
                 "--config.estimator_options.forgetting=0.95",
                 "--config.estimator=grpo",
             ],
             "error: estimator_options.forgetting=0.95: estimator 'grpo' takes no option",
+            marks=pytest.mark.slow,
         ),
     ],
 )
