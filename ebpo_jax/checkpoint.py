@@ -3,19 +3,100 @@
 Knows nothing of the model or the trainer. Saves are atomic: orbax writes each step into a
 `<step>.orbax-checkpoint-tmp-*` directory and renames it only once complete, so a crash
 mid-save leaves the previous checkpoint as the latest.
+
+Orbax does not verify what it reads back (one flipped byte in a parameter file restores
+silently), so once a save is committed each file of the step gets a SHA-256 in
+`<step>/ebpo_manifest.json`, checked before restoring. `restore_intact` walks back from the
+newest step past unreadable or corrupt ones (naming each), moving them to
+`<directory>.corrupt/` so a later save of the same step can happen.
 """
 
+import hashlib
+import json
 import os
+import shutil
 import signal
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any, Self
 
 import orbax.checkpoint as ocp
 
+MANIFEST = "ebpo_manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """No intact checkpoint could be restored; the message names each step and its fault."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:500]
+
+
+def _step_files(step_dir: str) -> list[str]:
+    """Every file under a step folder, relative to it, sorted (the manifest excepted)."""
+    out = []
+    for root, _, files in os.walk(step_dir):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), step_dir)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def list_steps(directory: str) -> list[int]:
+    """Steps with a committed folder in `directory` (no orbax manager; [] if none), ascending."""
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(
+        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))
+    )
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(step_dir: str) -> None:
+    """Record the SHA-256 of every file of a committed step (atomically: tmp + rename)."""
+    digests = {rel: _sha256(os.path.join(step_dir, rel)) for rel in _step_files(step_dir)}
+    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"sha256": digests}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+
+
+def verify_manifest(step_dir: str) -> str | None:
+    """None if every file matches the manifest (or there is none), else what is wrong."""
+    path = os.path.join(step_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None  # saved before manifests existed, or the process died right after commit
+    try:
+        with open(path) as f:
+            digests = json.load(f)["sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable {MANIFEST} ({type(e).__name__})"
+    for rel, digest in digests.items():
+        file = os.path.join(step_dir, rel)
+        if not os.path.isfile(file):
+            return f"file {rel} is missing"
+        if _sha256(file) != digest:
+            return f"file {rel} fails its SHA-256 check"
+    return None
+
 
 class Checkpointer:
-    """Saves `(pytree, extra)` every `save_every` steps into `directory`, keeping the last `max_to_keep`."""
+    """Saves `(pytree, extra)` every `save_every` steps into `directory`, keeping the last `max_to_keep`.
+
+    `checksums=True` writes and checks the per-step SHA-256 manifest; multi-host runs on a
+    storage that one process cannot list whole should pass it only on process 0 (or False).
+    """
 
     def __init__(
         self,
@@ -24,6 +105,7 @@ class Checkpointer:
         max_to_keep: int | None = 3,
         save_every: int = 1,
         async_save: bool = True,
+        checksums: bool = True,
     ):
         if save_every < 1:
             raise ValueError(f"checkpoint save_every must be >= 1, got {save_every}")
@@ -38,6 +120,8 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.checksums = checksums
+        self._unhashed: list[int] = []  # saved steps whose manifest is not written yet
 
     def should_save(self, step: int) -> bool:
         """Whether `save(step, ...)` would write (the interval is met and the step is new)."""
@@ -56,7 +140,37 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(pytree), extra=ocp.args.JsonSave(dict(extra or {}))
         )
-        return self._manager.save(step, args=args, force=force)
+        self._write_manifests()
+        try:
+            saved = self._manager.save(step, args=args, force=force)
+        except Exception as e:  # disk full, a file where a folder should be, ...
+            raise CheckpointError(
+                f"saving step {step} to {self.directory} failed: {_one_line(e)}"
+            ) from e
+        if saved and self.checksums:
+            self._unhashed.append(step)
+        return saved
+
+    def _write_manifests(self) -> None:
+        """Hash the steps saved since the last call, once their (async) save has committed."""
+        if not self._unhashed:
+            return
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # raised by orbax's background save thread
+            self._unhashed = []
+            raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from e
+        for step in self._unhashed:
+            step_dir = os.path.join(self.directory, str(step))
+            if os.path.isdir(step_dir):  # not already removed by max_to_keep
+                try:
+                    write_manifest(step_dir)
+                except OSError as e:
+                    self._unhashed = []
+                    raise CheckpointError(
+                        f"writing the checksums of {step_dir} failed: {_one_line(e)}"
+                    ) from e
+        self._unhashed = []
 
     def restore(self, step: int | None = None, target: Any = None) -> tuple[Any, dict]:
         """(pytree, extra) of `step` (default: the latest), placed like `target`.
@@ -76,8 +190,52 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
         )
+        if self.checksums:
+            fault = verify_manifest(os.path.join(self.directory, str(step)))
+            if fault is not None:
+                raise CheckpointError(f"checkpoint step {step} in {self.directory}: {fault}")
         restored = self._manager.restore(step, args=args)
         return restored.state, dict(restored.extra or {})
+
+    def restore_intact(
+        self, target: Any = None, *, log: Callable[[str], None] = print
+    ) -> tuple[int, Any, dict] | None:
+        """(step, pytree, extra) of the newest step that restores and verifies; None if none.
+
+        Each newer step that fails (bad JSON, missing or garbled arrays, a stray empty
+        folder, a checksum mismatch) is named in one `log` line together with the step
+        tried next, and moved to `<directory>.corrupt/<step>-<time>` so that the run can
+        save that step again. CheckpointError if steps exist but none is intact.
+        """
+        self.wait()
+        faults = []
+        steps = self.all_steps()
+        for i in range(len(steps) - 1, -1, -1):
+            step = steps[i]
+            try:
+                pytree, extra = self.restore(step, target)
+                return step, pytree, extra
+            except Exception as e:  # noqa: BLE001  any fault of this step: fall back to the previous
+                fault = _one_line(e)[:300]
+                faults.append(f"step {step}: {fault}")
+                moved = self._quarantine(step)
+                nxt = f"falling back to step {steps[i - 1]}" if i else "no earlier step"
+                log(
+                    f"checkpoint step {step} in {self.directory} is corrupt ({fault}); "
+                    f"moved to {moved}; {nxt}"
+                )
+        if faults:
+            raise CheckpointError(f"no intact checkpoint in {self.directory}: " + "; ".join(faults))
+        return None
+
+    def _quarantine(self, step: int) -> str:
+        """Move a corrupt step out of the managed folder; returns where it went."""
+        dest_dir = self.directory.rstrip("/") + ".corrupt"
+        os.makedirs(dest_dir, exist_ok=True)
+        dest = os.path.join(dest_dir, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.move(os.path.join(self.directory, str(step)), dest)
+        self._manager.reload()
+        return dest
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
@@ -88,12 +246,22 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Block until any asynchronous save has been committed."""
-        self._manager.wait_until_finished()
+        """Block until any asynchronous save has been committed (and its manifest written).
+
+        CheckpointError (one line) if the save failed, e.g. the disk filled up meanwhile.
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:  # raised by orbax's background save thread
+            raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from e
+        self._write_manifests()
 
     def close(self) -> None:
         """Finish pending saves and release resources."""
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
     def __enter__(self) -> Self:
         return self

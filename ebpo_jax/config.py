@@ -1,5 +1,6 @@
 """Training config schema and validation: bad fields are one-line errors before any compile."""
 
+import json
 import math
 import os
 
@@ -17,6 +18,26 @@ class ConfigError(ValueError):
     """A training config field is missing, misspelt or impossible."""
 
 
+# The built-in estimators' keyword options (advantages.eb_advantage, grpo_advantage, ...),
+# declared so that `--config.estimator_options.forgetting=0.95` works from the command line;
+# None = the estimator's own default (advantages.estimate drops None options).
+ESTIMATOR_OPTIONS = {"per_batch": bool, "forgetting": float, "normalize": str, "eps": float}
+KL_ESTIMATORS = ("k1", "k2", "k3")  # ebpo_jax.losses.KL_ESTIMATORS (kept jax-free here)
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+def estimator_options_config() -> ml_collections.ConfigDict:
+    """estimator_options with each built-in option as a typed None placeholder.
+
+    A custom estimator's options are added in its config file
+    (`c.estimator_options.my_option = 3`) and are then settable from the command line too.
+    """
+    c = ml_collections.ConfigDict()
+    for name, kind in ESTIMATOR_OPTIONS.items():
+        c[name] = ml_collections.config_dict.placeholder(kind)
+    return c
+
+
 def default_config() -> ml_collections.ConfigDict:
     """Every field the trainer reads, with defaults; config files start from this."""
     c = ml_collections.ConfigDict()
@@ -26,7 +47,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.prompts_per_step = 32  # P
     c.group_size = 8  # G
     c.estimator = "ebpo"  # any name in ebpo_jax.advantages' registry
-    c.estimator_options = ml_collections.ConfigDict()  # keyword options for the estimator
+    c.estimator_options = estimator_options_config()  # keyword options for the estimator
     # EB priors: none (one global) | topic | cell (topic x difficulty; synthetic tasks only)
     c.eb_clusters = "none"
     c.checkpoint_every = 50
@@ -40,6 +61,19 @@ def default_config() -> ml_collections.ConfigDict:
     c.steps_per_jit = 1  # K steps per lax.scan; 1 = jit -> host -> jit with per-phase timing
     c.max_nonfinite_steps = 5  # stop after this many non-finite steps in a row
     c.log_every = 1
+    # A workdir with metrics.jsonl but no checkpoint is refused unless restart=True (which
+    # starts over and rewrites its metrics); see ebpo_jax.workdir.check_workdir.
+    c.restart = False
+    c.log_samples_every = (
+        0  # >0: every N steps, a few (prompt, completion, reward) to samples.jsonl
+    )
+
+    # Weights & Biases beside TensorBoard and metrics.jsonl: project "" = off.
+    c.wandb = ml_collections.ConfigDict()
+    c.wandb.project = ""
+    c.wandb.mode = "online"  # online | offline (WANDB_MODE=offline is honoured too) | disabled
+    c.wandb.entity = ""
+    c.wandb.name = ""  # "" = the workdir's base name
 
     c.model = ml_collections.ConfigDict()
     c.model.preset = "tiny"
@@ -135,9 +169,13 @@ def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return config
 
 
-def _is_closed_dict(x) -> bool:
-    """A schema sub-dict whose keys are fixed (the empty ones hold free-form options)."""
-    return isinstance(x, ml_collections.ConfigDict) and bool(len(x))
+# Sub-dicts whose keys are free-form: checked against the estimator / model, not the schema.
+_OPEN_DICTS = ("estimator_options", "model.overrides")
+
+
+def _is_closed_dict(x, name: str = "") -> bool:
+    """A schema sub-dict whose keys are fixed (the open ones hold free-form options)."""
+    return isinstance(x, ml_collections.ConfigDict) and bool(len(x)) and name not in _OPEN_DICTS
 
 
 def _unknown_fields(config, schema, prefix=""):
@@ -147,9 +185,121 @@ def _unknown_fields(config, schema, prefix=""):
         name = prefix + key
         if key not in schema:
             out.append(name)
-        elif _is_closed_dict(schema[key]) and isinstance(config[key], ml_collections.ConfigDict):
+        elif _is_closed_dict(schema[key], name) and isinstance(
+            config[key], ml_collections.ConfigDict
+        ):
             out += _unknown_fields(config[key], schema[key], name + ".")
     return out
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _validate_values(c, need) -> None:
+    """Ranges of the scalar fields the trainer would otherwise accept silently or trip on late."""
+    opt = c.optimizer
+    need(bool(str(c.workdir).strip()), "workdir must be a non-empty path")
+    need(_is_int(c.seed) and c.seed >= 0, f"seed must be an int >= 0, got {c.seed!r}")
+    need(c.log_every >= 1, f"log_every must be >= 1, got {c.log_every}")
+    need(c.eval_batch_size >= 1, f"eval_batch_size must be >= 1, got {c.eval_batch_size}")
+    need(c.log_samples_every >= 0, f"log_samples_every must be >= 0, got {c.log_samples_every}")
+    # optax.clip_by_global_norm flips the gradient's sign below 0 (ascent) and zeroes it at 0.
+    need(opt.clip_norm > 0, f"optimizer.clip_norm must be > 0, got {opt.clip_norm}")
+    need(0 <= opt.b1 < 1, f"optimizer.b1 must be in [0, 1), got {opt.b1}")
+    need(0 <= opt.b2 < 1, f"optimizer.b2 must be in [0, 1), got {opt.b2}")
+    need(opt.warmup_steps >= 0, f"optimizer.warmup_steps must be >= 0, got {opt.warmup_steps}")
+    need(
+        0 <= opt.final_lr_frac <= 1,
+        f"optimizer.final_lr_frac must be in [0, 1], got {opt.final_lr_frac}",
+    )
+    need(opt.weight_decay >= 0, f"optimizer.weight_decay must be >= 0, got {opt.weight_decay}")
+    t = c.task
+    need(_is_int(t.seed) and t.seed >= 0, f"task.seed must be an int >= 0, got {t.seed!r}")
+    need(t.train_per_cell >= 1, f"task.train_per_cell must be >= 1, got {t.train_per_cell}")
+    need(t.test_per_cell >= 1, f"task.test_per_cell must be >= 1, got {t.test_per_cell}")
+    need(t.max_difficulty >= 0, f"task.max_difficulty must be >= 0, got {t.max_difficulty}")
+    need(
+        _is_int(c.sampler.top_k) and c.sampler.top_k >= 0,
+        f"sampler.top_k must be an int >= 0 (0 = off), got {c.sampler.top_k!r}",
+    )
+    need(
+        c.loss.kl_estimator in KL_ESTIMATORS,
+        f"loss.kl_estimator={c.loss.kl_estimator!r} is not one of {KL_ESTIMATORS}",
+    )
+    need(
+        c.dapo.overlong_penalty >= 0,
+        f"dapo.overlong_penalty must be >= 0, got {c.dapo.overlong_penalty}",
+    )
+    need(c.sft.batch_size >= 1, f"sft.batch_size must be >= 1, got {c.sft.batch_size}")
+    need(c.sft.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {c.sft.warmup_steps}")
+    need(c.sft.learning_rate > 0, f"sft.learning_rate must be > 0, got {c.sft.learning_rate}")
+    need(c.wandb.mode in WANDB_MODES, f"wandb.mode={c.wandb.mode!r} is not one of {WANDB_MODES}")
+
+
+def _validate_estimator_options(c, need) -> None:
+    """Every option set (not None) is a keyword the estimator takes."""
+    import inspect
+
+    from ebpo_jax import advantages  # the registry; imported late so this module stays light
+
+    try:
+        fn = advantages.get(c.estimator)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(
+            f"estimator={c.estimator!r} is not in the advantages registry ({e})"
+        ) from None
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name, value in c.estimator_options.items():
+        need(
+            value is None or takes_any or name in params,
+            f"estimator_options.{name}={value!r}: estimator {c.estimator!r} takes no "
+            f"option {name!r}",
+        )
+
+
+def model_max_positions(c) -> int | None:
+    """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
+    if c.model.hf_path:
+        path = os.path.join(c.model.hf_path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return None  # models.hf names the broken file when the task is built
+        return c.model.overrides.get("max_position_embeddings", value)
+    from ebpo_jax.models.config import PRESETS, ModelConfig
+
+    if c.model.preset not in PRESETS:
+        raise ConfigError(f"model.preset={c.model.preset!r} is not one of {sorted(PRESETS)}")
+    default = ModelConfig.__dataclass_fields__["max_position_embeddings"].default
+    default = PRESETS[c.model.preset].get("max_position_embeddings", default)
+    return c.model.overrides.get("max_position_embeddings", default)
+
+
+def check_positions(config, prompt_len: int, max_positions: int) -> None:
+    """ConfigError unless prompt_len + sampler.max_new_tokens fits the model's positions.
+
+    validate() checks what the config alone knows; the synthetic tasks' prompt width is
+    known once the problems are built, so their setup calls this with it.
+    """
+    need_pos = prompt_len + config.sampler.max_new_tokens
+    if need_pos > max_positions:
+        raise ConfigError(
+            f"sampler.max_new_tokens={config.sampler.max_new_tokens}: prompts of {prompt_len} "
+            f"tokens + completions need {need_pos} positions, the model has {max_positions} "
+            "(model max_position_embeddings)"
+        )
+
+
+def _validate_positions(c) -> None:
+    """Prompt + completion within the model's positions (prompt width: data.max_prompt_len,
+    or at least one token for the synthetic tasks, whose width is checked at task build)."""
+    max_pos = model_max_positions(c)
+    if max_pos is None:
+        return
+    check_positions(c, c.data.max_prompt_len if c.data.path else 1, int(max_pos))
 
 
 def mesh_devices(config, num_devices: int) -> int:
@@ -283,6 +433,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             raise ConfigError(msg)
 
     c, loss = config, config.loss
+    _validate_values(c, need)
     need(c.group_size >= 1, f"group_size must be >= 1, got {c.group_size}")
     need(c.prompts_per_step >= 1, f"prompts_per_step must be >= 1, got {c.prompts_per_step}")
     need(c.total_steps >= 0, f"total_steps must be >= 0, got {c.total_steps}")
@@ -372,15 +523,8 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         "the trainer's mesh)",
     )
     _validate_data_and_model(c, need)
-
-    from ebpo_jax import advantages  # the registry; imported late so this module stays light
-
-    try:
-        advantages.get(c.estimator)
-    except (KeyError, ValueError) as e:
-        raise ConfigError(
-            f"estimator={c.estimator!r} is not in the advantages registry ({e})"
-        ) from None
+    _validate_positions(c)
+    _validate_estimator_options(c, need)
     if num_devices is not None:
         shape = mesh_shape(c, num_devices)
         batch = c.prompts_per_step * c.group_size

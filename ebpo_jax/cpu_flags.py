@@ -19,8 +19,12 @@ def cpu_flags(jaxlib_version: str) -> tuple[str, ...]:
 def add_cpu_flags(environ=os.environ) -> None:
     """Appends the default flags to XLA_FLAGS, keeping any the user set for the same option.
 
-    XLA reads XLA_FLAGS once, when the first backend starts: after that this changes nothing.
+    Also skips libtpu's futile TPU probe on a machine without a TPU (platforms.py). XLA reads
+    XLA_FLAGS once, when the first backend starts: after that this changes nothing.
     """
+    from ebpo_jax.platforms import skip_absent_tpu
+
+    skip_absent_tpu(environ)  # no libtpu error lines on a CPU machine
     if environ.get(OPT_OUT, "1") == "0":
         return
     try:

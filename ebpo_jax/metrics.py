@@ -1,9 +1,20 @@
-"""Per-step metrics: JSON lines in `<workdir>/metrics.jsonl`, TensorBoard events, a tqdm bar."""
+"""Per-step metrics: JSON lines in `<workdir>/metrics.jsonl`, TensorBoard events, optional
+Weights & Biases, sample completions in `<workdir>/samples.jsonl`, and a tqdm bar.
+
+TensorBoard events are written with tensorboardX's synchronous `EventsWriter` in the
+caller's thread, not its `SummaryWriter`: that one hands events to a writer thread through a
+bounded queue, and when the thread dies (disk full) the next `put` blocks the training loop
+forever. Here a failed TensorBoard or W&B write prints one warning and turns that sink off;
+a failed metrics.jsonl write raises MetricsError, one line naming the file.
+"""
 
 import json
 import math
 import os
-from collections.abc import Mapping
+import secrets
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
 import numpy as np
@@ -35,6 +46,24 @@ METRIC_NAMES = (
     "eval/pass@1",
 )
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+WANDB_ID_FILE = "wandb_run_id"
+
+
+class MetricsError(RuntimeError):
+    """A metrics file cannot be read or written; the message names the file (and line)."""
+
+
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def format_value(x: Any, spec: str = ".3g") -> str:
+    """`x` formatted with `spec`; None and non-finite values as "nan" (a skipped step's metric)."""
+    x = to_python("value", x) if x is not None else None
+    if x is None:
+        return "nan"
+    return format(x, spec)
 
 
 def to_python(name: str, value: Any) -> Any:
@@ -51,65 +80,269 @@ def to_python(name: str, value: Any) -> Any:
     return x if math.isfinite(x) else None
 
 
-def read_metrics(path: str) -> list[dict[str, Any]]:
-    """All records of a metrics.jsonl file (a workdir or the file itself)."""
-    if os.path.isdir(path):
-        path = os.path.join(path, METRICS_FILE)
+def read_jsonl(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[str, Any]]:
+    """The JSON objects of a .jsonl file; [] if it does not exist.
+
+    A torn last line (a crash mid-write) is dropped with one warning; any other bad line is
+    a MetricsError naming the file and line.
+    """
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, "rb") as f:
+        lines = f.read().split(b"\n")
+    records = []
+    last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")  # noqa: TRY004  (caught just below)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if i == last:
+                log(f"{path}: dropped a torn last line {i + 1} ({type(e).__name__}: {e})")
+                continue
+            raise MetricsError(f"{path}: line {i + 1} is not a JSON object ({e})") from None
+        records.append(record)
+    return records
+
+
+def read_metrics(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[str, Any]]:
+    """All records of a metrics.jsonl file (a workdir or the file itself); see read_jsonl."""
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    return read_jsonl(path, log=log)
+
+
+def _rewrite_jsonl(path: str, records: list[dict]) -> None:
+    """Replace a .jsonl file by `records` via a temp file and rename (a crash keeps the old)."""
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(tmp, path)
+
+
+class _TensorBoard:
+    """Scalars and text as TensorBoard events, written synchronously (see the module doc)."""
+
+    def __init__(self, logdir: str, purge_step: int | None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        os.makedirs(logdir, exist_ok=True)
+        self._Event = Event
+        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        if purge_step:  # TensorBoard hides events of steps >= purge_step from a prior run
+            self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
+            self._writer.write_event(
+                Event(step=purge_step, session_log=SessionLog(status=SessionLog.START))
+            )
+        self._writer.flush()
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        from tensorboardX import summary
+
+        for tag, value in values.items():
+            event = self._Event(
+                wall_time=time.time(), step=step, summary=summary.scalar(tag, value)
+            )
+            self._writer.write_event(event)
+        self._writer.flush()
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        from tensorboardX import summary
+
+        self._writer.write_event(
+            self._Event(wall_time=time.time(), step=step, summary=summary.text(tag, text))
+        )
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class _WandB:
+    """A Weights & Biases run (imported only when asked for); resumes the workdir's run id."""
+
+    def __init__(self, workdir: str, options: Mapping[str, Any], run_config: Mapping | None):
+        import wandb  # optional dependency: pip install 'ebpo-jax[wandb]'
+
+        id_path = os.path.join(workdir, WANDB_ID_FILE)
+        if os.path.exists(id_path):
+            with open(id_path) as f:
+                run_id = f.read().strip()
+        else:
+            run_id = secrets.token_hex(4)  # wandb run ids: [a-z0-9]
+            with open(id_path, "w") as f:
+                f.write(run_id + "\n")
+        # WANDB_MODE in the environment wins, as wandb's own tools expect.
+        mode = os.environ.get("WANDB_MODE") or options.get("mode") or "online"
+        self._wandb = wandb
+        self._run = wandb.init(
+            project=options["project"],
+            entity=options.get("entity") or None,
+            name=options.get("name") or os.path.basename(os.path.abspath(workdir)),
+            mode=mode,
+            dir=workdir,
+            id=run_id,
+            resume="allow",
+            config=dict(run_config or {}),
+        )
+
+    def log(self, step: int, values: Mapping[str, Any]) -> None:
+        self._run.log(dict(values), step=step)
+
+    def samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        columns = ["prompt", "completion", "reward", "advantage"]
+        table = self._wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+        self._run.log({"samples": table}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 class MetricsWriter:
     """Appends one JSON object per step to `<workdir>/metrics.jsonl` and scalars to `<workdir>/tb`.
 
     Opening with `start_step=s` (the step a resumed run continues from; 0 for a fresh run)
-    keeps only the lines of steps < s, so a resumed run's file equals an uninterrupted one.
-    Non-finite values are written as null. TensorBoard tags are tensorboardX-sanitised
-    ("eval/pass@1" appears as "eval/pass_1").
+    keeps only the lines of steps < s (of metrics.jsonl and samples.jsonl), so a resumed
+    run's files equal an uninterrupted one's. Non-finite values are written as null.
+    TensorBoard tags are tensorboardX-sanitised ("eval/pass@1" appears as "eval/pass_1").
+    `wandb={"project": ..., "mode": ..., "entity": ..., "name": ...}` (project "" = off) also
+    logs to Weights & Biases, with `run_config` as the run's config.
     """
 
-    def __init__(self, workdir: str, *, start_step: int = 0, tensorboard: bool = True):
-        os.makedirs(workdir, exist_ok=True)
+    def __init__(
+        self,
+        workdir: str,
+        *,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        wandb: Mapping[str, Any] | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        log: Callable[[str], None] = _warn,
+    ):
+        self._log = log
         self.path = os.path.join(workdir, METRICS_FILE)
-        kept = [r for r in read_metrics(self.path) if r.get("step", -1) < start_step]
-        # Rewrite via a temp file and rename so a crash here cannot lose the earlier lines.
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, self.path)
-        self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
-        self._tb = None
+        self.samples_path = os.path.join(workdir, SAMPLES_FILE)
+        try:
+            os.makedirs(workdir, exist_ok=True)
+            for path in (self.path, self.samples_path):
+                kept = [r for r in read_jsonl(path, log=log) if r.get("step", -1) < start_step]
+                if kept or os.path.exists(path):
+                    _rewrite_jsonl(path, kept)
+            self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
+        except OSError as e:
+            raise MetricsError(f"cannot write {self.path}: {e.strerror or e}") from None
+        self._samples = None
+        self._tb = self._wandb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # purge_step makes TensorBoard drop events of steps >= start_step from a prior run.
-            self._tb = SummaryWriter(
-                os.path.join(workdir, "tb"), purge_step=start_step if start_step > 0 else None
+            self._tb = self._guard(
+                "TensorBoard",
+                _TensorBoard,
+                os.path.join(workdir, "tb"),
+                start_step if start_step > 0 else None,
             )
+        if wandb and wandb.get("project") and wandb.get("mode") != "disabled":
+            self._wandb = _WandB(workdir, wandb, run_config)
+
+    def _guard(self, sink: str, fn, *args):
+        """fn(*args); on failure one warning and None (the caller turns that sink off)."""
+        try:
+            out = fn(*args)
+            return True if out is None else out
+        except Exception as e:  # noqa: BLE001  a side sink must never stop training
+            self._log(f"{sink} logging failed ({type(e).__name__}: {e}); continuing without it")
+            return None
+
+    def _append(self, file, path: str, record: Mapping[str, Any]) -> None:
+        try:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+        except OSError as e:
+            raise MetricsError(f"cannot write {path}: {e.strerror or e}") from None
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record the metrics of `step`; returns the JSON object written."""
         record = {"step": int(step)}
         record.update({k: to_python(k, v) for k, v in metrics.items() if k != "step"})
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
-                    self._tb.add_scalar(k, v, global_step=record["step"])
+        self._append(self._file, self.path, record)
+        scalars = {
+            k: v
+            for k, v in record.items()
+            if k != "step" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        if (
+            self._tb is not None
+            and self._guard("TensorBoard", self._tb.scalars, step, scalars) is None
+        ):
+            self._tb = None
+        if self._wandb is not None and self._guard("W&B", self._wandb.log, step, scalars) is None:
+            self._wandb = None
         return record
 
+    def write_samples(
+        self,
+        step: int,
+        prompts: Sequence[str],
+        completions: Sequence[str],
+        rewards: Sequence[float],
+        advantages: Sequence[float] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Append one `samples.jsonl` row per completion (also TensorBoard text, W&B table)."""
+        n = len(completions)
+        if not (len(prompts) == len(rewards) == n) or (
+            advantages is not None and len(advantages) != n
+        ):
+            raise ValueError(
+                "write_samples: prompts, completions, rewards, advantages differ in length"
+            )
+        rows = [
+            {
+                "step": int(step),
+                "prompt": str(prompts[i]),
+                "completion": str(completions[i]),
+                "reward": to_python("reward", rewards[i]),
+                "advantage": None if advantages is None else to_python("advantage", advantages[i]),
+            }
+            for i in range(n)
+        ]
+        if self._samples is None:
+            try:
+                self._samples = open(self.samples_path, "a")  # noqa: SIM115  (closed in close())
+            except OSError as e:
+                raise MetricsError(f"cannot write {self.samples_path}: {e.strerror or e}") from None
+        for row in rows:
+            self._append(self._samples, self.samples_path, row)
+        text = "\n\n".join(
+            f"**reward {format_value(r['reward'])}, advantage {format_value(r['advantage'])}**"
+            f"\n\n    {r['prompt']}\n    -> {r['completion']}"
+            for r in rows
+        )
+        if (
+            self._tb is not None
+            and self._guard("TensorBoard", self._tb.text, step, "samples", text) is None
+        ):
+            self._tb = None
+        if self._wandb is not None and self._guard("W&B", self._wandb.samples, step, rows) is None:
+            self._wandb = None
+        return rows
+
     def flush(self) -> None:
-        """Push buffered TensorBoard events to disk (the JSON file is flushed every write)."""
-        if self._tb is not None:
-            self._tb.flush()
+        """Everything is flushed at each write; kept for the writer interface."""
 
     def close(self) -> None:
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for f in (self._file, self._samples):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError as e:
+                    self._log(f"closing {f.name} failed: {e.strerror or e}")
+        for sink, obj in (("TensorBoard", self._tb), ("W&B", self._wandb)):
+            if obj is not None and obj is not True:
+                self._guard(sink, obj.close)
+        self._tb = self._wandb = None
 
     def __enter__(self) -> Self:
         return self
@@ -124,6 +357,9 @@ class NullWriter:
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         return {"step": int(step), **metrics}
 
+    def write_samples(self, step: int, prompts, completions, rewards, advantages=None) -> list:
+        return []
+
     def flush(self) -> None:
         pass
 
@@ -131,9 +367,21 @@ class NullWriter:
         pass
 
 
-def open_writer(workdir: str, *, start_step: int = 0, enabled: bool = True):
+def open_writer(
+    workdir: str,
+    *,
+    start_step: int = 0,
+    enabled: bool = True,
+    wandb: Mapping[str, Any] | None = None,
+    run_config: Mapping[str, Any] | None = None,
+    log: Callable[[str], None] = _warn,
+):
     """A MetricsWriter, or a NullWriter when `enabled` is False (multi-host: not process 0)."""
-    return MetricsWriter(workdir, start_step=start_step) if enabled else NullWriter()
+    if not enabled:
+        return NullWriter()
+    return MetricsWriter(
+        workdir, start_step=start_step, wandb=wandb, run_config=run_config, log=log
+    )
 
 
 class ProgressBar:
@@ -147,14 +395,14 @@ class ProgressBar:
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Move the bar to `step` + 1 and show the latest metrics."""
-        if metrics.get("eval/pass@1") is not None:
-            self._pass_rate = to_python("eval/pass@1", metrics["eval/pass@1"])
+        if "eval/pass@1" in metrics:
+            self._pass_rate = metrics["eval/pass@1"]
         postfix = {}
         for label, key in (("reward", "reward/mean"), ("tok/s", "perf/tokens_per_s")):
-            if metrics.get(key) is not None:
-                postfix[label] = f"{to_python(key, metrics[key]):.3g}"
+            if key in metrics:  # None / NaN (a skipped step) shows as "nan"
+                postfix[label] = format_value(metrics[key])
         if self._pass_rate is not None:
-            postfix["pass@1"] = f"{self._pass_rate:.3f}"
+            postfix["pass@1"] = format_value(self._pass_rate, ".3f")
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.update(step + 1 - self._bar.n)
 

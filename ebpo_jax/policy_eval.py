@@ -4,6 +4,7 @@ Composes the sampler (model side), `data` (prompts), `rewards` (host verificatio
 `evaluation` (metrics); used by experiments/eval.py and experiments/estimate_difficulty.py.
 """
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,12 +28,32 @@ def stop_ids(tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
+def check_policy_paths(model_path: str, checkpoint: str | None = None) -> None:
+    """FileNotFoundError (one line) unless the model folder and the trainer workdir exist.
+
+    Checked before anything is loaded: opening a checkpoint manager on a mistyped workdir
+    would create its folders.
+    """
+    from ebpo_jax.checkpoint import list_steps
+
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise FileNotFoundError(f"--model={model_path}: not a local HF folder (no config.json)")
+    if checkpoint is not None:
+        steps = list_steps(os.path.join(checkpoint, "checkpoints"))
+        if not steps:
+            raise FileNotFoundError(
+                f"--checkpoint={checkpoint}: not a trainer workdir (no step in "
+                f"{os.path.join(checkpoint, 'checkpoints')})"
+            )
+
+
 def load_policy(model_path: str, *, checkpoint: str | None = None, dtype=None):
     """(model_config, params, tokenizer) of a local HF folder; params from a trainer workdir's
     latest checkpoint instead when `checkpoint` is given (same architecture and tokenizer)."""
     from ebpo_jax import models
     from ebpo_jax.data import load_tokenizer
 
+    check_policy_paths(model_path, checkpoint)
     model_config, params = models.from_hf(model_path, dtype=dtype)
     if checkpoint:
         from ebpo_jax.checkpoint import load_params

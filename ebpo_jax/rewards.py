@@ -4,21 +4,35 @@ math-verify bounds its own work with `signal.alarm`, which only works in a proce
 thread and cannot interrupt C code (e.g. sympy on a huge power). So every verification runs
 in a worker process of a `RewardPool`; a worker that overruns its per-item timeout is killed
 and replaced, and the item scores 0. Workers start from a `forkserver` (or `spawn`), never
-`fork`: the parent has JAX threads. Both re-import the main script in each worker, so a
-script that scores rewards needs the `if __name__ == "__main__":` guard.
+`fork`: the parent has JAX threads. Both would re-import the caller's main script in each
+worker, so workers are started with `sys.modules["__main__"]` hidden: a plain script
+without an `if __name__ == "__main__":` guard can score rewards. Workers die with the
+parent (Linux `PR_SET_PDEATHSIG`, plus a thread that watches the parent's pid).
+
+The answer is what follows the last "Answer:" (to the end of that line) or the last
+`\\boxed{}`, and it is compared whole: math-verify parses that answer alone, and a parse that
+drops part of it (`1+__import__('os')` read as `1`) scores 0. Responses with neither marker
+score 0. Normalisation is linear-time (hand-written loops, no backtracking regexes over
+unbounded repeats), and answers over MAX_ANSWER_CHARS score 0.
 
 Rewards are `fn(response: str, answer: str) -> float`, picked by name (`REWARDS`) or by
 import path `"my_pkg.module:fn"` with `get_reward`.
 """
 
 import atexit
+import contextlib
+import ctypes
 import importlib
 import multiprocessing as mp
 import multiprocessing.connection
+import os
 import pickle
 import re
 import signal
+import sys
+import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -33,13 +47,24 @@ MAX_RESPONSE_CHARS = 8192
 PARSE_TIMEOUT_S = 3
 VERIFY_TIMEOUT_S = 3
 
-_ANSWER_LINE = re.compile(r"answer\s*:\s*(.+)", re.IGNORECASE)
-_TEXT_MACRO = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+# A final answer longer than this is not a math answer (and would only feed the parsers).
+MAX_ANSWER_CHARS = 1000
+
+_ANSWER_MARK = re.compile(r"answer\s*:", re.IGNORECASE)
+_TEXT_MACRO_OR_BRACE = re.compile(
+    r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{|[{}]"
+)
 _UNITS = (
     "degrees|degree|cm|mm|km|m|meters|meter|inches|inch|feet|foot|ft|units|unit|dollars|dollar"
     "|cents|cent|hours|hour|minutes|minute|seconds|second|sq|square|cubic|mph|pounds|pound|kg|g"
 )
-_TRAILING_UNITS = re.compile(rf"(?:\s*(?:{_UNITS})\b\.?(?:\^\{{?\d\}}?|\^\d)?)+$", re.IGNORECASE)
+# Trailing units are matched on the reversed string from its start: one anchored, greedy
+# pass with no backtracking across tokens, so stripping n units is O(n). (The obvious
+# `(?:\s*unit)+$` retries from every start position: 4,000 units took 13.7 s.)
+_UNITS_REVERSED = "|".join(sorted((u[::-1] for u in _UNITS.split("|")), key=len, reverse=True))
+_TRAILING_UNITS_REVERSED = re.compile(
+    rf"(?:\s*(?:\}}?\d\{{?\^|\d\^)?\.?(?:{_UNITS_REVERSED})(?=[\s\d}})]|\Z))*", re.IGNORECASE
+)
 
 
 def last_boxed(text: str) -> str | None:
@@ -59,11 +84,43 @@ def last_boxed(text: str) -> str | None:
 
 
 def extract_answer(response: str) -> str | None:
-    """The DAPO/Minerva answer: the text after the last "Answer:", else the last \\boxed{}."""
-    matches = _ANSWER_LINE.findall(response)
-    if matches:
-        return matches[-1].strip()
+    """The DAPO/Minerva answer: the rest of the line after the last "Answer:", else the last
+    \\boxed{}; None if neither is there or the answer is empty."""
+    last = None
+    for last in _ANSWER_MARK.finditer(response):  # the last match is wanted
+        pass
+    if last is not None:
+        end = response.find("\n", last.end())
+        answer = response[last.end() : None if end < 0 else end].strip()
+        return answer or None
     return last_boxed(response)
+
+
+def strip_text_macros(s: str) -> str:
+    """`\\text{5 cm}` -> `5 cm` at any nesting depth, in one left-to-right pass."""
+    out, keep, last = [], [], 0  # keep: per open brace, whether its "}" stays
+    for m in _TEXT_MACRO_OR_BRACE.finditer(s):
+        token = m.group()
+        if token == "}":
+            if keep and not keep.pop():  # closes a \\text{: drop it
+                out.append(s[last : m.start()])
+                last = m.end()
+            continue
+        if token != "{":  # a \\text{ opener: drop it
+            out.append(s[last : m.start()])
+            last = m.end()
+        keep.append(token == "{")
+    out.append(s[last:])
+    return "".join(out)
+
+
+def strip_trailing_units(s: str) -> str:
+    """Drop unit words ("cm", "degrees", "m^2", ...) at the end, however many, in O(len)."""
+    s = s.rstrip()
+    n = _TRAILING_UNITS_REVERSED.match(s[::-1]).end()
+    if n == 0 or n == len(s):  # nothing to strip, or a bare unit word (it is the answer)
+        return s
+    return s[: len(s) - n].rstrip()
 
 
 def _canonical_number(s: str) -> str | None:
@@ -102,9 +159,7 @@ def normalize_answer(answer: str) -> str:
         "\\displaystyle",
     ):
         s = s.replace(junk, "")
-    while _TEXT_MACRO.search(s):
-        s = _TEXT_MACRO.sub(r"\1", s)
-    s = _TRAILING_UNITS.sub("", s.strip())
+    s = strip_trailing_units(strip_text_macros(s).strip())
     s = re.sub(r"^[a-zA-Z]\s*=\s*", "", s)  # "x = 5" -> "5"
     s = re.sub(r"\s+", "", s).rstrip(".")
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)  # \frac12
@@ -114,25 +169,74 @@ def normalize_answer(answer: str) -> str:
     return _canonical_number(s) or s
 
 
+def final_answer(response: str) -> str | None:
+    """The response's final answer (extract_answer over its tail), None if absent or too long."""
+    predicted = extract_answer(str(response)[-MAX_RESPONSE_CHARS:])
+    if predicted is None or len(predicted) > MAX_ANSWER_CHARS:
+        return None
+    return predicted
+
+
 def answer_match_reward(response: str, answer: str) -> float:
     """1.0 iff the extracted "Answer:" (or last boxed) equals `answer` after normalisation."""
-    predicted = extract_answer(str(response)[-MAX_RESPONSE_CHARS:])
+    predicted = final_answer(response)
     if predicted is None:
         return 0.0
     return float(normalize_answer(predicted) == normalize_answer(str(answer)))
 
 
+# Words an answer may contain that are not symbols of the parsed expression.
+_MATH_WORDS = frozenset(
+    ("sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "sinh", "cosh")
+    + ("tanh", "log", "ln", "lg", "exp", "sqrt", "pi", "e", "i", "inf", "infty", "oo")
+    + ("min", "max", "gcd", "lcm", "mod", "pmod", "deg")
+)
+_LATEX_COMMAND = re.compile(r"\\[a-zA-Z]+")
+_WORD = re.compile(r"[a-zA-Z]+")
+
+
+def _math_text(answer: str) -> str:
+    """The answer as math-verify should see it: one `$...$`, text macros and units gone."""
+    s = answer.strip()
+    boxed = last_boxed(s)
+    if boxed is not None:
+        s = boxed
+    s = strip_trailing_units(strip_text_macros(s.replace("\\$", "").replace("$", "")).strip())
+    return f"${s}$"
+
+
+def _parse_is_whole(text: str, parsed) -> bool:
+    """Whether every word of `text` survived into the parsed expression.
+
+    math-verify's LaTeX reader skips what it cannot read, so `1+__import__('os')` parses to
+    `1`; such a lossy parse must not be compared with the gold answer.
+    """
+    symbols = set()
+    for item in parsed:
+        for sym in getattr(item, "free_symbols", ()):
+            symbols.add(str(sym))
+    for word in _WORD.findall(_LATEX_COMMAND.sub(" ", text)):
+        if word in symbols or word.lower() in _MATH_WORDS or all(ch in symbols for ch in word):
+            continue
+        return False
+    return True
+
+
 def math_verify_reward(response: str, answer: str) -> float:
-    """1.0 iff math-verify finds the response's final answer equivalent to `answer`."""
+    """1.0 iff math-verify finds the response's whole final answer equivalent to `answer`."""
     from math_verify import parse, verify  # heavy import, only in reward workers
 
+    predicted = final_answer(response)
+    if predicted is None:
+        return 0.0
     gold_text = str(answer)
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
+    pred_text = _math_text(predicted)
     try:
         gold = parse(gold_text, parsing_timeout=PARSE_TIMEOUT_S)
-        pred = parse(str(response)[-MAX_RESPONSE_CHARS:], parsing_timeout=PARSE_TIMEOUT_S)
-        if not gold or not pred:
+        pred = parse(pred_text, parsing_timeout=PARSE_TIMEOUT_S)
+        if not gold or not pred or not _parse_is_whole(pred_text[1:-1], pred):
             return 0.0
         return float(verify(gold, pred, timeout_seconds=VERIFY_TIMEOUT_S))
     except Exception:  # noqa: BLE001  math-verify raises on malformed LaTeX: such an answer scores 0
@@ -193,9 +297,39 @@ def _local_fn(spec):
     return _LOCAL.get(spec) if isinstance(spec, str) else None
 
 
-def _worker_loop(conn) -> None:
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Exit when `parent_pid` (the process that owns the pool) is gone.
+
+    PR_SET_PDEATHSIG kills this process when its parent dies, even inside C code; the parent
+    of a forkserver worker is the fork server, which exits when the pool's owner does. The
+    watchdog thread covers other platforms and a fork server that outlives its owner.
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+    def watch():
+        while True:
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass  # alive, owned by someone else (pid reused: rare, harmless)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True, name="reward-parent-watch").start()
+
+
+def _worker_loop(conn, parent_pid: int | None = None) -> None:
     """Worker: answer (index, spec, response, answer) messages with (index, reward or error)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
+    if parent_pid is not None:
+        _die_with_parent(parent_pid)
     import math_verify  # noqa: F401  (warm import before announcing readiness)
 
     conn.send("ready")
@@ -214,11 +348,25 @@ def _worker_loop(conn) -> None:
             conn.send((index, 0.0, f"{type(e).__name__}: {e}"))
 
 
+@contextlib.contextmanager
+def _main_hidden():
+    """Start processes without the caller's `__main__`: forkserver and spawn would re-import it
+    in the child (running a guard-less script's top level again)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 class _Worker:
     def __init__(self, ctx):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_loop, args=(child,), daemon=True)
-        self.process.start()
+        self.process = ctx.Process(target=_worker_loop, args=(child, os.getpid()), daemon=True)
+        with _main_hidden():
+            self.process.start()
         child.close()
         self.ready = False
         self.item: int | None = None
@@ -260,9 +408,7 @@ class RewardPool:
                 except EOFError:
                     w.process.join(5)
                     raise RuntimeError(
-                        f"reward worker exited during start-up (exit code {w.process.exitcode}); "
-                        "spawned workers re-import the main script, so guard it with "
-                        "`if __name__ == '__main__':`"
+                        f"reward worker exited during start-up (exit code {w.process.exitcode})"
                     ) from None
 
     def map(
@@ -280,6 +426,11 @@ class RewardPool:
             fn = "math"
         if isinstance(fn, str):
             get_reward(fn)  # a bad name fails here, not in every worker
+        elif getattr(fn, "__module__", None) == "__main__":
+            raise ValueError(
+                f"reward {fn!r} is defined in __main__, which worker processes never import; "
+                "define it in a module and pass it (or its import path 'pkg.module:fn')"
+            )
         else:
             try:
                 pickle.dumps(fn)

@@ -12,10 +12,11 @@ import os
 import sys
 import time
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Ablation grid config.")
+from ebpo_jax import cli
+
+_CONFIG = cli.define_config("config", None, "Ablation grid config.")
 _WORKERS = flags.DEFINE_integer("workers", 1, "Runs trained at once, one process each (CPU).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the runs and their state; train nothing.")
 _PLOTS_ONLY = flags.DEFINE_bool("plots_only", False, "Only collect results and plot.")
@@ -207,4 +208,4 @@ if __name__ == "__main__":
     from ebpo_jax.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
-    app.run(main)
+    cli.run(main)

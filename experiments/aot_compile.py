@@ -14,10 +14,11 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Training config.", lock_config=True)
+from ebpo_jax import cli
+
+_CONFIG = cli.define_config("config", None, "Training config.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 4096, "Padded prompt width (max prompt tokens).")
 _SAMPLER_PROMPTS = flags.DEFINE_integer(
@@ -75,4 +76,4 @@ if __name__ == "__main__":
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main)

@@ -11,7 +11,9 @@ Needs the [cluster] extra.
 import dataclasses
 from collections import Counter
 
-from absl import app, flags
+from absl import flags
+
+from ebpo_jax import cli
 
 _DATA = flags.DEFINE_string("data", None, "Dataset file or folder.")
 _SCHEMA = flags.DEFINE_string("schema", "record", "Schema name (ebpo_jax.data.SCHEMAS).")
@@ -37,4 +39,4 @@ if __name__ == "__main__":
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["data", "out"])
-    app.run(main)
+    cli.run(main)

@@ -10,7 +10,9 @@ import json
 import os
 import shutil
 
-from absl import app, flags
+from absl import flags
+
+from ebpo_jax import cli
 
 _SRC = flags.DEFINE_string("src", None, "HF checkpoint folder, or params (.npz / orbax folder).")
 _DST = flags.DEFINE_string("dst", None, "Output: params (.npz / orbax folder) or HF folder.")
@@ -150,4 +152,4 @@ if __name__ == "__main__":
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["src", "dst"])
-    app.run(main)
+    cli.run(main)

@@ -8,7 +8,9 @@ column; train on it with schema "record" and order "difficulty".
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from ebpo_jax import cli
 
 _MODEL = flags.DEFINE_string("model", None, "Local HF checkpoint folder (the base policy).")
 _CKPT = flags.DEFINE_string("checkpoint", None, "Trainer workdir: use its latest params instead.")
@@ -72,4 +74,4 @@ if __name__ == "__main__":
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["model", "data", "out"])
-    app.run(main)
+    cli.run(main)

@@ -13,6 +13,8 @@ import time
 
 from absl import app, flags
 
+from ebpo_jax import cli
+
 _MODEL = flags.DEFINE_string(
     "model", None, "Local HF checkpoint folder (config, weights, tokenizer)."
 )
@@ -40,14 +42,21 @@ def run(argv=None) -> dict:
     from ebpo_jax import evaluation, policy_eval
     from ebpo_jax.data import load_records
 
-    model_config, params, tokenizer = policy_eval.load_policy(_MODEL.value, checkpoint=_CKPT.value)
-    results = {}
+    # Every path and benchmark file is checked before the model loads (and nothing is created).
+    policy_eval.check_policy_paths(_MODEL.value, _CKPT.value)
+    benchmarks = []
     for spec in _BENCH.value:
         parts = spec.split(":", 2)
         if len(parts) != 3:
             raise app.UsageError(f"benchmark {spec!r} is not name:schema:path")
         name, schema, path = parts
-        records = load_records(path, schema, limit=_LIMIT.value)
+        benchmarks.append((name, load_records(path, schema, limit=_LIMIT.value)))
+    out = _OUT.value or os.path.join(_CKPT.value or _MODEL.value, "eval.json")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+        raise FileNotFoundError(f"--out={out}: folder {os.path.dirname(out)} does not exist")
+    model_config, params, tokenizer = policy_eval.load_policy(_MODEL.value, checkpoint=_CKPT.value)
+    results = {}
+    for name, records in benchmarks:
         t0 = time.time()
         responses = policy_eval.sample_responses(
             model_config,
@@ -69,7 +78,6 @@ def run(argv=None) -> dict:
         )
         print(f"{name}: {len(records)} problems x {_K.value} samples in {time.time() - t0:.0f} s")
     print(evaluation.format_table(results))
-    out = _OUT.value or os.path.join(_CKPT.value or _MODEL.value, "eval.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {out}")
@@ -86,4 +94,4 @@ if __name__ == "__main__":
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["model", "benchmarks"])
-    app.run(main)
+    cli.run(main)

@@ -2,11 +2,12 @@
 
 import os
 
-from absl import app, logging
-from ml_collections import config_flags
+from absl import logging
+
+from ebpo_jax import cli
 
 _DEFAULT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs", "tiny.py")
-_CONFIG = config_flags.DEFINE_config_file("config", os.path.normpath(_DEFAULT), "Training config.")
+_CONFIG = cli.define_config("config", os.path.normpath(_DEFAULT), "Training config.")
 
 
 def main(argv):
@@ -32,4 +33,4 @@ if __name__ == "__main__":
     from ebpo_jax.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
-    app.run(main)
+    cli.run(main)

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
+from ebpo_jax.checkpoint import Checkpointer, CheckpointError, PreemptionGuard, list_steps
 
 
 def _tree(seed: int = 0):
@@ -171,3 +171,81 @@ def test_signal_sets_flag_and_handlers_are_restored(signum):
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signum) is before
+
+
+# Issue 22: corrupt latest steps are named and skipped; a flipped byte is caught.
+def _three_steps(directory):
+    with Checkpointer(directory, max_to_keep=None) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": np.arange(256, dtype=np.float32) + step}, {"step": step})
+
+
+def _biggest_file(step_dir):
+    files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir / "state") for f in fs]
+    return max(files, key=os.path.getsize)
+
+
+def _corrupt_flip(step_dir):
+    path = _biggest_file(step_dir)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def _corrupt_json(step_dir):
+    (step_dir / "extra" / "metadata").write_text('{"step": 3')
+
+
+def _corrupt_missing_arrays(step_dir):
+    shutil.rmtree(step_dir / "state")
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_flip, _corrupt_json, _corrupt_missing_arrays])
+def test_corrupt_latest_step_falls_back_to_the_previous(tmp_path, corrupt):
+    directory = tmp_path / "checkpoints"
+    _three_steps(directory)
+    corrupt(directory / "3")
+    lines = []
+    with Checkpointer(directory) as ck:
+        step, tree, extra = ck.restore_intact({"w": np.zeros(256, np.float32)}, log=lines.append)
+        assert step == 2 and extra == {"step": 2}
+        np.testing.assert_array_equal(tree["w"], np.arange(256, dtype=np.float32) + 2)
+        assert len(lines) == 1 and "step 3" in lines[0] and "falling back to step 2" in lines[0]
+        # The corrupt step is moved aside, so the run can save step 3 again.
+        assert ck.all_steps() == [1, 2]
+        assert ck.save(3, {"w": np.ones(256, np.float32)}, {"step": 3})
+    assert len(os.listdir(tmp_path / "checkpoints.corrupt")) == 1
+
+
+def test_flipped_byte_is_caught_by_restore(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _three_steps(directory)
+    _corrupt_flip(directory / "3")
+    with Checkpointer(directory) as ck, pytest.raises(CheckpointError, match="step 3.*SHA-256"):
+        ck.restore(3, {"w": np.zeros(256, np.float32)})
+
+
+def test_stray_empty_step_folder_is_skipped(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _three_steps(directory)
+    os.makedirs(directory / "99")
+    lines = []
+    with Checkpointer(directory) as ck:
+        got = ck.restore_intact({"w": np.zeros(256, np.float32)}, log=lines.append)
+    assert got[0] == 3
+    assert len(lines) == 1 and "step 99" in lines[0] and "falling back to step 3" in lines[0]
+    assert list_steps(str(directory)) == [1, 2, 3]
+
+
+def test_no_intact_step_names_every_fault(tmp_path):
+    directory = tmp_path / "checkpoints"
+    _three_steps(directory)
+    for step in (1, 2, 3):
+        _corrupt_json(directory / str(step))
+    with Checkpointer(directory) as ck, pytest.raises(CheckpointError) as err:
+        ck.restore_intact({"w": np.zeros(256, np.float32)}, log=lambda _: None)
+    assert all(f"step {s}" in str(err.value) for s in (1, 2, 3))
+    with Checkpointer(tmp_path / "empty") as ck:
+        assert ck.restore_intact(log=lambda _: None) is None

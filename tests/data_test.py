@@ -175,7 +175,7 @@ def test_bad_input(tmp_path):
     with pytest.raises(DataError, match="unsupported file type"):
         data.load_records(str(tmp_path / "x.csv"), "gsm8k")
     (tmp_path / "broken.jsonl").write_text("{not json\n")
-    with pytest.raises(DataError, match="cannot read .*broken.jsonl"):
+    with pytest.raises(DataError, match=r"broken\.jsonl: line 1, column 2: malformed JSON"):
         data.load_records(str(tmp_path / "broken.jsonl"), "gsm8k")
     bad_level = write_jsonl(
         tmp_path / "lv.jsonl", [{"prompt": "p", "answer": "1", "difficulty": "hard"}]
@@ -437,3 +437,142 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
         lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), state.params, params0
     )
     assert max(jax.tree.leaves(moved)) > 0
+
+
+# Issue 22: every bad file names file, line/row and field, in one line.
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b'{"question": "q", "answer": "#### 1"}\n{"question": "\xff\xfe", "answer": "#### 2"}\n',
+            r"bad\.jsonl: line 2, column 15: byte 0xff is not UTF-8 text",
+        ),
+        (
+            b'{"question": "q", "answer": "#### 1"}\n{"question": "q2", "answer": \n',
+            r"bad\.jsonl: line 2, column \d+: malformed JSON",
+        ),
+        (b"", r"bad\.jsonl: empty file"),
+        (b"  \n\n", r"bad\.jsonl: empty file"),
+        (
+            b'{"question": "q", "answer": "#### 1"}\n[1, 2]\n',
+            r"bad\.jsonl: line 2 is not a JSON object",
+        ),
+    ],
+    ids=["non-utf8", "malformed", "empty", "blank", "not-object"],
+)
+def test_bad_files_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message) as err:
+        data.load_records(str(path), "gsm8k")
+    assert "\n" not in str(err.value)
+
+
+def test_json_array_and_field_files(tmp_path):
+    rows = [{"question": "q", "answer": "#### 1"}, {"question": "r", "answer": "#### 2"}]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=2))
+    assert [r.answer for r in data.load_records(str(tmp_path / "a.json"), "gsm8k")] == ["1", "2"]
+    (tmp_path / "f.json").write_text(json.dumps({"data": rows}))
+    got = data.load_records(str(tmp_path / "f.json"), "gsm8k", field="data")
+    assert [r.prompt for r in got] == ["q", "r"]
+    (tmp_path / "b.json").write_text('[{"question": "q",\n "answer": }]')
+    with pytest.raises(DataError, match=r"b\.json: line 2, column 12: malformed JSON"):
+        data.load_records(str(tmp_path / "b.json"), "gsm8k")
+    with pytest.raises(DataError, match=r"f\.json: no top-level field 'rows'"):
+        data.load_records(str(tmp_path / "f.json"), "gsm8k", field="rows")
+
+
+def test_duplicate_ids_with_conflicting_answers(tmp_path):
+    rows = [
+        {"prompt": "p", "answer": "1", "id": "a"},
+        {"prompt": "p", "answer": "1.0", "id": "a"},  # the same answer, written differently: fine
+        {"prompt": "q", "answer": "2", "id": "b"},
+        {"prompt": "p", "answer": "3", "id": "a"},
+    ]
+    path = write_jsonl(tmp_path / "dup.jsonl", rows)
+    with pytest.raises(
+        DataError, match=r"dup\.jsonl row 3: id 'a' repeats .*dup\.jsonl row 0 with another answer"
+    ):
+        data.load_records(path, "record")
+    assert len(data.load_records(write_jsonl(tmp_path / "ok.jsonl", rows[:3]), "record")) == 3
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A tiny random Llama written by models.to_hf in two shards (so it has an index)."""
+    import jax
+
+    from ebpo_jax import models
+    from ebpo_jax.models.model import init_params
+
+    config = models.get_config(
+        "tiny",
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
+    path = tmp_path_factory.mktemp("hf") / "model"
+    models.to_hf(config, init_params(config, jax.random.key(0)), str(path), max_shard_bytes=4096)
+    return path
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_hf_config_missing_a_field_is_named(hf_folder, tmp_path):
+    from ebpo_jax import models
+    from ebpo_jax.models.hf import HFCheckpointError
+
+    folder = _copy(hf_folder, tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["num_attention_heads"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        HFCheckpointError, match=r"config\.json: field num_attention_heads is missing"
+    ):
+        models.from_hf(str(folder))
+    (folder / "config.json").write_bytes(b'{"model_type": "llama",\xff}')
+    with pytest.raises(HFCheckpointError, match=r"config\.json: not a JSON object"):
+        models.from_hf(str(folder))
+
+
+def test_hf_index_cannot_point_outside_the_folder(hf_folder, tmp_path):
+    from ebpo_jax import models
+    from ebpo_jax.models.hf import HFCheckpointError
+
+    folder = _copy(hf_folder, tmp_path / "m")
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    name, file = next(iter(index["weight_map"].items()))
+    (tmp_path / "x.safetensors").write_bytes((folder / file).read_bytes())  # a real file outside
+    for outside in ("../x.safetensors", str(tmp_path / "x.safetensors")):
+        index["weight_map"][name] = outside
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(HFCheckpointError, match="outside the checkpoint folder"):
+            models.from_hf(str(folder))
+    # A symlink inside the folder that leads out is refused too.
+    (folder / "link.safetensors").symlink_to(tmp_path / "x.safetensors")
+    index["weight_map"][name] = "link.safetensors"
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(HFCheckpointError, match="outside the checkpoint folder"):
+        models.from_hf(str(folder))
+
+
+def test_eval_checkpoint_typo_creates_nothing(hf_folder, tmp_path):
+    from ebpo_jax import policy_eval
+
+    typo = tmp_path / "runs" / "typo"
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint=.*typo: not a trainer workdir"):
+        policy_eval.load_policy(str(hf_folder), checkpoint=str(typo))
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(FileNotFoundError, match=r"--model=.*: not a local HF folder"):
+        policy_eval.check_policy_paths(str(tmp_path / "nope"))

@@ -114,3 +114,99 @@ def test_progress_bar_shows_reward_pass_rate_and_speed(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "reward=0.75" in err and "pass@1=0.250" in err and "tok/s=2e+03" in err
+
+
+# Issue 22: torn files, failing sinks, missing values, samples, W&B.
+def test_torn_last_line_is_dropped_with_a_warning(tmp_path):
+    path = tmp_path / M.METRICS_FILE
+    path.write_bytes(b'{"step": 0, "r": 1.0}\n{"step": 1, "r": 2.0}\n{"step": 2, "r\xff')
+    warnings = []
+    assert M.read_metrics(str(tmp_path), log=warnings.append) == [
+        {"step": 0, "r": 1.0},
+        {"step": 1, "r": 2.0},
+    ]
+    assert len(warnings) == 1 and str(path) in warnings[0] and "line 3" in warnings[0]
+    # A resumed writer keeps the intact lines and appends after them.
+    with M.MetricsWriter(str(tmp_path), start_step=2, tensorboard=False, log=warnings.append) as w:
+        w.write(2, {"r": 3.0})
+    assert [r["step"] for r in M.read_metrics(str(tmp_path))] == [0, 1, 2]
+
+
+def test_bad_middle_line_names_file_and_line(tmp_path):
+    path = tmp_path / M.METRICS_FILE
+    path.write_text('{"step": 0}\n{"step": 1,\n{"step": 2}\n')
+    with pytest.raises(M.MetricsError, match=rf"{path}: line 2"):
+        M.read_metrics(str(path))
+
+
+def test_progress_bar_and_writer_tolerate_missing_values(tmp_path, capsys):
+    bar = M.ProgressBar(total=3, disable=False)
+    bar.update(0, {"reward/mean": None, "perf/tokens_per_s": float("nan"), "eval/pass@1": None})
+    bar.update(1, {"reward/mean": jnp.float32(jnp.nan), "eval/pass@1": float("inf")})
+    bar.close()
+    assert "reward=nan" in capsys.readouterr().err
+    with M.MetricsWriter(str(tmp_path)) as w:
+        assert w.write(0, {"reward/mean": None, "actor/kl": float("nan")})["actor/kl"] is None
+    assert M.format_value(None) == "nan" and M.format_value(0.25, ".2f") == "0.25"
+
+
+def test_failing_tensorboard_degrades_to_jsonl_with_one_warning(tmp_path):
+    warnings = []
+    with M.MetricsWriter(str(tmp_path), log=warnings.append) as w:
+
+        def full(*_):
+            raise OSError(28, "No space left on device")
+
+        w._tb._writer.write_event = full  # what a full disk does to the event file
+        for s in range(3):
+            w.write(s, {"reward/mean": 0.5})
+    assert len(warnings) == 1 and "TensorBoard" in warnings[0] and "No space" in warnings[0]
+    assert [r["step"] for r in M.read_metrics(str(tmp_path))] == [0, 1, 2]
+
+
+def test_failing_metrics_write_is_one_line_naming_the_file(tmp_path):
+    w = M.MetricsWriter(str(tmp_path), tensorboard=False)
+    w._file.close()
+    w._file = open("/dev/full", "a")  # noqa: SIM115  every flush fails with ENOSPC
+    with pytest.raises(M.MetricsError, match=rf"cannot write {tmp_path}/metrics.jsonl: No space"):
+        w.write(0, {"reward/mean": 1.0})
+    w.close()
+
+
+def test_unwritable_workdir_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(M.MetricsError, match="cannot write"):
+        M.MetricsWriter(str(tmp_path / "file" / "run"))
+
+
+def test_samples_written_and_trimmed_on_resume(tmp_path):
+    with M.MetricsWriter(str(tmp_path)) as w:
+        for s in range(3):
+            w.write_samples(s, ["1+1="] * 2, ["2", "3"], [1.0, 0.0], [0.5, float("nan")])
+    rows = M.read_jsonl(str(tmp_path / M.SAMPLES_FILE))
+    assert len(rows) == 6 and rows[1] == {
+        "step": 0,
+        "prompt": "1+1=",
+        "completion": "3",
+        "reward": 0.0,
+        "advantage": None,
+    }
+    with M.MetricsWriter(str(tmp_path), start_step=1) as w:
+        pass
+    assert [r["step"] for r in M.read_jsonl(str(tmp_path / M.SAMPLES_FILE))] == [0, 0]
+    with pytest.raises(ValueError, match="differ in length"):
+        M.NullWriter().write_samples(0, [], [], [])  # no-op on other processes
+        w.write_samples(0, ["a"], ["b", "c"], [1.0, 0.0])
+
+
+def test_wandb_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    opts = {"project": "ebpo-test", "mode": "offline", "entity": "", "name": ""}
+    with M.MetricsWriter(str(tmp_path), wandb=opts, run_config={"lr": 1e-3}) as w:
+        w.write(0, {"reward/mean": 0.5})
+        w.write_samples(0, ["p"], ["c"], [1.0], [0.0])
+    run_id = (tmp_path / M.WANDB_ID_FILE).read_text().strip()
+    runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
+    assert len(runs) == 1 and glob.glob(os.path.join(runs[0], "*.wandb"))

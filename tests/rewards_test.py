@@ -1,5 +1,8 @@
 """Math rewards: a table of equivalent/wrong/garbage answers, the timeout, the registry."""
 
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -163,3 +166,109 @@ def test_math_reward_default_pool(pool):
     assert rewards.math_reward("Answer: 3", "4") == 0.0
     got = rewards.math_rewards(["Answer: 1", "Answer: 2"], ["1", "1"], timeout_s=10.0, workers=2)
     assert got.tolist() == [1.0, 0.0]
+
+
+# Issue 22: the answer is compared whole; a parse that drops part of it scores 0.
+GAMING = [
+    ("Answer: 1+x", "1"),
+    ("Answer: 1+__import__('os')", "1"),
+    (r"\boxed{1+__import__('os')}", "1"),
+    ("Answer: 1 or 2 or 3", "1"),
+    ("The answer is 1.", "1"),  # no "Answer:" and no \boxed: nothing to compare
+    ("Answer: 1\nbut really 2", "2"),  # the answer is the rest of its line, not the tail
+]
+
+
+def test_partial_answers_score_zero(pool):
+    responses, answers = zip(*GAMING)
+    for name in ("math", "math_verify", "answer_match"):
+        got = pool.map(name, responses, answers, timeout_s=20.0)
+        assert got.tolist() == [0.0] * len(GAMING), (name, got)
+    # The same answers, whole, still score.
+    assert pool.map("math", ["Answer: 1", r"\boxed{x+1}"], ["1", "1+x"]).tolist() == [1.0, 1.0]
+
+
+def test_extract_answer_takes_the_last_marker_whole():
+    assert rewards.extract_answer("Answer: 2. Final answer: 3") == "3"
+    assert rewards.extract_answer("Answer: 1+x\nthanks") == "1+x"
+    assert rewards.extract_answer("Answer:   \n") is None
+    assert rewards.final_answer("Answer: " + "1" * (rewards.MAX_ANSWER_CHARS + 1)) is None
+
+
+def test_normalisation_is_linear_time():
+    # The old trailing-units regex took 13.7 s on 4,000 units (quadratic).
+    for text in ("5" + " cm" * 50_000, "5" + " cm" * 50_000 + " x", "\\text{" * 50_000 + "5"):
+        t0 = time.perf_counter()
+        rewards.normalize_answer(text)
+        assert time.perf_counter() - t0 < 1.0
+    assert rewards.strip_trailing_units("5 m^{2}") == "5"
+    assert rewards.strip_trailing_units("x+m") == "x+m"  # "m" after an operator is a variable
+    assert rewards.strip_text_macros(r"\text{\textbf{(A)}} {b}") == "(A) {b}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_workers_die_with_the_parent(tmp_path):
+    # The workers are busy on a reward that never returns when the owner is SIGKILLed.
+    (tmp_path / "spin.py").write_text("def spin(r, a):\n    while True:\n        pass\n")
+    script = tmp_path / "owner.py"
+    script.write_text(
+        "from ebpo_jax import rewards\n"
+        "if __name__ == '__main__':\n"
+        "    pool = rewards.RewardPool(2)\n"
+        "    pool.wait_ready()\n"
+        "    print(' '.join(str(w.process.pid) for w in pool._workers), flush=True)\n"
+        "    pool.map('spin:spin', ['a', 'b'], ['a', 'b'], timeout_s=600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        time.sleep(1.0)  # both items sent: the workers spin
+    finally:
+        proc.kill()  # SIGKILL: no atexit, no close()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_math_reward_from_a_script_without_main_guard(tmp_path):
+    # forkserver/spawn re-import the caller's __main__ unless it is hidden from them.
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "from ebpo_jax import rewards\n"
+        "print('TOP LEVEL RAN', flush=True)\n"
+        "print(rewards.math_reward('Answer: 0.5', '1/2'), flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["TOP", "LEVEL", "RAN", "1.0"], out.stdout
+
+
+def test_reward_defined_in_main_is_refused(pool):
+    def fn(r, a):
+        return 1.0
+
+    fn.__module__ = "__main__"
+    with pytest.raises(ValueError, match="defined in __main__"):
+        pool.map(fn, ["a"], ["a"])

@@ -2,7 +2,11 @@
 
 Local files are the default and all that tests use. A hub name ("HuggingFaceH4/MATH-500")
 is only tried with `hub=True`, so a mistyped local path fails with "not found" rather than
-a network call. Hub names the schemas were written for:
+a network call. JSON and JSON Lines files are parsed here with the standard library rather
+than by `datasets`, whose errors for a bad byte, a malformed line or an empty file name
+neither the file nor the line ("An error occurred while generating the dataset",
+`StopIteration`); parquet files go through `datasets`. Rows sharing an id must share the
+answer. Hub names the schemas were written for:
     gsm8k: openai/gsm8k (config "main")      math500: HuggingFaceH4/MATH-500 (split "test")
     math: EleutherAI/hendrycks_math           aime2024: HuggingFaceH4/aime_2024
     aime2025: yentinglin/aime_2025            amc23: math-ai/amc23
@@ -36,10 +40,74 @@ def _files(source: str) -> list[str]:
     return [source]
 
 
+def _decode(path: str, data: bytes) -> str:
+    """UTF-8 text of a file; DataError naming the line and column of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise DataError(
+            f"{path}: line {line}, column {column}: byte 0x{data[e.start]:02x} is not UTF-8 text"
+        ) from None
+
+
+def _json_rows(path: str, field: str | None) -> list[Mapping[str, Any]]:
+    """Rows of a JSON array / object (`field`: its key holding the rows) or JSON Lines file."""
+    with open(path, "rb") as f:
+        text = _decode(path, f.read())
+    if not text.strip():
+        raise DataError(f"{path}: empty file")
+    head = text.lstrip()[:1]
+    whole = None
+    if head == "[" or field:
+        try:
+            whole = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"{path}: line {e.lineno}, column {e.colno}: malformed JSON ({e.msg})"
+            ) from None
+    if field:
+        if not isinstance(whole, dict) or field not in whole:
+            raise DataError(f"{path}: no top-level field {field!r} holding the rows")
+        whole = whole[field]
+    if whole is not None:
+        if not isinstance(whole, list):
+            raise DataError(f"{path}: expected a list of rows, got {type(whole).__name__}")
+        rows, lines = whole, None
+    else:  # JSON Lines (one object per line; a one-object .json file is one row)
+        rows, lines = [], []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if n == 1 and head == "{":  # maybe one pretty-printed object
+                    try:
+                        return [_object(path, json.loads(text), None, 0)]
+                    except json.JSONDecodeError:
+                        pass
+                raise DataError(
+                    f"{path}: line {n}, column {e.colno}: malformed JSON ({e.msg})"
+                ) from None
+            lines.append(n)
+    return [_object(path, r, None if lines is None else lines[i], i) for i, r in enumerate(rows)]
+
+
+def _object(path: str, row: Any, line: int | None, index: int) -> Mapping[str, Any]:
+    if not isinstance(row, dict):
+        where = f"line {line}" if line is not None else f"row {index}"
+        raise DataError(f"{path}: {where} is not a JSON object ({type(row).__name__})")
+    return row
+
+
 def _rows_of_file(path: str, field: str | None) -> Iterable[Mapping[str, Any]]:
+    builder = FORMATS[os.path.splitext(path)[1].lower()]
+    if builder == "json":
+        return _json_rows(path, field)
     import datasets  # slow import, only when loading
 
-    builder = FORMATS[os.path.splitext(path)[1].lower()]
     kwargs = {"field": field} if field and builder == "json" else {}
     try:
         return datasets.load_dataset(builder, data_files=path, split="train", **kwargs)
@@ -74,15 +142,31 @@ def load_records(
         raise FileNotFoundError(
             f"dataset {source!r} not found (pass hub=True to load a hub dataset by name)"
         )
-    records = []
+    records, where = [], []
     for name, rows in sources:
         for i, row in enumerate(rows):
             if limit is not None and len(records) >= limit:
                 break
             records.append(to_record(row, schema, source=name, row_index=i))
+            where.append(f"{name} row {i}")
     if not records:
         raise DataError(f"dataset {source!r} (split {split!r}) is empty")
+    check_duplicate_ids(records, where)
     return records
+
+
+def check_duplicate_ids(records: Sequence[Record], where: Sequence[str]) -> None:
+    """DataError if two records share an id but not the answer (`where[i]`: file and row)."""
+    from ebpo_jax.rewards import normalize_answer
+
+    first: dict[str, int] = {}
+    for i, r in enumerate(records):
+        j = first.setdefault(r.id, i)
+        if j != i and normalize_answer(records[j].answer) != normalize_answer(r.answer):
+            raise DataError(
+                f"{where[i]}: id {r.id!r} repeats {where[j]} with another answer "
+                f"({r.answer!r} vs {records[j].answer!r}; field 'answer')"
+            )
 
 
 def save_records(records: Sequence[Record], path: str, **extra_columns: Sequence[Any]) -> None:

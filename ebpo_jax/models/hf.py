@@ -79,6 +79,10 @@ def _to_hf_layout(layout, w):
     return w.transpose(2, 0, 1).reshape(D, H * Dh)
 
 
+class HFCheckpointError(ValueError):
+    """A checkpoint folder's config.json, index or tensors are unusable; names file and field."""
+
+
 def _dtype_name(dtype) -> str:
     name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
     if name not in _NP_DTYPES:
@@ -90,21 +94,38 @@ def config_from_hf_dict(hf: dict, *, dtype=None, source="config.json") -> ModelC
     """ModelConfig from a transformers config dict (rope_parameters or rope_theta/rope_scaling)."""
     model_type = hf.get("model_type")
     if model_type not in _ARCHITECTURES:
-        raise ValueError(
+        raise HFCheckpointError(
             f"{source}: model_type {model_type!r} unsupported; expected one of {sorted(_ARCHITECTURES)}"
         )
     for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
         if hf.get(flag):
-            raise ValueError(f"{source}: {flag}=true is not supported")
+            raise HFCheckpointError(f"{source}: {flag}=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act={hf['hidden_act']!r} unsupported (only silu)")
+        raise HFCheckpointError(
+            f"{source}: hidden_act={hf['hidden_act']!r} unsupported (only silu)"
+        )
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     if "type" in rope and "rope_type" not in rope:
         rope["rope_type"] = rope.pop("type")
     theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", "default")
     if rope_type not in ("default", "llama3"):
-        raise ValueError(f"{source}: rope_type {rope_type!r} unsupported (default or llama3)")
+        raise HFCheckpointError(
+            f"{source}: rope_type {rope_type!r} unsupported (default or llama3)"
+        )
+    required = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    )
+    missing = [k for k in required if not isinstance(hf.get(k), int) or hf[k] < 1]
+    if missing:
+        raise HFCheckpointError(
+            f"{source}: field {missing[0]} is missing or not a positive integer "
+            f"(got {hf.get(missing[0])!r})"
+        )
     heads = hf["num_attention_heads"]
     if dtype is None:
         dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
@@ -166,15 +187,45 @@ def _param_paths(config):
     return paths, [leaf for _, leaf in flat], treedef
 
 
+def _inside(folder: str, name: str, source: str) -> str:
+    """`folder/name`, refusing a name that leaves the folder ("../x", "/abs", a symlink out)."""
+    root = os.path.realpath(folder)
+    file = os.path.realpath(os.path.join(folder, name))
+    if os.path.isabs(name) or os.path.commonpath([root, file]) != root:
+        raise HFCheckpointError(
+            f"{source}: weight file {name!r} is outside the checkpoint folder {folder}"
+        )
+    return os.path.join(folder, name)
+
+
+def _read_index(index: str) -> dict[str, str]:
+    """The weight_map of a safetensors index file, every entry a file name inside its folder."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HFCheckpointError(
+            f"{index}: not a safetensors index with a weight_map ({e})"
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise HFCheckpointError(f"{index}: weight_map is not an object")
+    folder = os.path.dirname(index)
+    for tensor, file in weight_map.items():
+        if not isinstance(file, str):
+            raise HFCheckpointError(f"{index}: weight_map[{tensor!r}] is not a file name")
+        _inside(folder, file, f"{index}: weight_map[{tensor!r}]")
+    return weight_map
+
+
 class _Reader:
     """Resolves HF tensor names to files (index.json or single file) and reads them lazily."""
 
     def __init__(self, path, stack: ExitStack):
         self.path, self.stack, self.handles = path, stack, {}
+        self.source = path  # what names a bad weight file (the index, once read)
         index = os.path.join(path, _INDEX)
         if os.path.exists(index):
-            with open(index) as f:
-                self.weight_map = json.load(f)["weight_map"]
+            self.weight_map = _read_index(index)
             self.source = index
         else:
             files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -188,7 +239,7 @@ class _Reader:
 
     def _open(self, name):
         if name not in self.handles:
-            file = os.path.join(self.path, name)
+            file = _inside(self.path, name, self.source)
             if not os.path.exists(file):
                 raise FileNotFoundError(f"{file} (listed in {_INDEX}) does not exist")
             self.handles[name] = self.stack.enter_context(safe_open(file, framework="numpy"))
@@ -196,16 +247,16 @@ class _Reader:
 
     def read(self, name, expected_shape, np_dtype):
         if name not in self.weight_map:
-            raise KeyError(f"tensor {name} missing from checkpoint {self.path} ({self.source})")
+            raise HFCheckpointError(f"{self.source}: tensor {name} is missing")
         file = self.weight_map[name]
         where = f"{os.path.join(self.path, file)}: tensor {name}"
         tensor = self._open(file).get_slice(name)
         if tuple(tensor.get_shape()) != tuple(expected_shape):
-            raise ValueError(
+            raise HFCheckpointError(
                 f"{where} has shape {tuple(tensor.get_shape())}, expected {expected_shape}"
             )
         if tensor.get_dtype() not in _LOADABLE:
-            raise ValueError(
+            raise HFCheckpointError(
                 f"{where} has dtype {tensor.get_dtype()}; only {_LOADABLE} can be loaded"
             )
         return self._open(file).get_tensor(name).astype(np_dtype, copy=False)
@@ -220,8 +271,14 @@ def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfi
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{config_file} not found")
-    with open(config_file) as f:
-        config = config_from_hf_dict(json.load(f), dtype=dtype, source=config_file)
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise HFCheckpointError(f"{config_file}: not a JSON object ({e})") from None
+    if not isinstance(raw, dict):
+        raise HFCheckpointError(f"{config_file}: not a JSON object")
+    config = config_from_hf_dict(raw, dtype=dtype, source=config_file)
     np_dtype = _NP_DTYPES[config.param_dtype]
     paths, leaves, treedef = _param_paths(config)
     if mesh is None:
@@ -236,7 +293,9 @@ def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfi
         patterns = [name.split("{i}") for name in known | {_TENSORS[p][0] for p in paths}]
         for name in reader.weight_map:
             if not any(name.startswith(p[0]) and name.endswith(p[-1]) for p in patterns):
-                raise ValueError(f"{path}: unexpected tensor {name} ({reader.weight_map[name]})")
+                raise HFCheckpointError(
+                    f"{path}: unexpected tensor {name} ({reader.weight_map[name]})"
+                )
         out = []
         for ours, leaf, placement in zip(paths, leaves, placements):
             name, layout = _TENSORS[ours]

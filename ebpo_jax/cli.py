@@ -1,0 +1,125 @@
+"""Command-line entry points: bad input becomes `error: <one line>` and exit status 2; a run
+that cannot go on (workdir in use or unwritable, disk full, no intact checkpoint) exit 1.
+
+ml_collections parses `--config.field=value` overrides while the flag is defined (no
+--config given) or while absl parses argv (--config given), and reports a misspelt field
+as a chain of three AttributeError/KeyError tracebacks. `define_config` and `run` turn
+those, and `ConfigError` / `DataError` raised by the program, into one line.
+"""
+
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+EXIT_USAGE = 2
+
+
+def fail(message: str, status: int = EXIT_USAGE) -> NoReturn:
+    """Print `error: message` to stderr and exit with `status` (2: bad input) and no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(status)
+
+
+def _field_error(e: BaseException) -> str:
+    """One line from ml_collections' missing-field errors: "unknown config field 'x' (...)"."""
+    while e.args and isinstance(e.args[0], BaseException):  # AttributeError(KeyError(text))
+        e = e.args[0]
+    text = str(e.args[0]) if e.args else str(e)
+    m = re.match(r"'([\w.]+)'\s*(.*)", text.strip(), re.DOTALL)
+    if m:
+        hint = f" ({' '.join(m.group(2).split())})" if m.group(2).strip() else ""
+        return f"unknown config field '{m.group(1)}'{hint}"
+    return " ".join(text.split())
+
+
+def _override_names(argv: list[str], flag: str) -> list[str]:
+    """The `--<flag>.x.y` overrides on the command line, as "x.y"."""
+    pattern = re.compile(rf"^--?(?:no)?{re.escape(flag)}\.([\w.]+)")
+    return [m.group(1) for a in argv if (m := pattern.match(a))]
+
+
+def config_error_line(e: BaseException, argv: list[str], flag: str = "config") -> str:
+    """The message for an exception raised while parsing `--config.*` flags."""
+    from ebpo_jax.config import ConfigError
+
+    if isinstance(e, ConfigError):
+        return str(e)
+    line = _field_error(e)
+    names = _override_names(argv, flag)
+    if isinstance(e, AttributeError | KeyError) and names:
+        # Name the whole dotted override the user typed, not only its last component.
+        leaf = re.match(r"unknown config field '([\w.]+)'", line)
+        hits = [n for n in names if leaf and n.split(".")[-1] == leaf.group(1)]
+        if hits:
+            line = line.replace(f"'{leaf.group(1)}'", f"'{flag}.{hits[-1]}'", 1)
+    return line
+
+
+def define_config(name: str, default: str, help_string: str):
+    """config_flags.DEFINE_config_file whose override errors are one line and exit 2."""
+    from ml_collections import config_flags
+
+    try:
+        return config_flags.DEFINE_config_file(name, default, help_string)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        fail(config_error_line(e, sys.argv, name))
+
+
+EXIT_FAILURE = 1
+
+
+def _usage_errors() -> tuple[type[BaseException], ...]:
+    """Bad input (exit 2): config fields, data files, model checkpoint folders."""
+    from ebpo_jax.config import ConfigError
+    from ebpo_jax.data import DataError
+    from ebpo_jax.models.hf import HFCheckpointError
+
+    return (ConfigError, DataError, HFCheckpointError)
+
+
+def _run_errors() -> tuple[type[BaseException], ...]:
+    """A run that cannot go on (exit 1): its folder, metrics or checkpoints, or a failed write."""
+    from ebpo_jax.checkpoint import CheckpointError
+    from ebpo_jax.metrics import MetricsError
+    from ebpo_jax.workdir import WorkdirError
+
+    return (WorkdirError, MetricsError, CheckpointError, OSError)
+
+
+def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:
+    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1."""
+    from absl import app, flags
+
+    def parse(argv):
+        try:
+            return flags.FLAGS(argv)
+        except flags.Error as e:
+            fail(str(e))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            fail(config_error_line(e, argv, config_flag))
+
+    usage, run_errors = _usage_errors(), _run_errors()
+
+    def wrapped(args):
+        try:
+            return main(args)
+        except usage as e:
+            fail(" ".join(str(e).split()) or type(e).__name__)
+        except app.UsageError as e:
+            fail(str(e))
+        except run_errors as e:
+            if isinstance(e, OSError) and e.strerror:  # e.g. disk full: name the file
+                text = (f"{e.filename}: " if e.filename else "") + e.strerror
+            else:
+                text = " ".join(str(e).split()) or type(e).__name__
+            if type(e).__name__ == "CheckpointError":
+                # A failed orbax save leaves non-daemon threads waiting ~5 min on signals
+                # that never come; committed checkpoints are intact, so leave at once.
+                print(f"error: {text}", file=sys.stderr, flush=True)
+                sys.stdout.flush()
+                os._exit(EXIT_FAILURE)
+            fail(text, status=EXIT_FAILURE)
+
+    app.run(wrapped, flags_parser=parse)

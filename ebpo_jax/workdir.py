@@ -1,0 +1,259 @@
+"""The run's folder: writable with room to spare, one trainer at a time, and a resume that
+continues the same run (not a silent restart, not a different config).
+
+`prepare_workdir(config)` runs every check before anything compiles and returns the held
+lock; the lower-level pieces are `check_writable`, `WorkdirLock`, `check_workdir` and
+`reconcile_config`. Errors are `WorkdirError`, one line naming the folder.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from typing import Any, Self
+
+from ebpo_jax.checkpoint import list_steps
+
+LOCK_FILE = ".lock"
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"  # ebpo_jax.metrics.METRICS_FILE
+CHECKPOINTS = "checkpoints"
+DEFAULT_MIN_FREE_BYTES = 1 << 30
+
+# Fields that may change between a run and its resume without changing what it computes.
+HARMLESS_FIELDS = (
+    "workdir",
+    "restart",
+    "total_steps",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_batch_size",
+    "log_every",
+    "log_samples_every",
+    "max_nonfinite_steps",
+    "sft.cache_dir",
+    "data.reward_workers",
+    "wandb.",  # every wandb.* field
+)
+
+
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used as asked; the message is one line naming it."""
+
+
+def _oserror(what: str, e: OSError) -> WorkdirError:
+    return WorkdirError(f"{what}: {e.strerror or e}")
+
+
+def check_writable(workdir: str, *, min_free_bytes: int = DEFAULT_MIN_FREE_BYTES) -> None:
+    """The workdir and its checkpoints folder can be created and written, with free space.
+
+    A probe file is written and removed in each. `min_free_bytes` should cover a
+    checkpoint or two (see `checkpoint_bytes`).
+    """
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise _oserror(f"cannot create workdir {workdir}", e) from None
+    ckpt = os.path.join(workdir, CHECKPOINTS)
+    if os.path.exists(ckpt) and not os.path.isdir(ckpt):
+        raise WorkdirError(f"{ckpt} is a file, not a folder: move it away or use another workdir")
+    for folder in (workdir, ckpt):
+        probe = os.path.join(folder, f".write-probe-{os.getpid()}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with open(probe, "w") as f:
+                f.write("ok")
+                f.flush()
+                os.fsync(f.fileno())
+            os.remove(probe)
+        except OSError as e:
+            raise _oserror(f"workdir {folder} is not writable", e) from None
+    free = shutil.disk_usage(workdir).free
+    if free < min_free_bytes:
+        raise WorkdirError(
+            f"workdir {workdir} has {free / 2**20:.0f} MiB free, the run needs at least "
+            f"{min_free_bytes / 2**20:.0f} MiB (checkpoints)"
+        )
+
+
+def checkpoint_bytes(tree: Any) -> int:
+    """Bytes of a pytree of arrays or ShapeDtypeStructs (what one checkpoint of it holds)."""
+    import jax
+    import numpy as np
+
+    leaves = jax.tree.leaves(tree)
+    return int(sum(np.prod(x.shape, dtype=np.int64) * np.dtype(x.dtype).itemsize for x in leaves))
+
+
+class WorkdirLock:
+    """An exclusive `fcntl.flock` on `<workdir>/.lock`, holding the owner's pid.
+
+    The kernel drops the lock when the process dies (kill -9 included), so a stale lock
+    file never blocks a later run.
+    """
+
+    def __init__(self, workdir: str):
+        self.workdir = workdir
+        self.path = os.path.join(workdir, LOCK_FILE)
+        self._fd: int | None = None
+
+    def acquire(self) -> Self:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise _oserror(f"cannot create the lock file {self.path}", e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES):
+                raise WorkdirError(f"workdir {self.workdir} is in use by pid {owner}") from None
+            raise _oserror(f"cannot lock {self.path}", e) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Self:
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def check_workdir(workdir: str, *, restart: bool) -> str:
+    """ "fresh", "resume" or "restart"; WorkdirError for metrics without any checkpoint.
+
+    A workdir whose metrics.jsonl has rows but whose checkpoints folder has no step (deleted,
+    or never written) would silently start over and rewrite those metrics: refused unless
+    `restart` (config field `restart=True`).
+    """
+    steps = list_steps(os.path.join(workdir, CHECKPOINTS))
+    if steps:
+        return "resume"
+    metrics = os.path.join(workdir, METRICS_FILE)
+    has_metrics = os.path.exists(metrics) and os.path.getsize(metrics) > 0
+    if not has_metrics:
+        return "fresh"
+    if not restart:
+        raise WorkdirError(
+            f"workdir {workdir} has {METRICS_FILE} but no checkpoint in {CHECKPOINTS}/: set "
+            "--config.restart=True to start over (its metrics are rewritten), or use a new workdir"
+        )
+    return "restart"
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _harmless(name: str) -> bool:
+    return any(name == h or (h.endswith(".") and name.startswith(h)) for h in HARMLESS_FIELDS)
+
+
+def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Dotted names whose values differ between two config dicts.
+
+    A field absent on one side counts as None (a field added later with a None default, such
+    as an estimator option, is no change).
+    """
+    # JSON turns tuples into lists: compare what a JSON round trip keeps.
+    a, b = (json.loads(json.dumps(_flatten(d))) for d in (old, new))
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
+def _next_history_path(workdir: str) -> str:
+    n = 1
+    while os.path.exists(os.path.join(workdir, f"config.{n}.json")):
+        n += 1
+    return os.path.join(workdir, f"config.{n}.json")
+
+
+def reconcile_config(
+    workdir: str,
+    config: Mapping[str, Any],
+    *,
+    resuming: bool,
+    log: Callable[[str], None] = print,
+) -> list[str]:
+    """Compare `config` with the workdir's saved config.json, then save `config` there.
+
+    On a resume, a change of any field outside HARMLESS_FIELDS is refused (WorkdirError
+    naming the fields and both values); harmless changes are logged. Whenever the saved
+    config differs, it is kept as `config.<n>.json` first. Returns the changed fields.
+    """
+    path = os.path.join(workdir, CONFIG_FILE)
+    new = json.loads(json.dumps(dict(config)))
+    changed: list[str] = []
+    if os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                old = json.load(f)
+        except (OSError, ValueError) as e:
+            raise WorkdirError(f"{path} is unreadable ({e}): fix or remove it") from None
+        changed = config_diff(old, new)
+        if resuming:
+            flat_old, flat_new = _flatten(old), _flatten(new)
+            bad = [k for k in changed if not _harmless(k)]
+            if bad:
+                shown = ", ".join(
+                    f"{k}: {flat_old.get(k, '<absent>')!r} -> {flat_new.get(k, '<absent>')!r}"
+                    for k in bad[:5]
+                )
+                raise WorkdirError(
+                    f"workdir {workdir} holds a run with another config ({shown}"
+                    f"{', ...' if len(bad) > 5 else ''}): use a new workdir, or "
+                    "--config.restart=True after removing its checkpoints"
+                )
+            if changed:
+                log(f"resuming {workdir} with changed fields: {', '.join(changed)}")
+        if changed:
+            os.replace(path, _next_history_path(workdir))
+    if changed or not os.path.exists(path):
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(new, f, indent=2)
+        os.replace(tmp, path)
+    return changed
+
+
+def prepare_workdir(
+    config,
+    *,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    log: Callable[[str], None] = print,
+) -> WorkdirLock:
+    """Every check of the run's folder, before compiling; returns the held lock.
+
+    Writable with `min_free_bytes` free, locked, not metrics-without-checkpoints (unless
+    `config.restart`), and the saved config compatible on a resume (history kept).
+    Release the lock (`lock.release()` or `with`) when the run ends.
+    """
+    workdir = str(config.workdir)
+    check_writable(workdir, min_free_bytes=min_free_bytes)
+    lock = WorkdirLock(workdir).acquire()
+    try:
+        state = check_workdir(workdir, restart=bool(config.get("restart", False)))
+        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        reconcile_config(workdir, cfg, resuming=state == "resume", log=log)
+    except BaseException:
+        lock.release()
+        raise
+    return lock

@@ -1,0 +1,159 @@
+"""Config validation (issue 22): each impossible value is one ConfigError naming its field,
+before anything compiles; the CLI prints it as one `error:` line with exit status 2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ebpo_jax import config as C
+from ebpo_jax.config import ConfigError, validate
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MICRO = os.path.join(ROOT, "configs", "micro.py")
+
+
+def _micro(**changes):
+    from configs import micro
+
+    c = micro.get_config()
+    for key, value in changes.items():
+        node = c
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+BAD = [
+    ("optimizer.clip_norm", -1.0, "optimizer.clip_norm must be > 0"),
+    ("optimizer.clip_norm", 0.0, "optimizer.clip_norm must be > 0"),
+    ("optimizer.b1", 1.0, r"optimizer.b1 must be in \[0, 1\)"),
+    ("optimizer.b2", 1.5, r"optimizer.b2 must be in \[0, 1\)"),
+    ("optimizer.warmup_steps", -5, "optimizer.warmup_steps must be >= 0"),
+    ("optimizer.final_lr_frac", -3.0, r"optimizer.final_lr_frac must be in \[0, 1\]"),
+    ("optimizer.weight_decay", -0.1, "optimizer.weight_decay must be >= 0"),
+    ("log_every", 0, "log_every must be >= 1"),
+    ("eval_batch_size", 0, "eval_batch_size must be >= 1"),
+    ("seed", -1, "seed must be an int >= 0"),
+    ("task.train_per_cell", 0, "task.train_per_cell must be >= 1"),
+    ("task.test_per_cell", 0, "task.test_per_cell must be >= 1"),
+    ("workdir", "", "workdir must be a non-empty path"),
+    ("workdir", "  ", "workdir must be a non-empty path"),
+    ("sampler.top_k", -5, "sampler.top_k must be an int >= 0"),
+    ("loss.kl_estimator", "k9", r"loss.kl_estimator='k9' is not one of"),
+    ("sampler.max_new_tokens", 40, r"sampler.max_new_tokens=40: .* the model has 32"),
+    ("log_samples_every", -1, "log_samples_every must be >= 0"),
+    ("wandb.mode", "cloud", r"wandb.mode='cloud' is not one of"),
+    ("sft.batch_size", 0, "sft.batch_size must be >= 1"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "message"), BAD, ids=[f for f, _, _ in BAD])
+def test_bad_value_is_one_line_naming_the_field(field, value, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(_micro(**{field: value}))
+    assert "\n" not in str(err.value)
+
+
+def test_defaults_and_shipped_configs_validate():
+    validate(_micro())
+    from configs import tiny
+
+    validate(tiny.get_config())
+
+
+def test_max_positions_from_the_hf_config_and_overrides(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"max_position_embeddings": 64}')
+    c = C.default_config()
+    c.model.hf_path = str(ckpt)
+    assert C.model_max_positions(c) == 64
+    c.model.overrides.max_position_embeddings = (
+        48  # applied over the checkpoint's, as task_setup does
+    )
+    assert C.model_max_positions(c) == 48
+    with pytest.raises(
+        ConfigError, match="prompts of 60 tokens .* need 76 positions, the model has 63"
+    ):
+        C.check_positions(c, 60, 63)
+    C.check_positions(c, 48, 64)
+
+
+def test_estimator_options_are_checked_against_the_estimator():
+    c = _micro(**{"estimator_options.forgetting": 0.95, "estimator_options.per_batch": True})
+    validate(c)
+    c.estimator = "grpo"
+    with pytest.raises(ConfigError, match="estimator_options.forgetting=0.95: estimator 'grpo'"):
+        validate(c)
+
+
+def test_estimator_options_none_means_the_estimators_default():
+    import jax.numpy as jnp
+
+    from ebpo_jax import advantages
+
+    r = jnp.array([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    state = advantages.init_eb_state(1)
+    opts = dict(C.default_config().estimator_options)
+    assert set(opts) == set(C.ESTIMATOR_OPTIONS) and all(v is None for v in opts.values())
+    a, _, _ = advantages.estimate("ebpo", r, state, **opts)
+    b, _, _ = advantages.estimate("ebpo", r, state)
+    assert jnp.array_equal(a, b)
+    a, _, _ = advantages.estimate("grpo", r, state, **opts)  # grpo takes none of them
+
+
+def _train(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "experiments", "train.py"), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (  # misspelt, no --config (parsed while the flag is defined)
+            ["--config.optimizer.clip_nrm=1"],
+            "error: unknown config field 'config.optimizer.clip_nrm' (Did you mean \"clip_norm\"",
+        ),
+        (  # misspelt with --config (parsed by absl), and an impossible value
+            [f"--config={MICRO}", "--config.optimizer.clip_norm=-1"],
+            "error: optimizer.clip_norm must be > 0, got -1.0",
+        ),
+        pytest.param(
+            [f"--config={MICRO}", "--config.gruop_size=2"],
+            "error: unknown config field 'config.gruop_size'",
+            marks=pytest.mark.slow,  # each CLI run: ~5 s idle, 12-30 s on a loaded 2-core CPU
+        ),
+        pytest.param(
+            [f"--config={MICRO}", "--config.seed=abc"],
+            "error: flag --config.seed=abc",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(  # settable from the command line (the value reaches validate)
+            [
+                f"--config={MICRO}",
+                "--config.estimator_options.forgetting=0.95",
+                "--config.estimator=grpo",
+            ],
+            "error: estimator_options.forgetting=0.95: estimator 'grpo' takes no option",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+def test_cli_prints_one_line_and_exits_2(args, message):
+    out = _train(*args)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(message), out.stderr[-2000:]
