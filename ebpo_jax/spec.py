@@ -164,6 +164,8 @@ class RunSpec:
     task: TaskSpec
     eval: EvalSpec
     checkpoint: CheckpointSpec
+    log_samples_every: int  # 0 = never: sample completions to samples.jsonl
+    wandb: ml_collections.FrozenConfigDict  # project "" = off
     config_json: str  # the config as written to workdir/config.json
 
     def to_json(self) -> str:
@@ -301,6 +303,8 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
         task=task_spec(c, rollout, ev),
         eval=ev,
         checkpoint=CheckpointSpec(every=c.checkpoint_every, keep=c.keep_checkpoints),
+        log_samples_every=c.log_samples_every,
+        wandb=_frozen(c.wandb),
         config_json=c.to_json(indent=2),
     )
 

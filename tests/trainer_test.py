@@ -442,3 +442,35 @@ def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(s
     assert float(m2["mismatch/abs_diff_max"]) == pytest.approx(1.0, abs=1e-4)
     assert float(m2["mismatch/ratio_out_frac"]) > 0.2  # exp(-1) < 1/2: outside [1/2, 2]
     assert float(m2["is/masked_frac"]) > 0.2 and np.isfinite(float(m2["actor/loss"]))
+
+
+def test_nonfinite_rewards_are_dropped_and_a_skipped_step_keeps_the_eb_state(setup):
+    c, mc, params, batches = setup
+    rewards = np.array(MIXED, np.float32)
+    rewards[0, 1] = np.nan
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), rewards)
+    update = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))
+    new, m = update(_state(c, params), ro)
+    assert float(m["reward/nonfinite_count"]) == 1 and np.isfinite(float(m["actor/loss"]))
+    assert int(new.eb_state.reward.count.sum()) == rewards.size - 1  # the NaN never merged
+    # Old log-probs of NaN make the loss non-finite: the update is skipped, EB state kept.
+    bad = ro._replace(rewards=jnp.asarray(MIXED, jnp.float32), logprobs=ro.logprobs * np.nan)
+    state = _state(c, params)
+    new, m = update(state, bad)
+    assert int(m["train/skipped_updates"]) == 1 and int(new.nonfinite_run) == 1
+    jax.tree.map(np.testing.assert_array_equal, new.eb_state, state.eb_state)
+
+
+def test_no_checkpoint_is_saved_inside_a_nonfinite_streak(tmp_path):
+    """A run that diverges stops after max_nonfinite_steps; its kept checkpoints all predate
+    the streak, so a resume starts from a good state."""
+    c = _config(workdir=str(tmp_path), total_steps=8, checkpoint_every=1, eval_every=8)
+    c.keep_checkpoints, c.max_nonfinite_steps = 3, 3
+    c.optimizer.learning_rate = 1e38  # the first update makes the params overflow
+    c.mesh.devices = 1
+    with pytest.raises(loop.NonFiniteError, match="3 steps in a row"):
+        loop.train(c, log=lambda *_: None)
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    bad = [r["step"] for r in rows if r.get("train/nonfinite_run", 0) > 0]
+    saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
+    assert bad and saved and max(saved) < min(bad), (saved, bad)

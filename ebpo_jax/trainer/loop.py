@@ -1,6 +1,7 @@
 """The host loop: resolve the config, build the task and the step, then step, log, evaluate,
 checkpoint, and stop on signals or a run of non-finite steps."""
 
+import json
 import math
 import os
 import time
@@ -11,6 +12,7 @@ from jax.experimental import multihost_utils
 
 from ebpo_jax import distributed
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
@@ -66,19 +68,22 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     spec = resolve(config, jax.device_count())
     if host_reward is not None and spec.steps_per_jit != 1:
         raise ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
-    if not distributed.is_main_process():  # process 0 alone speaks and writes metrics
+    main = distributed.is_main_process()
+    if not main:  # process 0 alone speaks and writes metrics
         log = _silent
     t_start = time.time()
-    os.makedirs(spec.workdir, exist_ok=True)
-    if distributed.is_main_process():
-        with open(os.path.join(spec.workdir, "config.json"), "w") as f:
-            f.write(spec.to_json())
-    mesh = make_mesh(spec.mesh)
-    task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
+    # Writable, free space, locked, resumable, config compatible: before anything compiles.
+    lock = workdir_lib.prepare_workdir(config, log=log) if main else None
+    task = None
     try:
+        mesh = make_mesh(spec.mesh)
+        task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
         summary = _run(spec, task, mesh, log, stop_after)
     finally:
-        task.close()  # reward worker processes, also when a step raised
+        if task is not None:
+            task.close()  # reward worker processes, also when a step raised
+        if lock is not None:
+            lock.release()
     return {**summary, "wall_time_s": time.time() - t_start}
 
 
@@ -109,7 +114,14 @@ class _Log:
         main = distributed.is_main_process()
         # Rows of steps <= the restored one stay; later ones are rewritten exactly once.
         start = step + 1 if extra else 0
-        self.writer = metrics_lib.open_writer(spec.workdir, start_step=start, enabled=main)
+        self.writer = metrics_lib.open_writer(
+            spec.workdir,
+            start_step=start,
+            enabled=main,
+            wandb=spec.wandb.to_dict() if spec.wandb.project else None,
+            run_config=json.loads(spec.config_json),
+            log=log,
+        )
         hide = None if main else True  # None: tqdm hides the bar when not on a terminal
         self.bar = metrics_lib.ProgressBar(spec.total_steps, initial=step, disable=hide)
         # Counted on host in Python ints: the device counter is int32, and a pod run makes up
@@ -153,6 +165,21 @@ class _Log:
             self.bar.update(step - 1, row)
         return rows
 
+    def samples(self, step: int, tokenizer, ro, rows: int = 4) -> None:
+        """The first `rows` completions of the step's first prompt, decoded, to samples.jsonl."""
+        if ro is None or not self.spec.log_samples_every or step % self.spec.log_samples_every:
+            return
+        ro = distributed.to_host(ro)
+        plen = int(ro.prompt_lengths[0])
+        prompt = tokenizer.decode(np.asarray(ro.prompt_tokens[0, :plen]).tolist())
+        n = min(rows, ro.tokens.shape[1])
+        texts = [
+            tokenizer.decode(np.asarray(ro.tokens[0, g, : ro.lengths[0, g]]).tolist())
+            for g in range(n)
+        ]
+        rewards = [float(r) for r in ro.rewards[0, :n]]
+        self.writer.write_samples(step, [prompt] * n, texts, rewards)
+
     def extra(self, source) -> dict:
         """What a checkpoint saves besides the state (JSON has no NaN: no eval stores None)."""
         start = None if math.isnan(self.start) else self.start
@@ -164,20 +191,23 @@ class _Log:
 
 
 def _restore(ckpt: Checkpointer, state: TrainState, source, log):
-    """The latest checkpoint's state and extra (the data position), else (state, {})."""
-    if ckpt.latest_step() is None:
-        return state, {}
+    """The newest intact checkpoint's state and extra (the data position), else (state, {}).
+
+    Corrupt newer steps are named and moved aside (Checkpointer.restore_intact).
+    """
     # The target's shardings are the ones restored into: each host reads its own shards.
-    restored, extra = ckpt.restore(target=_checkpointable(state))
+    got = ckpt.restore_intact(_checkpointable(state), log=log)
+    if got is None:
+        return state, {}
+    _, restored, extra = got
     state = state._replace(**restored)
     source.restore(extra["data"])
     log(f"resumed from step {int(state.step)} in {ckpt.directory}")
     return state, extra
 
 
-def _check_finite(spec: RunSpec, last: dict, step: int, ckpt, out: _Log) -> None:
+def _check_finite(spec: RunSpec, last: dict, step: int, ckpt) -> None:
     if last["train/nonfinite_run"] >= spec.max_nonfinite_steps:
-        out.close()
         raise NonFiniteError(
             f"{int(last['train/nonfinite_run'])} steps in a row had a non-finite loss or "
             f"gradient (max_nonfinite_steps={spec.max_nonfinite_steps}); stopped at step "
@@ -193,37 +223,19 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
         os.path.join(spec.workdir, "checkpoints"),
         max_to_keep=spec.checkpoint.keep,
         save_every=spec.checkpoint.every,
+        checksums=distributed.is_main_process(),
     )
-    state, extra = _restore(ckpt, state, task.source, log)
-    resumed_from = int(state.step) if extra else None
-    step_fn = Step(spec, task, optimizer, sh)
-    step = first = int(state.step)
-    out = _Log(spec, step, extra, state, task.evaluate, log)
-    stopped = False
-    with PreemptionGuard() as guard:
-        while step < spec.total_steps:
-            batches = task.source.next_batches(spec.steps_per_jit)
-            batches = put(batches, sh.batches(batches))
-            t0 = time.perf_counter()
-            state, m, times = step_fn(state, batches)
-            dt = (time.perf_counter() - t0) / spec.steps_per_jit
-            rows = out.rows(step, m, times, dt, state.params)
-            step += len(rows)
-            extra = out.extra(task.source)
-            if ckpt.should_save(step):
-                ckpt.save(step, _checkpointable(state), extra)
-            _check_finite(spec, rows[-1], step, ckpt, out)
-            requested = _any_process(guard.requested)
-            stopped = requested or (stop_after is not None and step - first >= stop_after)
-            if stopped:
-                ckpt.save(step, _checkpointable(state), extra, force=True)
-                why = f"signal {guard.signum or '(another process)'}" if requested else None
-                log(
-                    f"{why or f'stop_after={stop_after}'}: saved step {step} to {ckpt.directory}; exiting"
-                )
-                break
-    ckpt.close()
-    out.close()
+    out = None
+    try:  # a save in flight is always committed (or named as failed), whatever happens
+        state, extra = _restore(ckpt, state, task.source, log)
+        resumed_from = int(state.step) if extra else None
+        step_fn = Step(spec, task, optimizer, sh)
+        out = _Log(spec, int(state.step), extra, state, task.evaluate, log)
+        step, stopped = _loop(spec, task, step_fn, state, sh, ckpt, out, log, stop_after)
+    finally:
+        if out is not None:
+            out.close()
+        ckpt.close()
     return {
         "pass@1_start": out.start,
         "pass@1_end": out.now,
@@ -234,3 +246,33 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
         "metrics": os.path.join(spec.workdir, "metrics.jsonl"),
         "checkpoints": ckpt.directory,
     }
+
+
+def _loop(spec: RunSpec, task: Task, step_fn, state, sh, ckpt, out: _Log, log, stop_after):
+    """Steps until total_steps or a stop; returns (step reached, stopped early)."""
+    step = first = int(state.step)
+    stopped = False
+    with PreemptionGuard() as guard:
+        while step < spec.total_steps:
+            batches = task.source.next_batches(spec.steps_per_jit)
+            batches = put(batches, sh.batches(batches))
+            t0 = time.perf_counter()
+            state, m, times = step_fn(state, batches)
+            dt = (time.perf_counter() - t0) / spec.steps_per_jit
+            rows = out.rows(step, m, times, dt, state.params)
+            step += len(rows)
+            out.samples(step, task.tokenizer, step_fn.last_rollout)
+            extra = out.extra(task.source)
+            # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
+            if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
+                ckpt.save(step, _checkpointable(state), extra)
+            _check_finite(spec, rows[-1], step, ckpt)
+            requested = _any_process(guard.requested)
+            stopped = requested or (stop_after is not None and step - first >= stop_after)
+            if stopped:
+                ckpt.save(step, _checkpointable(state), extra, force=True)
+                why = f"signal {guard.signum or '(another process)'}" if requested else None
+                why = why or f"stop_after={stop_after}"
+                log(f"{why}: saved step {step} to {ckpt.directory}; exiting")
+                break
+    return step, stopped

@@ -57,6 +57,7 @@ class Step:
 
     def __init__(self, spec: RunSpec, task, optimizer, sh: Shardings):
         self.K, self.sh = spec.steps_per_jit, sh
+        self.last_rollout = None  # K == 1: the latest step's rollout (sample logging)
         self.host_reward = None if task.reward.jittable else task.reward.fn
         reward_fn = task.reward.fn if task.reward.jittable else None
         mc, stops = task.model_config, task.stop_ids
@@ -99,6 +100,7 @@ class Step:
             rewards_PG = np.asarray(self.host_reward(distributed.to_host(ro)), np.float32)
             ro = ro._replace(rewards=put(rewards_PG, sh.rollout.rewards))
         t1 = time.perf_counter()
+        self.last_rollout = ro
         with jax.set_mesh(sh.mesh):
             state, m = self.update(state, ro)
         m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))

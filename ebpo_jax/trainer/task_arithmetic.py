@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ebpo_jax import models, tasks
+from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.trainer import sft
 from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
@@ -63,8 +64,6 @@ def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
     """The synthetic tasks: char tokenizer, preset init (+ SFT warm start), exact-answer reward."""
     tokenizer, train_problems, test_problems = load_problems(spec)
     model_config = model_config_from(spec.model, tokenizer_vocab(tokenizer))
-    params = models.init_params(model_config, jax.random.key(spec.seed))
-    params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
     source = tasks.PromptSource(
         train_problems,
         tokenizer,
@@ -72,6 +71,15 @@ def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
         seed=spec.seed,
         order=spec.task.order,
     )
+    need = source.prompt_len + spec.max_new_tokens  # checked before the SFT warm start
+    if need > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"sampler.max_new_tokens={spec.max_new_tokens}: prompts of {source.prompt_len} "
+            f"tokens + completions need {need} positions, the model has "
+            f"{model_config.max_position_embeddings} (model max_position_embeddings)"
+        )
+    params = models.init_params(model_config, jax.random.key(spec.seed))
+    params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
     eos = tokenizer.eos_id
     sets = [eval_set(test_problems, tokenizer)]
     return Task(

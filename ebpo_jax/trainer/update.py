@@ -271,7 +271,11 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
     key = jax.random.wrap_key_data(state.rng)
     key, k_perm = jax.random.split(key)
-    valid_PG = jnp.broadcast_to(ro.group_valid[:, None], (P, G))
+    # A non-finite reward (a broken verifier) is dropped: masked out of the estimator, its
+    # state and the loss, and counted.
+    finite_PG = jnp.isfinite(ro.rewards)
+    ro = ro._replace(rewards=jnp.where(finite_PG, ro.rewards, 0.0))
+    valid_PG = jnp.broadcast_to(ro.group_valid[:, None], (P, G)) & finite_PG
     shaped_PG, adv_PG, eb_state, est_metrics = _advantages(spec, state.eb_state, ro, valid_PG)
     trunc_PG = truncated(ro.tokens, ro.lengths, eos_id)
     loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None]
@@ -300,6 +304,11 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         unroll=spec.updates == 1,
     )
     skipped = upd.pop("skipped").sum()
+    # A step whose update was skipped leaves the EB statistics as they were, so one bad
+    # batch cannot poison every later step's prior.
+    eb_state = jax.tree.map(
+        lambda new, old: jnp.where(skipped > 0, old, new), eb_state, state.eb_state
+    )
     new_tokens = state.generated_tokens + ro.generated_tokens
     metrics = {k: v.mean() for k, v in upd.items()}
     metrics.update({k: jnp.zeros(()) for k in METRIC_DEFAULTS})
@@ -307,6 +316,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     metrics.update(off_metrics)
     metrics.update(_step_metrics(ro, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens))
     metrics["train/skipped_updates"] = skipped
+    metrics["reward/nonfinite_count"] = (~finite_PG).sum().astype(jnp.float32)
     nonfinite_run = jnp.where(skipped > 0, state.nonfinite_run + 1, 0)
     new_state = TrainState(
         params=params,
