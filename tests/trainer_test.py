@@ -470,7 +470,7 @@ def test_no_checkpoint_is_saved_inside_a_nonfinite_streak(tmp_path):
     c.mesh.devices = 1
     with pytest.raises(loop.NonFiniteError, match="3 steps in a row"):
         loop.train(c, log=lambda *_: None)
-    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     bad = [r["step"] for r in rows if r.get("train/nonfinite_run", 0) > 0]
     saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
     assert bad and saved and max(saved) < min(bad), (saved, bad)
