@@ -297,3 +297,27 @@ def test_layout_checks_the_prompt_width_and_shards():
     lay = packing.layout(_config(20 * (TP + N)), tiny, TP, batch_shards=8)
     assert lay.rows == 16 and lay.num_micro == 1  # capped at B = 12 rows, rounded to 8s
     assert packing.layout(_config(0), tiny, TP) is None
+
+
+def test_chunked_head_equals_whole_head():
+    """loss.logits_chunk over the flattened rows (padded to a multiple of the chunk)."""
+    config = models.get_config("tiny_qwen3")
+    params = models.init_params(config, jax.random.key(4))
+    lay = packing.layout(_config(budget=3 * (TP + N)), config, TP)
+    mb, _ = _rollout(seed=5)
+    pl = packing.plan(lay, mb["prompt_lengths"], packing.loss_span(mb["loss_mask"].reshape(-1, N)))
+    rows = MICRO_BATCH(
+        lay, pl, mb["prompt_tokens"], mb["prompt_lengths"], mb["tokens"].reshape(-1, N), 0
+    )
+    run = jax.jit(
+        lambda p, r, chunk, ent: packing.packed_completion_logprobs(
+            config, p, r, slots=(P * G, N), with_entropy=ent, chunk_size=chunk
+        ),
+        static_argnums=(2, 3),
+    )
+    whole = run(params, rows, 0, True)
+    assert (TP + N) * lay.rows % 4  # the flattened rows need padding to chunks of 4
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), run(params, rows, 4, True), whole
+    )
+    np.testing.assert_allclose(run(params, rows, 4, False), whole[0], atol=1e-6)

@@ -217,9 +217,9 @@ def packed_completion_logprobs(model_config, params, packed, *, slots, with_entr
         h_1TD = jnp.pad(h_RLD.reshape(1, R * L, D), ((0, 0), (0, pad), (0, 0)))
         t_1T = jnp.pad(t_RL.reshape(1, R * L), ((0, 0), (0, pad)))
         out = losses.logprobs_from_hidden(
-            h_1TD, w_DV, t_1T, chunk_size=chunk_size, with_entropy=True
+            h_1TD, w_DV, t_1T, chunk_size=chunk_size, with_entropy=with_entropy
         )
-        logp_T, ent_T = (x[0, : R * L] for x in out)
+        logp_T, ent_T = (x[0, : R * L] if x is not None else None for x in _pair(out))
     else:
         logits_RLV = jnp.einsum("rld,dv->rlv", h_RLD, w_DV, preferred_element_type=jnp.float32)
         logp_T = losses.token_logprobs(logits_RLV, t_RL).reshape(-1)
@@ -228,6 +228,11 @@ def packed_completion_logprobs(model_config, params, packed, *, slots, with_entr
     scatter = lambda x_T: jnp.zeros(B * N, x_T.dtype).at[dest_T].set(x_T, mode="drop")
     logp_BN = scatter(logp_T).reshape(B, N)
     return (logp_BN, scatter(ent_T).reshape(B, N)) if with_entropy else logp_BN
+
+
+def _pair(out):
+    """(logp, entropy or None) from a with_entropy=True/False result."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 def accumulate(grad_fn, params, ref_params, mb, denom, lay: Layout):
