@@ -175,7 +175,11 @@ def tiny_default_case(runs, row_len=0, budget=0):
     Tp = max(len(p.prompt) for p in problems) + 1
     clen_B = np.repeat([min(len(problems[i].answer) + 1, N) for i in pick], G)
     mc = models.get_config("tiny", **dict(c.model.overrides))
-    budget = budget or int(np.sum(np.repeat(plen_P, G)) + clen_B.sum())
+    # Rows of two max-length sequences, one micro-batch sized to the shared-prompt tokens
+    # plus 10%: each group's prompt once per row, then its completions.
+    row_len = row_len or 2 * (Tp + N)
+    shared = np.sum(plen_P - 1) + clen_B.sum()
+    budget = budget or row_len * int(np.ceil(1.1 * shared / row_len))
     return update_throughput(
         mc, plen_P, clen_B, Tp=Tp, N=N, budget=budget, row_len=row_len, runs=runs
     )
