@@ -7,7 +7,10 @@ for both (each sequence's prompt and completion), so the ratio is the time ratio
 - tiny default: configs/tiny.py's model and arithmetic prompts, completions as long as the
   answers plus EOS (short and near-uniform).
 `update_throughput` is importable (benchmarks/rollout_bench.py prints its ratio).
-Run: python benchmarks/packed_bench.py [--runs 5] [--case long|tiny|both]
+Run: JAX_PLATFORMS=cpu python benchmarks/packed_bench.py [--runs 5] [--case long|tiny|both]
+Measured (2-core CPU loaded by ~8 other jobs, jaxlib 0.10): long tail 2.19x (16640 padded
+token slots vs 6912 packed: 3 micro-batches of 8 rows x 288); tiny default 1.02x (752 vs 864
+slots in 2 micro-batches of 18 rows x 24, prompts shared).
 """
 
 import argparse
