@@ -137,6 +137,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.loss.is_cap = 2.0  # TIS: weights truncated at this
     c.loss.is_low = 0.5  # MIS: tokens / sequences with a ratio outside [is_low, is_high] dropped
     c.loss.is_high = 2.0
+    # >0: packed update (trainer/packing.py): sequences packed into rows of pack_row_len
+    # tokens, micro-batches of tokens_per_microbatch // pack_row_len rows; 0 = padded rows.
+    c.loss.tokens_per_microbatch = 0
+    c.loss.pack_row_len = 0  # 0 = prompt width + sampler.max_new_tokens (the longest sequence)
 
     c.dapo = ml_collections.ConfigDict()
     c.dapo.dynamic_sampling = False  # drop all-equal groups, refill from further prompts
@@ -419,6 +423,30 @@ def _validate_loss_choice(loss, need) -> None:
     )
 
 
+def _validate_packing(loss, max_new_tokens: int, need) -> None:
+    """loss.tokens_per_microbatch / pack_row_len; the prompt width is checked by packing.layout."""
+    budget, row = loss.tokens_per_microbatch, loss.pack_row_len
+    need(budget >= 0, f"loss.tokens_per_microbatch must be >= 0, got {budget}")
+    need(row >= 0, f"loss.pack_row_len must be >= 0, got {row}")
+    if budget == 0:
+        need(row == 0, f"loss.pack_row_len={row} needs loss.tokens_per_microbatch > 0")
+        return
+    need(
+        loss.num_microbatches == 1,
+        f"loss.num_microbatches={loss.num_microbatches}: with loss.tokens_per_microbatch > 0 "
+        "the token budget sets the micro-batches; use num_microbatches=1",
+    )
+    need(
+        row == 0 or row > max_new_tokens,
+        f"loss.pack_row_len={row} must exceed sampler.max_new_tokens={max_new_tokens}",
+    )
+    need(
+        budget >= max(row, max_new_tokens + 1),
+        f"loss.tokens_per_microbatch={budget} must hold one row (loss.pack_row_len, or "
+        f"prompt width + sampler.max_new_tokens={max_new_tokens})",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -461,6 +489,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     need(loss.agg in AGG_MODES, f"loss.agg={loss.agg!r} is not one of {AGG_MODES}")
     _validate_loss_choice(loss, need)
+    _validate_packing(loss, n, need)
     need(loss.kl_coef >= 0, f"loss.kl_coef must be >= 0, got {loss.kl_coef}")
     need(loss.clip_low >= 0 and loss.clip_high >= 0, "loss.clip_low/clip_high must be >= 0")
     need(

@@ -66,6 +66,8 @@ class UpdateSpec:
     kl_estimator: str
     entropy_coef: float
     logits_chunk: int
+    tokens_per_microbatch: int  # > 0: packed update (trainer/packing.py)
+    pack_row_len: int
     overlong_buffer: int
     overlong_penalty: float
     mask_truncated: bool
@@ -214,6 +216,8 @@ def update_spec(c) -> UpdateSpec:
         kl_estimator=lc.kl_estimator,
         entropy_coef=lc.entropy_coef,
         logits_chunk=lc.logits_chunk,
+        tokens_per_microbatch=lc.tokens_per_microbatch,
+        pack_row_len=lc.pack_row_len,
         overlong_buffer=c.dapo.overlong_buffer,
         overlong_penalty=c.dapo.overlong_penalty,
         mask_truncated=bool(c.dapo.mask_truncated),

@@ -474,3 +474,18 @@ def test_no_checkpoint_is_saved_inside_a_nonfinite_streak(tmp_path):
     bad = [r["step"] for r in rows if r.get("train/nonfinite_run", 0) > 0]
     saved = sorted(int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit())
     assert bad and saved and max(saved) < min(bad), (saved, bad)
+
+
+def test_packed_update_equals_padded_update(setup):
+    """loss.tokens_per_microbatch > 0 (trainer/packing.py) gives the padded update's step."""
+    c, mc, params, batches = setup
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    out = {}
+    for name, budget in (("padded", 0), ("packed", 48)):
+        cc = _config(**{"loss.tokens_per_microbatch": budget, "loss.kl_coef": 0.01})
+        update = jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))
+        out[name] = update(_state(cc, params, with_ref=True), ro)
+    (s0, m0), (s1, m1) = out["padded"], out["packed"]
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/kl", "actor/entropy"):
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s1.params, s0.params)

@@ -113,34 +113,64 @@ def _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend):
     return _residual(config, x_BTD + block.mlp(block.mlp_norm(x_BTD)))
 
 
-def _self_attention(config, mask_BT):
-    """attend(attn, q, k, v) for a whole sequence: XLA einsums, or the splash kernel."""
+def _self_attention(config, mask_BT, segment_ids_BT=None, prefix_ids_BT=None):
+    """attend(attn, q, k, v) for a whole sequence: XLA einsums, or the splash kernel.
+
+    With segment ids (packed rows) a query sees the keys of its own segment and, XLA only,
+    those of segment prefix_ids[q] (its group's shared prompt); causal by slot either way.
+    """
     if config.attention == "splash":
         from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
+
+        if prefix_ids_BT is not None:
+            raise ValueError("splash attention masks by segment only: prefix_ids needs 'xla'")
+        seg_BT = mask_BT if segment_ids_BT is None else segment_ids_BT
 
         # splash picks interpret mode itself: off when compiling for TPU (AOT from a CPU host
         # included), on otherwise so CPU tests run the kernel interpreted.
         def attend(attn, q_BTHd, k_BTKd, v_BTKd):
-            out_BTHd = splash.attention(q_BTHd, k_BTKd, v_BTKd, mask_BT, scale=attn.scale)
+            out_BTHd = splash.attention(q_BTHd, k_BTKd, v_BTKd, seg_BT, scale=attn.scale)
             return attn.output(out_BTHd.astype(attn.dtype))
 
         return attend
     T = mask_BT.shape[1]
     causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
     allowed_BTS = causal_TS[None] & mask_BT[:, None, :]
+    if segment_ids_BT is not None:
+        allowed_BTS = causal_TS[None] & segment_mask(segment_ids_BT, prefix_ids_BT)
     return lambda attn, q, k, v: attn.attend(q, k, v, allowed_BTS)
 
 
-def _layer_scan(config, params, tokens_BT, positions, mask, *, with_kv=False):
+def segment_mask(segment_ids_BT, prefix_ids_BT=None):
+    """[B, T, S] bool: key s has query t's segment id, or its prefix id (before causality)."""
+    seg_k_B1S = segment_ids_BT[:, None, :]
+    allowed_BTS = segment_ids_BT[:, :, None] == seg_k_B1S
+    if prefix_ids_BT is not None:
+        allowed_BTS |= prefix_ids_BT[:, :, None] == seg_k_B1S
+    return allowed_BTS
+
+
+def _layer_scan(
+    config, params, tokens_BT, positions, mask, *, with_kv=False, segment_ids=None, prefix_ids=None
+):
     """Embedding and the layer scan of `forward`: (x [B, T, D], per-layer k/v [L, B, T, K, d])."""
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
+    if segment_ids is not None:
+        if mask is not None:
+            raise ValueError("pass mask or segment_ids (0 = padding), not both")
+        for name, ids in (("segment_ids", segment_ids), ("prefix_ids", prefix_ids)):
+            if ids is not None:
+                _check_shape(name, ids, (B, T))
+        mask = segment_ids != 0
+    elif prefix_ids is not None:
+        raise ValueError("prefix_ids needs segment_ids")
     mask_BT = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     _check_shape("positions", positions_BT, (B, T))
     _check_shape("mask", mask_BT, (B, T))
     cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
-    attend = _self_attention(config, mask_BT)
+    attend = _self_attention(config, mask_BT, segment_ids, prefix_ids)
     block_def = graphdefs(config)[1]
 
     def layer(x_BTD, layer_params):
@@ -163,10 +193,25 @@ def _layer_scan(config, params, tokens_BT, positions, mask, *, with_kv=False):
 
 
 def forward(
-    config: ModelConfig, params, tokens_BT, *, positions=None, mask=None, return_hidden=False
+    config: ModelConfig,
+    params,
+    tokens_BT,
+    *,
+    positions=None,
+    mask=None,
+    return_hidden=False,
+    segment_ids=None,
+    prefix_ids=None,
 ):
-    """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked."""
-    x_BTD, _ = _layer_scan(config, params, tokens_BT, positions, mask)
+    """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked.
+
+    Packed rows: `segment_ids` [B, T] int (0 = padding) confine attention to a query's own
+    segment, `prefix_ids` [B, T] (XLA attention only) also open segment prefix_ids[b, t] to
+    it, and `positions` [B, T] restart per sequence (trainer/packing.py builds all three).
+    """
+    x_BTD, _ = _layer_scan(
+        config, params, tokens_BT, positions, mask, segment_ids=segment_ids, prefix_ids=prefix_ids
+    )
     return _head(config, params, x_BTD, return_hidden)
 
 

@@ -2,13 +2,15 @@
 micro-batches (gradient accumulation) with optax."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from ebpo_jax import advantages, importance, losses, models
+from ebpo_jax import advantages, importance, losses, models, sharding
 from ebpo_jax.spec import UpdateSpec
+from ebpo_jax.trainer import packing
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
 
@@ -98,10 +100,18 @@ def truncated(tokens_PGN, lengths_PG, eos_id):
     return (lengths_PG >= N) & ~jnp.isin(last_PG, jnp.asarray(eos_id).reshape(-1))
 
 
-def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
-    """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics."""
+def _logprobs_fn(spec: UpdateSpec, model_config, mb):
+    """(params, with_entropy) -> log-probs [B, N] of a padded or a packed micro-batch."""
     N = spec.max_new_tokens
-    logprobs = functools.partial(
+    if "packed" in mb:
+        return functools.partial(
+            packing.packed_completion_logprobs,
+            model_config,
+            packed=mb["packed"],
+            slots=(mb["logprobs"].size // N, N),
+            chunk_size=spec.logits_chunk,
+        )
+    return functools.partial(
         completion_logprobs,
         model_config,
         prompt_PTp=mb["prompt_tokens"],
@@ -110,6 +120,12 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
         comp_len_B=mb["lengths"].reshape(-1),
         chunk_size=spec.logits_chunk,
     )
+
+
+def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
+    """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics."""
+    N = spec.max_new_tokens
+    logprobs = _logprobs_fn(spec, model_config, mb)
     logp_BN, ent_BN = logprobs(params=params, with_entropy=True)
     if spec.entropy_coef == 0:
         ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
@@ -143,26 +159,48 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     return loss, metrics
 
 
-def _minibatch_update(spec: UpdateSpec, grad_fn, optimizer, carry, mb):
-    """One optimizer update on a mini-batch, accumulated over its micro-batches (lax.scan)."""
-    params, opt_state, ref_params = carry
+def _accumulate(spec: UpdateSpec, grad_fn, params, ref_params, mb, denom):
+    """(grads, loss, metrics) of a mini-batch summed over its U micro-batches (lax.scan).
+
+    Every micro-batch is normalised by the whole mini-batch's denominator, so the sums are
+    exactly the full mini-batch's loss, metrics and gradient.
+    """
     U = spec.num_microbatches
+    micro = jax.tree.map(lambda x: x.reshape(U, x.shape[0] // U, *x.shape[1:]), mb)
+    micro["mb_tokens"] = jnp.full((U,), mb["loss_mask"].sum().astype(jnp.float32))
+
+    def step(acc, one):
+        (loss, metrics), grads = grad_fn(params, ref_params, one, denom)
+        return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    grads, (loss_U, metrics_U) = jax.lax.scan(step, zeros, micro, unroll=U == 1)
+    return grads, loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
+
+
+def _batch_shards(model_config) -> int:
+    """Devices the rows of a batch are split over, under the ambient mesh (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    entry = sharding.logical_to_spec(("batch",), model_config.sharding_rules, mesh)[0]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry, mb):
+    """One optimizer update on a mini-batch: padded micro-batches, or packed token rows."""
+    params, opt_state, ref_params = carry
     tok_mask = mb["loss_mask"]
     n_tok = tok_mask.sum().astype(jnp.float32)
     n_seq = tok_mask.any(-1).sum().astype(jnp.float32)
     denom = n_tok if spec.agg == "token-mean" else n_seq
-    micro = jax.tree.map(lambda x: x.reshape(U, x.shape[0] // U, *x.shape[1:]), mb)
-    micro["mb_tokens"] = jnp.full((U,), n_tok)
-
-    def accumulate(acc, one):
-        (loss, metrics), grads = grad_fn(params, ref_params, one, denom)
-        return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
-
-    # Every micro-batch is normalised by the whole mini-batch's denominator, so the sums
-    # below are exactly the full mini-batch's loss, metrics and gradient.
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-    grads, (loss_U, metrics_U) = jax.lax.scan(accumulate, zeros, micro, unroll=U == 1)
-    loss, metrics = loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
+    width = mb["prompt_tokens"].shape[1]
+    lay = packing.layout(spec, model_config, width, batch_shards=_batch_shards(model_config))
+    if lay is None:
+        grads, loss, metrics = _accumulate(spec, grad_fn, params, ref_params, mb, denom)
+    else:
+        grads, loss, metrics = packing.accumulate(grad_fn, params, ref_params, mb, denom, lay)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = optimizer.update(grads, opt_state, params)
@@ -298,7 +336,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
             data["is_weights"] = w
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, spec, model_config), has_aux=True)
     (params, opt_state, _), upd = jax.lax.scan(
-        functools.partial(_minibatch_update, spec, grad_fn, optimizer),
+        functools.partial(_minibatch_update, spec, model_config, grad_fn, optimizer),
         (state.params, state.opt_state, state.ref_params),
         _minibatches(spec, data, k_perm),
         unroll=spec.updates == 1,
