@@ -7,8 +7,8 @@ import pytest
 
 from ebpo_jax import advantages, losses, models
 from ebpo_jax.config import ConfigError, default_config, validate
-from ebpo_jax.trainer import packing
 from ebpo_jax.spec import update_spec
+from ebpo_jax.trainer import packing
 from ebpo_jax.trainer.update import completion_logprobs
 
 P, G, TP, N = 3, 4, 7, 6
@@ -16,9 +16,9 @@ KL_COEF, ENT_COEF = 0.1, 0.01
 MICRO_BATCH = jax.jit(packing.micro_batch, static_argnums=0)
 
 
-
 def _layout(config, *args, **kwargs):
     return packing.layout(update_spec(config), *args, **kwargs)
+
 
 def _config(budget, row_len=0, P=P, G=G, N=N):
     c = default_config()
