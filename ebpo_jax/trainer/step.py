@@ -4,7 +4,12 @@
 rollout and update functions for the host loop, in one of two shapes:
 - K > 1 steps per call (jittable reward): one jitted `lax.scan` of `train_step`;
 - K == 1: jitted rollout on the sampler mesh -> host reward (if any) -> jitted update, so each
-  phase is timed and a host reward (math-verify) can run in between.
+  phase is timed and a host reward (math-verify) can run in between;
+- K == 1 at rollout.max_staleness=1 (`first_rollout`, then `overlapped`): rollout t+1 is
+  dispatched with params t on the sampler's own devices, then update t on rollout t on the
+  trainer's; JAX's asynchronous dispatch runs both at once, and the host waits only when it
+  needs both. Rollout t+1's key is fold_in(rng_t, 2) (rollout 0's, like every rollout at
+  staleness 0, fold_in(rng_t, 1)), so runs are deterministic given the seed.
 """
 
 import functools
