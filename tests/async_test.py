@@ -93,6 +93,7 @@ def _check_resume(tmp_path, total, stop):
     return rows
 
 
+@pytest.mark.slow  # three 2-step runs on 8 devices, each compiling rollout and update
 def test_staleness_1_resume_equals_uninterrupted_and_samples_one_step_behind(tmp_path):
     rows = _check_resume(tmp_path, total=2, stop=1)
     train = [r for r in rows if "reward/mean" in r]
