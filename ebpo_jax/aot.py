@@ -89,18 +89,21 @@ def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
     return state, ro, optimizer
 
 
-def make_step(spec: RunSpec, mc, mesh, prompt_len: int):
-    """The loop's own Step (jitted rollout and update with the run's shardings), abstractly."""
+def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
+    """The loop's own Step (jitted rollout and update with the run's shardings), abstractly.
+
+    `devices`: every device of the topology (a split run's sampler takes those after the mesh).
+    """
     state, ro, optimizer = abstract_inputs(spec, mc, prompt_len)
-    sh = make_shardings(spec, mc, optimizer, state, mesh)
+    sh = make_shardings(spec, mc, optimizer, state, mesh, devices)
     step = Step(spec, shape_task(spec, mc, state.params), optimizer, sh)
     # Inputs carry the loop's shardings, as its placed arrays do: the same program is traced.
     return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 
 
-def compile_update(spec: RunSpec, mc, mesh, prompt_len: int):
+def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
     """The trainer's own jitted update (the loop's Step.update), lowered and compiled."""
-    step, state, ro = make_step(spec, mc, mesh, prompt_len)
+    step, state, ro = make_step(spec, mc, mesh, prompt_len, devices)
     with jax.set_mesh(mesh):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
@@ -170,9 +173,20 @@ def compile_reshard(params, src_shardings, dst_shardings, mesh, dtype):
 
 
 def run(
-    config, topology: str, *, prompt_len: int, sampler_prompts=None, sampler_mesh="", log=print
+    config,
+    topology: str,
+    *,
+    prompt_len: int,
+    sampler_prompts=None,
+    sampler_mesh="",
+    trainer_devices: int = 0,
+    log=print,
 ):
     """Compile update, weight reshard (with `sampler_mesh`) and sampler prefill/decode.
+
+    `trainer_devices=n` splits the topology as rollout.max_staleness=1 does: the trainer's
+    mesh on the first n devices, `sampler_mesh` on the ones after them; the weight move is then
+    a cast on the trainer's slice and a device-to-device copy, not one compiled program.
 
     Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
     report with `error` set and fits=False; other compile errors propagate.
@@ -181,13 +195,16 @@ def run(
     if sampler_mesh != config.sampler.mesh:  # the sampler layout under test
         config = config.copy_and_resolve_references()
         config.sampler.mesh = sampler_mesh
+    if trainer_devices:
+        config = config.copy_and_resolve_references()
+        config.mesh.devices, config.rollout.max_staleness = trainer_devices, 1
     spec = resolve(config, len(devices))
     chips = math.prod(int(x) for x in chip_name.split(":")[1].split("x"))
     per_chip = max(1, len(devices) // chips)  # v4 topologies list each TensorCore
     hbm, peak = hw.hbm_bytes // per_chip, hw.peak_flops / per_chip
     mc = model_config_of(spec)
-    mesh = make_mesh(spec.mesh, devices)
-    s_mesh = make_sampler_mesh(spec.mesh, mesh)
+    mesh = make_mesh(spec.mesh, devices[: spec.mesh.devices or len(devices)])
+    s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
     prompts = sampler_prompts or config.prompts_per_step
     G, N = config.group_size, config.sampler.max_new_tokens
     reports = []
@@ -210,7 +227,7 @@ def run(
         log(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
         return compiled
 
-    step, state, _ = make_step(spec, mc, mesh, prompt_len)
+    step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
     train_sh, samp_sh = step.sh.state.params, step.sh.sampler_params
     epochs = f"{config.loss.ppo_epochs} epoch(s) x {config.loss.num_minibatches} mini-batches"
     attempt(
@@ -218,16 +235,18 @@ def run(
         mesh,
         update_flops(config, mc, prompt_len),
         epochs,
-        lambda: compile_update(spec, mc, mesh, prompt_len)[0],
+        lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
     )
     params = state.params
     if s_mesh is not mesh:
+        split = spec.mesh.disjoint  # cast where the weights are; the copy is a transfer
+        dst, on = (train_sh, mesh) if split else (samp_sh, s_mesh)
         attempt(
-            "reshard weights",
-            s_mesh,
+            "cast weights" if split else "reshard weights",
+            on,
             0,
-            f"to {mc.dtype}",
-            lambda: compile_reshard(params, train_sh, samp_sh, s_mesh, mc.dtype),
+            f"to {mc.dtype}" + (", then copied to the sampler's slice" if split else ""),
+            lambda: compile_reshard(params, train_sh, dst, on, mc.dtype),
         )
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), params)
     sflops = sampler_flops(mc, prompts, G, prompt_len, N)
@@ -258,6 +277,7 @@ def run(
         "sequences_per_step": config.prompts_per_step * G,
         "train_mesh": dict(mesh.shape),
         "sampler_mesh": dict(s_mesh.shape),
+        "split": bool(spec.mesh.disjoint),
         "flops_note": "analytic model FLOPs (6NT + causal attention); cost_analysis() counts a "
         "scanned layer once; remat recompute not included",
     }

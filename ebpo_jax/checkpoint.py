@@ -237,6 +237,17 @@ class Checkpointer:
         self._manager.reload()
         return dest
 
+    def saved_tree(self, step: int | None = None) -> Any:
+        """The pytree saved at `step` (default: the latest) as ShapeDtypeStructs; reads no data."""
+        import jax  # late: this module knows nothing of jax otherwise
+
+        step = self.latest_step() if step is None else step
+        # The manager only knows an item's handler once it saved or restored it in this process.
+        with ocp.StandardCheckpointer() as reader:
+            meta = reader.metadata(os.path.join(self.directory, str(step), "state"))
+        tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
         return self._manager.latest_step()

@@ -12,6 +12,7 @@ from ebpo_jax.importance import IS_LEVELS, IS_MODES
 from ebpo_jax.losses import AGG_MODES
 
 SCHEDULES = ("constant", "cosine")
+SAMPLER_DTYPES = ("", "bfloat16", "float32")
 
 
 class ConfigError(ValueError):
@@ -106,6 +107,14 @@ def default_config() -> ml_collections.ConfigDict:
     # generates P / prompts_per_call chunks one after another, so the KV cache is per chunk.
     c.sampler.prompts_per_call = 0
     c.sampler.mesh = ""  # e.g. "data=8,tp=4" (AOT report); "" = the trainer's mesh
+    # The dtype of the sampler's copy of the weights: "" = the trainer's; "bfloat16" casts the
+    # weights moved to the sampler (a pod's layout; the mismatch/* metrics show what it costs).
+    c.sampler.param_dtype = ""
+
+    c.rollout = ml_collections.ConfigDict()
+    # 0: each step samples with the params it updates. 1: rollout t+1 is generated with params
+    # t while update t runs, the sampler on the `sampler.mesh` devices after the trainer's.
+    c.rollout.max_staleness = 0
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-6
@@ -447,6 +456,42 @@ def _validate_packing(loss, max_new_tokens: int, need) -> None:
     )
 
 
+def _validate_staleness(c, need, num_devices) -> None:
+    """rollout.max_staleness and sampler.param_dtype: what the one-step-off pipeline needs."""
+    s = c.rollout.max_staleness
+    need(s in (0, 1), f"rollout.max_staleness={s} must be 0 or 1")
+    need(
+        c.sampler.param_dtype in SAMPLER_DTYPES,
+        f"sampler.param_dtype={c.sampler.param_dtype!r} is not one of {SAMPLER_DTYPES}",
+    )
+    need(
+        not (c.sampler.param_dtype and c.steps_per_jit != 1),
+        f"sampler.param_dtype={c.sampler.param_dtype!r} needs steps_per_jit=1",
+    )
+    if s == 0:
+        return
+    need(
+        c.steps_per_jit == 1,
+        f"rollout.max_staleness=1 needs steps_per_jit=1, got {c.steps_per_jit}",
+    )
+    sampler = sampler_mesh_spec(c)
+    need(
+        bool(sampler),
+        "rollout.max_staleness=1 needs sampler.mesh (e.g. 'data=4'): the sampler runs on the "
+        "devices after the trainer's",
+    )
+    if num_devices is not None:
+        trainer = mesh_devices(c, num_devices)
+        sizes = [n for _, n in sampler]
+        rest = num_devices - trainer
+        samp = rest if -1 in sizes else math.prod(sizes)
+        need(
+            0 < samp <= rest,
+            f"rollout.max_staleness=1: mesh.devices={trainer} + sampler.mesh={c.sampler.mesh!r} "
+            f"need more than the {num_devices} devices (set mesh.devices to the trainer's share)",
+        )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -554,6 +599,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _validate_data_and_model(c, need)
     _validate_positions(c)
     _validate_estimator_options(c, need)
+    _validate_staleness(c, need, num_devices)
     if num_devices is not None:
         shape = mesh_shape(c, num_devices)
         batch = c.prompts_per_step * c.group_size

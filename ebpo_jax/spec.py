@@ -32,6 +32,8 @@ class RolloutSpec:
     prompts_per_call: int  # P / calls; == P for one call
     dynamic_sampling: bool  # DAPO: drop all-equal groups, refill from extra rounds
     max_extra_rounds: int
+    max_staleness: int = 0  # 1: rollout t+1 sampled with params t while update t runs
+    param_dtype: str = ""  # the sampler's copy of the weights; "" = the trainer's dtype
 
     @property
     def rounds(self) -> int:
@@ -108,6 +110,7 @@ class MeshSpec:
     shape: tuple[int, ...]
     devices: int  # 0 = every device
     sampler: tuple[tuple[str, int], ...]  # () = the trainer's mesh
+    disjoint: bool = False  # the sampler's mesh on the devices after the trainer's (staleness 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +195,8 @@ def rollout_spec(c) -> RolloutSpec:
         prompts_per_call=s.prompts_per_call or c.prompts_per_step,
         dynamic_sampling=bool(c.dapo.dynamic_sampling),
         max_extra_rounds=c.dapo.max_extra_rounds,
+        max_staleness=int(c.rollout.max_staleness),
+        param_dtype=c.sampler.param_dtype,
     )
 
 
@@ -255,6 +260,7 @@ def mesh_spec(c, num_devices: int | None = None) -> MeshSpec:
         shape=shape,
         devices=int(c.mesh.get("devices", 0)),
         sampler=tuple(config_lib.sampler_mesh_spec(c)),
+        disjoint=c.rollout.max_staleness > 0,
     )
 
 

@@ -31,6 +31,12 @@ _SAMPLER_MESH = flags.DEFINE_string(
     None,
     "Sampler mesh, e.g. 'data=8,tp=4' ('' = the trainer's mesh); default: config.sampler.mesh.",
 )
+_TRAINER_DEVICES = flags.DEFINE_integer(
+    "trainer_devices",
+    0,
+    "Split the topology as rollout.max_staleness=1 does: the trainer's mesh on the first n "
+    "devices, --sampler_mesh on the rest (0 = colocated, both on every device).",
+)
 _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON report.")
 
 
@@ -52,6 +58,7 @@ def main(argv):
             prompt_len=_PROMPT_LEN.value,
             sampler_prompts=prompts or None,
             sampler_mesh=s_mesh,
+            trainer_devices=_TRAINER_DEVICES.value,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
         if aot_report.is_resource_exhausted(e):

@@ -16,6 +16,7 @@ from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
+from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.shardings import make_mesh, make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step, put
@@ -44,8 +45,14 @@ def _to_host(metrics) -> list[dict]:
     return [{name: float(v[i]) for name, v in host.items()} for i in range(k)]
 
 
-def _checkpointable(state: TrainState) -> dict:
-    return {k: v for k, v in state._asdict().items() if v is not None}
+_INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update consumes
+
+
+def _checkpointable(state: TrainState, inflight: Rollout | None = None) -> dict:
+    out = {k: v for k, v in state._asdict().items() if v is not None}
+    if inflight is not None:
+        out[_INFLIGHT] = inflight._asdict()
+    return out
 
 
 def _with_reward(task: Task, reward_fn, host_reward) -> Task:
@@ -190,20 +197,37 @@ class _Log:
         self.bar.close()
 
 
-def _restore(ckpt: Checkpointer, state: TrainState, source, log):
-    """The newest intact checkpoint's state and extra (the data position), else (state, {}).
+def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, source, log):
+    """The newest intact checkpoint's state, extra (the data position) and in-flight rollout
+    (staleness 1; None if it holds none), else (state, {}, None).
 
     Corrupt newer steps are named and moved aside (Checkpointer.restore_intact).
     """
+    if ckpt.latest_step() is None:
+        return state, {}, None
+    target = _checkpointable(state)
+    try:
+        saved = ckpt.saved_tree()
+    except Exception:  # noqa: BLE001  unreadable metadata: restore_intact names the fault
+        saved = {}
+    if _INFLIGHT in saved:
+        if spec.rollout.max_staleness == 0:
+            raise ConfigError(
+                f"{ckpt.directory} holds an in-flight rollout (saved at rollout.max_staleness=1): "
+                "resume with rollout.max_staleness=1"
+            )
+        abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+        target[_INFLIGHT] = jax.tree.map(abstract, saved[_INFLIGHT], sh.rollout._asdict())
     # The target's shardings are the ones restored into: each host reads its own shards.
-    got = ckpt.restore_intact(_checkpointable(state), log=log)
+    got = ckpt.restore_intact(target, log=log)
     if got is None:
-        return state, {}
+        return state, {}, None
     _, restored, extra = got
+    inflight = restored.pop(_INFLIGHT, None)
     state = state._replace(**restored)
     source.restore(extra["data"])
     log(f"resumed from step {int(state.step)} in {ckpt.directory}")
-    return state, extra
+    return state, extra, None if inflight is None else Rollout(**inflight)
 
 
 def _check_finite(spec: RunSpec, last: dict, step: int, ckpt) -> None:
@@ -227,11 +251,13 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
     )
     out = None
     try:  # a save in flight is always committed (or named as failed), whatever happens
-        state, extra = _restore(ckpt, state, task.source, log)
+        state, extra, inflight = _restore(ckpt, state, sh, spec, task.source, log)
         resumed_from = int(state.step) if extra else None
         step_fn = Step(spec, task, optimizer, sh)
         out = _Log(spec, int(state.step), extra, state, task.evaluate, log)
-        step, stopped = _loop(spec, task, step_fn, state, sh, ckpt, out, log, stop_after)
+        step, stopped = _loop(
+            spec, task, step_fn, (state, inflight), sh, ckpt, out, log, stop_after
+        )
     finally:
         if out is not None:
             out.close()
@@ -248,29 +274,48 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
     }
 
 
-def _loop(spec: RunSpec, task: Task, step_fn, state, sh, ckpt, out: _Log, log, stop_after):
+def _one_step(spec: RunSpec, task: Task, step_fn, state, inflight, step: int, next_batches):
+    """One call of the step: (state, metrics, times, in-flight rollout, seconds per step)."""
+    t0 = time.perf_counter()
+    if spec.rollout.max_staleness == 0:
+        state, m, times = step_fn(state, next_batches())
+        return state, m, times, None, (time.perf_counter() - t0) / spec.steps_per_jit
+    # Staleness 1: update t on rollout t while rollout t+1 samples with params t.
+    if inflight is None:  # step 0 (or a checkpoint without one): no overlap
+        inflight = step_fn.first_rollout(state, next_batches())
+    batches = next_batches() if step + 1 < spec.total_steps else None
+    state, m, times, inflight = step_fn.overlapped(state, inflight, batches)
+    return state, m, times, inflight, time.perf_counter() - t0
+
+
+def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, stop_after):
     """Steps until total_steps or a stop; returns (step reached, stopped early)."""
+    state, inflight = carry
     step = first = int(state.step)
     stopped = False
+
+    def next_batches():
+        batches = task.source.next_batches(spec.steps_per_jit)
+        return put(batches, sh.batches(batches))
+
     with PreemptionGuard() as guard:
         while step < spec.total_steps:
-            batches = task.source.next_batches(spec.steps_per_jit)
-            batches = put(batches, sh.batches(batches))
-            t0 = time.perf_counter()
-            state, m, times = step_fn(state, batches)
-            dt = (time.perf_counter() - t0) / spec.steps_per_jit
+            state, m, times, inflight, dt = _one_step(
+                spec, task, step_fn, state, inflight, step, next_batches
+            )
             rows = out.rows(step, m, times, dt, state.params)
             step += len(rows)
             out.samples(step, task.tokenizer, step_fn.last_rollout)
-            extra = out.extra(task.source)
+            extra = out.extra(task.source)  # the position counts the in-flight rollout's batch
+            saved = _checkpointable(state, inflight)
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
-                ckpt.save(step, _checkpointable(state), extra)
+                ckpt.save(step, saved, extra)
             _check_finite(spec, rows[-1], step, ckpt)
             requested = _any_process(guard.requested)
             stopped = requested or (stop_after is not None and step - first >= stop_after)
             if stopped:
-                ckpt.save(step, _checkpointable(state), extra, force=True)
+                ckpt.save(step, saved, extra, force=True)
                 why = f"signal {guard.signum or '(another process)'}" if requested else None
                 why = why or f"stop_after={stop_after}"
                 log(f"{why}: saved step {step} to {ckpt.directory}; exiting")

@@ -5,6 +5,7 @@ check compiles the programs that run: the state laid out by the rules, prompt ba
 rollout rows over the batch axes, and the sampler's copy of the weights on its own mesh.
 """
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -34,12 +35,25 @@ def make_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
     return sharding.make_mesh(list(zip(spec.axes, spec.shape)), devices)
 
 
-def make_sampler_mesh(spec: MeshSpec, mesh) -> jax.sharding.Mesh:
-    """`sampler.mesh` over the trainer mesh's devices, or the trainer mesh itself."""
+def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
+    """`sampler.mesh` over the trainer mesh's devices, or the trainer mesh itself.
+
+    With `spec.disjoint` (rollout.max_staleness=1) it spans the devices after the trainer's
+    in `devices` (default: every device; one process only), so both programs run at once.
+    """
     if not spec.sampler:
         return mesh
+    pool = mesh.devices.flat
+    if spec.disjoint:
+        if devices is None and jax.process_count() > 1:
+            raise config_lib.ConfigError("rollout.max_staleness=1 runs in one process only")
+        taken = {d.id for d in mesh.devices.flat}
+        pool = [d for d in (jax.devices() if devices is None else devices) if d.id not in taken]
+        sizes = [n for _, n in spec.sampler]
+        if -1 not in sizes:
+            pool = pool[: math.prod(sizes)]
     try:
-        return sharding.make_mesh(list(spec.sampler), mesh.devices.flat)
+        return sharding.make_mesh(list(spec.sampler), pool)
     except ValueError as e:
         raise config_lib.ConfigError(f"sampler.mesh: {e}") from None
 
@@ -70,9 +84,14 @@ class Shardings(NamedTuple):
         return sharding.batch_sharded(tree, mesh, self.prompt_rows, axis=axis, strict=False)
 
 
-def make_shardings(spec: RunSpec, model_config, optimizer, abstract_state, mesh) -> Shardings:
-    """The bundle for `abstract_state` (a TrainState of arrays or ShapeDtypeStructs)."""
-    s_mesh = make_sampler_mesh(spec.mesh, mesh)
+def make_shardings(
+    spec: RunSpec, model_config, optimizer, abstract_state, mesh, devices=None
+) -> Shardings:
+    """The bundle for `abstract_state` (a TrainState of arrays or ShapeDtypeStructs).
+
+    `devices`: all devices of the run (default: jax.devices()), for a disjoint sampler mesh.
+    """
+    s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
     P_ = spec.rollout.prompts
     return Shardings(
         mesh=mesh,

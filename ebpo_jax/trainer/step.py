@@ -4,7 +4,12 @@
 rollout and update functions for the host loop, in one of two shapes:
 - K > 1 steps per call (jittable reward): one jitted `lax.scan` of `train_step`;
 - K == 1: jitted rollout on the sampler mesh -> host reward (if any) -> jitted update, so each
-  phase is timed and a host reward (math-verify) can run in between.
+  phase is timed and a host reward (math-verify) can run in between;
+- K == 1 at rollout.max_staleness=1 (`first_rollout`, then `overlapped`): rollout t+1 is
+  dispatched with params t on the sampler's own devices, then update t on rollout t on the
+  trainer's; JAX's asynchronous dispatch runs both at once, and the host waits only when it
+  needs both. Rollout t+1's key is fold_in(rng_t, 2) (rollout 0's, like every rollout at
+  staleness 0, fold_in(rng_t, 1)), so runs are deterministic given the seed.
 """
 
 import functools
@@ -57,7 +62,7 @@ class Step:
 
     def __init__(self, spec: RunSpec, task, optimizer, sh: Shardings):
         self.K, self.sh = spec.steps_per_jit, sh
-        self.last_rollout = None  # K == 1: the latest step's rollout (sample logging)
+        self.last_rollout = None  # K == 1: the rollout the latest update consumed (samples log)
         self.host_reward = None if task.reward.jittable else task.reward.fn
         reward_fn = task.reward.fn if task.reward.jittable else None
         mc, stops = task.model_config, task.stop_ids
@@ -67,6 +72,12 @@ class Step:
         update = make_update_fn(spec.update, mc, optimizer, stops)
         out = (sh.state, sh.replicated)
         self.rollout = jax.jit(rollout, out_shardings=sh.sampler_rollout)
+        # sampler.param_dtype: the sampler's copy of the weights in another dtype (bfloat16).
+        dtype = spec.rollout.param_dtype
+        self.cast = None
+        if dtype:
+            cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
+            self.cast = jax.jit(cast, out_shardings=sh.state.params)
         self.update = jax.jit(
             update, in_shardings=(sh.state, sh.rollout), out_shardings=out, donate_argnums=0
         )
@@ -81,31 +92,94 @@ class Step:
                 state, m = self.multi(state, batches)
             state, m = jax.block_until_ready((state, m))
             return state, m, {"perf/sample_time_s": np.nan, "perf/update_time_s": np.nan}
-        return self._one(state, jax.tree.map(lambda x: x[0], batches))
+        return self._one(state, _first(batches))
 
     def _one(self, state: TrainState, batch):
         """K == 1: rollout (sampler mesh) -> host reward -> update (trainer mesh), timed."""
-        sh = self.sh
         t0 = time.perf_counter()
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
-        params = state.params
+        ro = self._finish(self._sample(state.params, batch, key))
+        t1 = time.perf_counter()
+        self.last_rollout = ro
+        with jax.set_mesh(self.sh.mesh):
+            state, m = self.update(state, ro)
+        m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
+        times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": time.perf_counter() - t1}
+        return state, m, times
+
+    def _sample(self, params, batch, key):
+        """Dispatch a rollout on the sampler mesh (asynchronous: nothing waits for it)."""
+        sh = self.sh
+        if self.cast is not None:  # on the trainer's devices: half the bytes to move
+            with jax.set_mesh(sh.mesh):
+                params = self.cast(params)
         if sh.sampler_mesh is not sh.mesh:  # weights move device to device, not via the host
             params = jax.device_put(params, sh.sampler_params)
             batch = jax.device_put(batch, sh.batches(batch, axis=0, on_sampler=True))
             key = jax.device_put(key, jax.sharding.NamedSharding(sh.sampler_mesh, _REPLICATED))
         with jax.set_mesh(sh.sampler_mesh):
-            ro = self.rollout(params, batch, key)
-        ro = jax.block_until_ready(jax.device_put(ro, sh.rollout))
+            return self.rollout(params, batch, key)
+
+    def _finish(self, ro):
+        """A sampler-mesh rollout on the trainer mesh, ready, its host reward filled in."""
+        ro = jax.block_until_ready(jax.device_put(ro, self.sh.rollout))
         if self.host_reward is not None:
             rewards_PG = np.asarray(self.host_reward(distributed.to_host(ro)), np.float32)
-            ro = ro._replace(rewards=put(rewards_PG, sh.rollout.rewards))
-        t1 = time.perf_counter()
-        self.last_rollout = ro
-        with jax.set_mesh(sh.mesh):
-            state, m = self.update(state, ro)
+            ro = ro._replace(rewards=put(rewards_PG, self.sh.rollout.rewards))
+        return ro
+
+    def first_rollout(self, state: TrainState, batches):
+        """Staleness 1: rollout t from params t (step 0, or a resume with none in flight)."""
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
+        return self._finish(self._sample(state.params, _first(batches), key))
+
+    def overlapped(self, state: TrainState, rollout, batches):
+        """Staleness 1: update t on `rollout` (rollout t) while rollout t+1 samples `batches`
+        with params t on the sampler's devices.
+
+        Returns (state t+1, metrics, times, rollout t+1 on the trainer mesh, or None when
+        `batches` is None: the last step). Both programs are dispatched before anything waits.
+        """
+        t0 = time.perf_counter()
+        nxt = None
+        if batches is not None:  # key: a function of state t's rng, distinct from update t's
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 2)
+            nxt = self._sample(state.params, _first(batches), key)
+        t_update = time.perf_counter()
+        self.last_rollout = rollout
+        with jax.set_mesh(self.sh.mesh):
+            state, m = self.update(state, rollout)
+        r_ready, u_ready = _ready_times(nxt, m)
+        t_finish = time.perf_counter()
+        if nxt is not None:  # the move to the trainer's devices and the host reward
+            nxt = self._finish(nxt)
+        sample_s = (r_ready - t0) + (time.perf_counter() - t_finish) if nxt is not None else 0.0
         m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
-        times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": time.perf_counter() - t1}
-        return state, m, times
+        times = {
+            "perf/sample_time_s": sample_s,
+            "perf/update_time_s": u_ready - t_update,
+            # Seconds both programs were in flight at once (0: they ran one after the other).
+            "perf/overlap_s": max(0.0, min(r_ready, u_ready) - t_update)
+            if nxt is not None
+            else 0.0,
+        }
+        return state, m, times, nxt
+
+
+def _first(batches):
+    return jax.tree.map(lambda x: x[0], batches)
+
+
+def _ready_times(*trees, poll_s: float = 1e-3) -> list[float]:
+    """perf_counter time at which each tree's arrays became ready (None: at once); polls."""
+    leaves = [[x for x in jax.tree.leaves(t) if isinstance(x, jax.Array)] for t in trees]
+    done = [None if ls else time.perf_counter() for ls in leaves]
+    while any(d is None for d in done):
+        for i, ls in enumerate(leaves):
+            if done[i] is None and all(x.is_ready() for x in ls):
+                done[i] = time.perf_counter()
+        time.sleep(poll_s)
+    return done
 
 
 _REPLICATED = jax.sharding.PartitionSpec()
