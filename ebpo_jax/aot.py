@@ -51,17 +51,20 @@ def model_config_of(config):
 def abstract_inputs(config, mc, prompt_len: int):
     """(abstract TrainState, abstract Rollout, optimizer) at the config's shapes: no allocation."""
     from ebpo_jax import models, tasks
+    from ebpo_jax.trainer.lora_state import init_lora_state
     from ebpo_jax.trainer.rollout import batch_rounds, make_rollout_fn
     from ebpo_jax.trainer.state import init_train_state, make_optimizer
 
     optimizer = make_optimizer(config)
     params = models.abstract_params(mc)
-    state = jax.eval_shape(
-        lambda p: init_train_state(
-            p, optimizer, seed=config.seed, with_ref=config.loss.kl_coef > 0
-        ),
-        params,
-    )
+    spec = lora_spec(config)
+
+    def init(p):
+        if spec is not None:  # adapters trained, the base frozen (and the KL reference)
+            return init_lora_state(p, optimizer, spec, mc, seed=config.seed)
+        return init_train_state(p, optimizer, seed=config.seed, with_ref=config.loss.kl_coef > 0)
+
+    state = jax.eval_shape(init, params)
     n = batch_rounds(config) * config.prompts_per_step
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
     answer_len = 64  # answers are short; their width does not move the memory
@@ -81,7 +84,10 @@ def compile_update(config, mc, mesh, prompt_len: int):
     state, ro, optimizer = abstract_inputs(config, mc, prompt_len)
     state_sh = train_state_shardings(mc, optimizer, state, mesh)
     ro_sh = batch_sharded(ro, mesh, config.prompts_per_step, mc.sharding_rules)
-    update = make_update_fn(config, mc, optimizer, eos_id=1)
+    spec = lora_spec(config)
+    update = make_update_fn(
+        config, mc, optimizer, eos_id=1, **({"lora_spec": spec} if spec else {})
+    )
     jitted = jax.jit(
         update, in_shardings=(state_sh, ro_sh), out_shardings=(state_sh, None), donate_argnums=0
     )
@@ -142,6 +148,24 @@ def compile_sampler(config, mc, mesh, params, prompts: int, prompt_len: int):
     return prefill, decode
 
 
+def lora_spec(config):
+    """The config's LoraSpec, or None for full fine-tuning."""
+    from ebpo_jax.models import lora
+
+    return lora.spec_from_config(config.model.lora)
+
+
+def compile_lora_merge(state, state_sh, dst_shardings, mesh, spec, dtype):
+    """LoRA's weights for the sampler: base + scale A B, in `dtype`, onto the sampler's mesh."""
+    from ebpo_jax.models import lora
+
+    merge = lambda base, adapters: lora.merge(base, adapters, spec, dtype=dtype)
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(merge, out_shardings=dst_shardings)
+        args = abstract(state.base, state_sh.base), abstract(state.params, state_sh.params)
+        return jitted.lower(*args).compile()
+
+
 def compile_reshard(params, src_shardings, dst_shardings, mesh, dtype):
     """Weights from the trainer's mesh to the sampler's, device to device, in the compute dtype.
 
@@ -162,7 +186,7 @@ def run(
     report with `error` set and fits=False; other compile errors propagate.
     """
     from ebpo_jax import config as config_lib
-    from ebpo_jax import sharding
+    from ebpo_jax import models, sharding
 
     spec, chip_name, devices = topology_devices(topology)
     config_lib.validate(config, len(devices))
@@ -195,7 +219,8 @@ def run(
         return compiled
 
     state, _, optimizer = abstract_inputs(config, mc, prompt_len)
-    train_sh = train_state_shardings(mc, optimizer, state, mesh).params
+    state_sh = train_state_shardings(mc, optimizer, state, mesh)
+    train_sh, l_spec = state_sh.params, lora_spec(config)
     epochs = f"{config.loss.ppo_epochs} epoch(s) x {config.loss.num_minibatches} mini-batches"
     attempt(
         "train update",
@@ -205,8 +230,20 @@ def run(
         lambda: compile_update(config, mc, mesh, prompt_len)[0],
     )
     params = state.params
+    if l_spec is not None:  # the sampler runs merged weights in the compute dtype
+        params = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), models.abstract_params(mc)
+        )
     samp_sh = sharding.param_shardings(mc, params, s_mesh)
-    if s_mesh is not mesh:
+    if l_spec is not None:
+        attempt(
+            "lora merge",
+            s_mesh,
+            0,
+            f"base + A B to {mc.dtype}",
+            lambda: compile_lora_merge(state, state_sh, samp_sh, s_mesh, l_spec, mc.dtype),
+        )
+    elif s_mesh is not mesh:
         attempt(
             "reshard weights",
             s_mesh,

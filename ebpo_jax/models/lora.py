@@ -59,7 +59,9 @@ class LoraSpec:
             raise ValueError(f"lora rank must be an int >= 1, got {self.rank!r}")
         bad = [t for t in self.targets if t not in TARGETS]
         if bad or not self.targets or len(set(self.targets)) != len(self.targets):
-            raise ValueError(f"lora targets {self.targets!r}: expected distinct names of {list(TARGETS)}")
+            raise ValueError(
+                f"lora targets {self.targets!r}: expected distinct names of {list(TARGETS)}"
+            )
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"lora base_dtype {self.base_dtype!r} is not one of {BASE_DTYPES}")
 
@@ -211,7 +213,9 @@ def merge(params, adapters, spec: LoraSpec, dtype=None):
         w = base.get_value()
         w_dtype = dtype or (jnp.float32 if _is_qarray(w) else w.dtype)
         d = delta(ab["a"].get_value(), ab["b"].get_value(), spec.scale)
-        out["layers"][group][name] = base.replace(value=(_dense(w, jnp.float32) + d).astype(w_dtype))
+        out["layers"][group][name] = base.replace(
+            value=(_dense(w, jnp.float32) + d).astype(w_dtype)
+        )
     return dequantize_base(out, dtype)
 
 

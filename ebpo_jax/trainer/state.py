@@ -82,7 +82,7 @@ def init_train_state(
 
 
 def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
-    """Shardings of an (abstract) TrainState: params, ref params, LoRA base, Adam moments by the rules.
+    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments.
 
     The rules are `model_config.sharding_rules` (the config's table); everything else
     (EB accumulators, step, rng, counters) is replicated.
