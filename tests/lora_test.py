@@ -175,6 +175,7 @@ def test_adapters_shard_by_the_rules_table():
     "base_dtype,tol", [("int8", 0.03), pytest.param("nf4", 0.3, marks=pytest.mark.slow)]
 )
 def test_qlora_base(base_dtype, tol):
+    pytest.importorskip("qwix")
     spec = lora.LoraSpec(4, 8.0, ("q", "v", "down"), base_dtype)
     base, tok = _params(), _tokens()
     q = jax.jit(lambda b: lora.quantize_base(b, spec))(base)

@@ -206,7 +206,7 @@ def delta(a, b, scale: float):
 def merge(params, adapters, spec: LoraSpec, dtype=None):
     """Plain params with W + scale A B in each targeted weight (dequantized for QLoRA).
 
-    `dtype`: of the merged weights (default: the base weight's, or float32 for a QArray).
+    `dtype`: of every returned weight (default: each base weight's, float32 for a QArray).
     """
     out = jax.tree.map(lambda x: x, params)
     for group, name, base, ab in _targeted(params, adapters):
@@ -216,7 +216,8 @@ def merge(params, adapters, spec: LoraSpec, dtype=None):
         out["layers"][group][name] = base.replace(
             value=(_dense(w, jnp.float32) + d).astype(w_dtype)
         )
-    return dequantize_base(out, dtype)
+    out = dequantize_base(out, dtype)
+    return out if dtype is None else jax.tree.map(lambda x: x.astype(dtype), out)
 
 
 def _projection_vars(params):
@@ -227,12 +228,11 @@ def _projection_vars(params):
 def quantize_base(params, spec: LoraSpec):
     """QLoRA's frozen base: the seven projections as qwix QArrays (int8 per output channel;
     nf4 in blocks of 64 along the first input dim when it divides, else per channel)."""
-    import qwix
-
     if spec.base_dtype not in _QUANTIZED:
         if not spec.base_dtype:
             return params
         return jax.tree.map(lambda x: x.astype(spec.base_dtype), params)
+    import qwix  # the [lora] extra; only QLoRA needs it
     out = jax.tree.map(lambda x: x, params)
     for (group, name, n_in), (_, _, var) in zip(TARGETS.values(), _projection_vars(params)):
         w = var.get_value()
