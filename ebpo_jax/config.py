@@ -84,6 +84,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.hf_path = ""
     # A local HF tokenizer folder for a randomly initialised preset (vocab from the tokenizer).
     c.model.tokenizer_path = ""
+    # LoRA / QLoRA (ebpo_jax.models.lora): rank 0 = full fine-tuning. Only the adapters
+    # train; the KL reference is the frozen base with the adapters off.
+    c.model.lora = ml_collections.ConfigDict()
+    c.model.lora.rank = 0
+    c.model.lora.alpha = 32.0  # the adapter's output is scaled by alpha / rank
+    c.model.lora.targets = "q,k,v,o,gate,up,down"  # any of these, comma-separated
+    # The frozen base's storage: "" = model param_dtype, float32, bfloat16, or QLoRA's int8 / nf4.
+    c.model.lora.base_dtype = ""
 
     # Math data (ebpo_jax.data); path "" = the synthetic arithmetic tasks of `task` below.
     c.data = data_config()
@@ -492,6 +500,31 @@ def _validate_staleness(c, need, num_devices) -> None:
         )
 
 
+def _validate_lora(lc, need) -> None:
+    """model.lora: rank >= 0, alpha > 0, known targets and base dtype."""
+    from ebpo_jax.models import lora  # late: this module stays free of jax
+
+    rank = lc.rank
+    need(
+        isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0,
+        f"model.lora.rank must be an int >= 0 (0 = off), got {rank!r}",
+    )
+    need(lc.alpha > 0, f"model.lora.alpha must be > 0, got {lc.alpha}")
+    targets = [t.strip() for t in str(lc.targets).split(",") if t.strip()]
+    bad = sorted(set(targets) - set(lora.TARGETS)) or sorted(
+        {t for t in targets if targets.count(t) > 1}
+    )
+    need(
+        bool(targets) and not bad,
+        f"model.lora.targets={lc.targets!r}: unknown or repeated {bad}; "
+        f"expected a comma-separated subset of {','.join(lora.TARGETS)}",
+    )
+    need(
+        lc.base_dtype in lora.BASE_DTYPES,
+        f"model.lora.base_dtype={lc.base_dtype!r} is not one of {lora.BASE_DTYPES}",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -600,6 +633,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _validate_positions(c)
     _validate_estimator_options(c, need)
     _validate_staleness(c, need, num_devices)
+    _validate_lora(c.model.lora, need)
     if num_devices is not None:
         shape = mesh_shape(c, num_devices)
         batch = c.prompts_per_step * c.group_size

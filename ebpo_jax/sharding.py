@@ -31,6 +31,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tp"),
     ("head_dim", None),
     ("norm", None),
+    ("lora_rank", None),  # LoRA adapters' rank dim: small, never split
     ("act_embed", None),
     ("act_mlp", "tp"),
     ("act_heads", "tp"),

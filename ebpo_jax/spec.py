@@ -79,6 +79,7 @@ class UpdateSpec:
     is_cap: float
     is_low: float
     is_high: float
+    lora: Any = None  # models.lora.LoraSpec: params are adapters on a frozen base; None = full
 
     @property
     def updates(self) -> int:
@@ -200,6 +201,13 @@ def rollout_spec(c) -> RolloutSpec:
     )
 
 
+def lora_spec(c):
+    """`model.lora` as a models.lora.LoraSpec; None when rank is 0 (full fine-tuning)."""
+    from ebpo_jax.models import lora  # late: the spec module stays free of jax
+
+    return lora.spec_from_config(c.model.lora)
+
+
 def update_spec(c) -> UpdateSpec:
     lc = c.loss
     return UpdateSpec(
@@ -232,6 +240,7 @@ def update_spec(c) -> UpdateSpec:
         is_cap=float(lc.is_cap),
         is_low=float(lc.is_low),
         is_high=float(lc.is_high),
+        lora=lora_spec(c),
     )
 
 

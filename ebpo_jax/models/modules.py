@@ -9,6 +9,7 @@ from flax import nnx
 
 from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.lora import matmul
 
 # Masked attention logits get this instead of -inf so that a row with no visible key
 # (a padding query) gives a uniform softmax rather than NaN.
@@ -94,9 +95,9 @@ class Attention(nnx.Module):
 
     def project(self, x_BTD, cos_BTd, sin_BTd):
         dt = self.dtype
-        q_BTHd = jnp.einsum("btd,dhk->bthk", x_BTD, self.q[...].astype(dt))
-        k_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, self.k[...].astype(dt))
-        v_BTKd = jnp.einsum("btd,dhk->bthk", x_BTD, self.v[...].astype(dt))
+        q_BTHd = matmul("btd,dhk->bthk", x_BTD, self.q, dt)
+        k_BTKd = matmul("btd,dhk->bthk", x_BTD, self.k, dt)
+        v_BTKd = matmul("btd,dhk->bthk", x_BTD, self.v, dt)
         if self.q_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
         heads, kv_heads = (
@@ -138,7 +139,7 @@ class Attention(nnx.Module):
         return self.output(out_BTKGd.astype(self.dtype).reshape(B, T, H, Dh))
 
     def output(self, out_BTHd):
-        return jnp.einsum("bthk,hkd->btd", out_BTHd, self.o[...].astype(self.dtype))
+        return matmul("bthk,hkd->btd", out_BTHd, self.o, self.dtype)
 
 
 class MLP(nnx.Module):
@@ -155,12 +156,12 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD):
         dt = self.dtype
-        gate_BTF = jnp.einsum("btd,df->btf", x_BTD, self.gate[...].astype(dt))
-        up_BTF = jnp.einsum("btd,df->btf", x_BTD, self.up[...].astype(dt))
+        gate_BTF = matmul("btd,df->btf", x_BTD, self.gate, dt)
+        up_BTF = matmul("btd,df->btf", x_BTD, self.up, dt)
         hidden_BTF = sharding.constrain(
             jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"), self.rules
         )
-        return jnp.einsum("btf,fd->btd", hidden_BTF, self.down[...].astype(dt))
+        return matmul("btf,fd->btd", hidden_BTF, self.down, dt)
 
 
 class Block(nnx.Module):

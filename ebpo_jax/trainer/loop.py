@@ -16,6 +16,7 @@ from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
+from ebpo_jax.trainer.lora_state import init_lora_state
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.shardings import make_mesh, make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
@@ -49,7 +50,9 @@ _INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update 
 
 
 def _checkpointable(state: TrainState, inflight: Rollout | None = None) -> dict:
-    out = {k: v for k, v in state._asdict().items() if v is not None}
+    """What a checkpoint saves: the state (LoRA: without the frozen base, which every start
+    rebuilds from the task's source) and the in-flight rollout of staleness 1."""
+    out = {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
     if inflight is not None:
         out[_INFLIGHT] = inflight._asdict()
     return out
@@ -101,6 +104,15 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
     """
 
     def init(params):
+        if spec.update.lora is not None:  # adapters trained; the base frozen, the KL reference
+            return init_lora_state(
+                params,
+                optimizer,
+                spec.update.lora,
+                task.model_config,
+                seed=spec.seed,
+                num_clusters=task.num_clusters,
+            )
         return init_train_state(
             params,
             optimizer,
@@ -117,7 +129,7 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
 class _Log:
     """Metrics rows, the progress bar, the token count and the latest pass@1."""
 
-    def __init__(self, spec: RunSpec, step: int, extra: dict, state, evaluate, log):
+    def __init__(self, spec: RunSpec, step: int, extra: dict, policy, state, evaluate, log):
         main = distributed.is_main_process()
         # Rows of steps <= the restored one stay; later ones are rewritten exactly once.
         start = step + 1 if extra else 0
@@ -140,7 +152,7 @@ class _Log:
         elif evaluate is None:
             self.start = math.nan
         else:
-            row = self.eval_row(state.params, {})
+            row = self.eval_row(policy, {})
             self.start = row["eval/pass@1"]
             self.writer.write(step, row)
         if evaluate is not None:
@@ -155,7 +167,7 @@ class _Log:
             row.update({f"eval/{name}/pass@1": v for name, v in per_set.items()})
         return row
 
-    def rows(self, first_step: int, metrics, times: dict, dt: float, params) -> list[dict]:
+    def rows(self, first_step: int, metrics, times: dict, dt: float, policy) -> list[dict]:
         """Write one row per step of a K-step call; eval on its last step when due."""
         rows = _to_host(metrics)
         for i, row in enumerate(rows):
@@ -167,7 +179,7 @@ class _Log:
             # eval_every and total_steps are multiples of K: this is the call's last step.
             due = step % self.spec.eval.every == 0 or step == self.spec.total_steps
             if due and self.evaluate is not None:
-                self.eval_row(params, row)
+                self.eval_row(policy(), row)
             self.writer.write(step, row)
             self.bar.update(step - 1, row)
         return rows
@@ -254,7 +266,9 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
         state, extra, inflight = _restore(ckpt, state, sh, spec, task.source, log)
         resumed_from = int(state.step) if extra else None
         step_fn = Step(spec, task, optimizer, sh)
-        out = _Log(spec, int(state.step), extra, state, task.evaluate, log)
+        first_eval = task.evaluate is not None and "pass@1_start" not in extra
+        policy = step_fn.policy(state) if first_eval else None
+        out = _Log(spec, int(state.step), extra, policy, state, task.evaluate, log)
         step, stopped = _loop(
             spec, task, step_fn, (state, inflight), sh, ckpt, out, log, stop_after
         )
@@ -303,7 +317,7 @@ def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, s
             state, m, times, inflight, dt = _one_step(
                 spec, task, step_fn, state, inflight, step, next_batches
             )
-            rows = out.rows(step, m, times, dt, state.params)
+            rows = out.rows(step, m, times, dt, lambda state=state: step_fn.policy(state))
             step += len(rows)
             out.samples(step, task.tokenizer, step_fn.last_rollout)
             extra = out.extra(task.source)  # the position counts the in-flight rollout's batch

@@ -84,6 +84,15 @@ class Shardings(NamedTuple):
         return sharding.batch_sharded(tree, mesh, self.prompt_rows, axis=axis, strict=False)
 
 
+def _sampled(spec: RunSpec, model_config, abstract_state):
+    """The (abstract) weights the sampler runs: the params, or LoRA's merged weights."""
+    if spec.update.lora is None:
+        return abstract_state.params
+    from ebpo_jax import models
+
+    return models.abstract_params(model_config)
+
+
 def make_shardings(
     spec: RunSpec, model_config, optimizer, abstract_state, mesh, devices=None
 ) -> Shardings:
@@ -99,7 +108,9 @@ def make_shardings(
         state=state_shardings(model_config, optimizer, abstract_state, mesh),
         rollout=rollout_shardings(mesh, P_),
         sampler_rollout=rollout_shardings(s_mesh, P_),
-        sampler_params=sharding.param_shardings(model_config, abstract_state.params, s_mesh),
+        sampler_params=sharding.param_shardings(
+            model_config, _sampled(spec, model_config, abstract_state), s_mesh
+        ),
         replicated=NamedSharding(mesh, P()),
         prompt_rows=spec.rollout.batch_prompts,
     )

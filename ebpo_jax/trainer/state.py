@@ -8,6 +8,7 @@ import optax
 
 from ebpo_jax import sharding
 from ebpo_jax.advantages import EBState, init_eb_state
+from ebpo_jax.models import lora
 from ebpo_jax.spec import OptimSpec
 
 
@@ -22,6 +23,9 @@ class TrainState(NamedTuple):
     ref_params: Any  # frozen reference policy for the KL term; None when kl_coef == 0
     nonfinite_run: jax.Array  # int32: consecutive steps with a skipped (non-finite) update
     generated_tokens: jax.Array  # int32: every generated token so far, kept or dropped
+    # LoRA (model.lora.rank > 0): the frozen base weights, `params` being the adapters and
+    # the KL reference the base itself; None for full fine-tuning. Not checkpointed.
+    base: Any = None
 
 
 def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
@@ -55,9 +59,9 @@ def make_optimizer(opt: OptimSpec) -> optax.GradientTransformation:
 
 
 def init_train_state(
-    params, optimizer, *, seed: int, num_clusters: int = 1, with_ref: bool = False
+    params, optimizer, *, seed: int, num_clusters: int = 1, with_ref: bool = False, base=None
 ):
-    """A fresh TrainState at step 0 around `params`."""
+    """A fresh TrainState at step 0 around `params` (the adapters when `base` is given)."""
     return TrainState(
         params=params,
         opt_state=optimizer.init(params),
@@ -68,11 +72,12 @@ def init_train_state(
         ref_params=jax.tree.map(jnp.copy, params) if with_ref else None,
         nonfinite_run=jnp.zeros((), jnp.int32),
         generated_tokens=jnp.zeros((), jnp.int32),
+        base=base,
     )
 
 
 def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
-    """Shardings of an (abstract) TrainState: params, ref params and Adam moments by the rules.
+    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments.
 
     The rules are `model_config.sharding_rules` (the config's table); everything else
     (EB accumulators, step, rng, counters) is replicated.
@@ -91,4 +96,5 @@ def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainSt
         ref_params=None if state.ref_params is None else p_sh,
         nonfinite_run=rep,
         generated_tokens=rep,
+        base=None if state.base is None else lora.base_shardings(model_config, state.base, mesh),
     )

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from ebpo_jax import distributed
+from ebpo_jax.models import lora
 from ebpo_jax.spec import RunSpec
 from ebpo_jax.trainer.rollout import make_rollout_fn
 from ebpo_jax.trainer.shardings import Shardings
@@ -30,10 +31,18 @@ def _no_clusters(batch):
     return jax.numpy.zeros(batch.prompt_tokens.shape[:1], jax.numpy.int32)
 
 
-def train_step(rollout_fn, update_fn, state: TrainState, batch):
-    """(state, batch) -> (state, metrics): sample with the current params, then update."""
+def policy_params(update_spec, model_config, state: TrainState):
+    """The weights the sampler runs: the params, or LoRA's base + A B merged in the compute
+    dtype (faster to sample than the adapter path: benchmarks/lora_bench.py)."""
+    if update_spec.lora is None:
+        return state.params
+    return lora.merge(state.base, state.params, update_spec.lora, dtype=model_config.dtype)
+
+
+def train_step(rollout_fn, update_fn, policy_fn, state: TrainState, batch):
+    """(state, batch) -> (state, metrics): sample with the current policy, then update."""
     key = jax.random.wrap_key_data(state.rng)
-    ro = rollout_fn(state.params, batch, jax.random.fold_in(key, 1))
+    ro = rollout_fn(policy_fn(state), batch, jax.random.fold_in(key, 1))
     return update_fn(state, ro)
 
 
@@ -54,7 +63,8 @@ def make_train_step(
         spec.rollout, model_config, reward_fn, stop_ids, cluster_ids or _no_clusters, mesh
     )
     update = make_update_fn(spec.update, model_config, optimizer, stop_ids)
-    return functools.partial(train_step, rollout, update)
+    policy = functools.partial(policy_params, spec.update, model_config)
+    return functools.partial(train_step, rollout, update, policy)
 
 
 class Step:
@@ -81,7 +91,10 @@ class Step:
         self.update = jax.jit(
             update, in_shardings=(sh.state, sh.rollout), out_shardings=out, donate_argnums=0
         )
-        scan_body = functools.partial(train_step, rollout, update)
+        policy = functools.partial(policy_params, spec.update, mc)
+        # The sampler's weights: state.params itself, or (LoRA) one merge per step.
+        self.policy = policy if spec.update.lora is None else jax.jit(policy)
+        scan_body = functools.partial(train_step, rollout, update, policy)
         self.multi = jax.jit(
             functools.partial(multi_step, scan_body), out_shardings=out, donate_argnums=0
         )
@@ -98,7 +111,7 @@ class Step:
         """K == 1: rollout (sampler mesh) -> host reward -> update (trainer mesh), timed."""
         t0 = time.perf_counter()
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
-        ro = self._finish(self._sample(state.params, batch, key))
+        ro = self._finish(self._sample(self.policy(state), batch, key))
         t1 = time.perf_counter()
         self.last_rollout = ro
         with jax.set_mesh(self.sh.mesh):
@@ -131,7 +144,7 @@ class Step:
     def first_rollout(self, state: TrainState, batches):
         """Staleness 1: rollout t from params t (step 0, or a resume with none in flight)."""
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 1)
-        return self._finish(self._sample(state.params, _first(batches), key))
+        return self._finish(self._sample(self.policy(state), _first(batches), key))
 
     def overlapped(self, state: TrainState, rollout, batches):
         """Staleness 1: update t on `rollout` (rollout t) while rollout t+1 samples `batches`
@@ -144,7 +157,7 @@ class Step:
         nxt = None
         if batches is not None:  # key: a function of state t's rng, distinct from update t's
             key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), 2)
-            nxt = self._sample(state.params, _first(batches), key)
+            nxt = self._sample(self.policy(state), _first(batches), key)
         t_update = time.perf_counter()
         self.last_rollout = rollout
         with jax.set_mesh(self.sh.mesh):

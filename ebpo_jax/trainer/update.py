@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from ebpo_jax import advantages, importance, losses, models, sharding
+from ebpo_jax.models import lora
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer import packing
 from ebpo_jax.trainer.rollout import Rollout
@@ -122,11 +123,19 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
     )
 
 
+def policy(spec: UpdateSpec, params, base):
+    """The params `forward` runs on: `params` itself, or LoRA adapters attached to the base."""
+    return params if spec.lora is None else lora.attach(base, params, spec.lora)
+
+
 def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
-    """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics."""
+    """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics.
+
+    With LoRA, `params` are the adapters and `ref_params` the frozen base (the KL reference).
+    """
     N = spec.max_new_tokens
     logprobs = _logprobs_fn(spec, model_config, mb)
-    logp_BN, ent_BN = logprobs(params=params, with_entropy=True)
+    logp_BN, ent_BN = logprobs(params=policy(spec, params, ref_params), with_entropy=True)
     if spec.entropy_coef == 0:
         ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
     ref_BN = None
@@ -330,14 +339,15 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     }
     off_metrics = {}
     if spec.recompute_old_logprobs:
-        old, mask, w, off_metrics = _off_policy(spec, model_config, state.params, ro, loss_mask_PGN)
+        params = policy(spec, state.params, state.base)
+        old, mask, w, off_metrics = _off_policy(spec, model_config, params, ro, loss_mask_PGN)
         data.update(logprobs=old, loss_mask=mask)
         if spec.is_correction != "none":
             data["is_weights"] = w
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, spec, model_config), has_aux=True)
     (params, opt_state, _), upd = jax.lax.scan(
         functools.partial(_minibatch_update, spec, model_config, grad_fn, optimizer),
-        (state.params, state.opt_state, state.ref_params),
+        (state.params, state.opt_state, state.ref_params if spec.lora is None else state.base),
         _minibatches(spec, data, k_perm),
         unroll=spec.updates == 1,
     )
@@ -365,6 +375,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         ref_params=state.ref_params,
         nonfinite_run=nonfinite_run,
         generated_tokens=new_tokens,
+        base=state.base,
     )
     metrics["train/nonfinite_run"] = nonfinite_run
     return new_state, metrics

@@ -1,0 +1,26 @@
+"""The paper's EBPO recipe on Qwen3-14B with LoRA rank 32, for a v5p-16 slice (8 chips).
+
+As configs/qwen3_8b_lora_v5p8.py (whose comment block explains every choice), on 8 chips:
+FSDP over 8, one 12288-token row per chip per micro-batch (64 micro-batches of 2 prompts),
+and the sampler at 32 prompts x 4 samples per call on data=2 x tp=4.
+"""
+
+import importlib.util
+import os
+
+from ebpo_jax.config import finalize
+
+
+def _lora_8b():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_lora_v5p8.py")
+    spec = importlib.util.spec_from_file_location("qwen3_8b_lora_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config(variant=None):
+    c = _lora_8b().lora_recipe(
+        "qwen3_14b", variant, chips=8, prompts_per_call=32, sampler_mesh="data=2,tp=4"
+    )
+    return finalize(c)
