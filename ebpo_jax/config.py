@@ -9,6 +9,7 @@ from ebpo_jax.data.config import data_config
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 SCHEDULES = ("constant", "cosine")
+TASK_FAMILIES = ("arithmetic", "reasoning")
 
 
 class ConfigError(ValueError):
@@ -52,6 +53,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data = data_config()
 
     c.task = ml_collections.ConfigDict()
+    c.task.family = "arithmetic"  # arithmetic | reasoning (ebpo_jax.tasks.reasoning)
     c.task.topics = ""  # comma-separated topic names; "" = every topic
     c.task.max_difficulty = 0  # 0 = every level
     c.task.seed = 0  # problem generation (the held-out split depends only on this)
@@ -325,6 +327,10 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     )
     need(c.eval_temperature >= 0, f"eval_temperature must be >= 0, got {c.eval_temperature}")
     need(c.eval_samples >= 1, f"eval_samples must be >= 1, got {c.eval_samples}")
+    need(
+        c.task.family in TASK_FAMILIES,
+        f"task.family={c.task.family!r} is not one of {TASK_FAMILIES}",
+    )
     need(c.task.order in ("naive", "topic", "difficulty"), f"task.order={c.task.order!r} unknown")
     need(c.sft.steps >= 0, f"sft.steps must be >= 0, got {c.sft.steps}")
     per_call = c.sampler.prompts_per_call

@@ -134,6 +134,18 @@ def expand(grid: ml_collections.ConfigDict) -> list[Run]:
     return runs
 
 
+def with_seeds(grid: ml_collections.ConfigDict, seeds) -> ml_collections.ConfigDict:
+    """A copy of `grid` whose every block runs `seeds` (its `seed` axis replaced or added)."""
+    out = ml_collections.ConfigDict(grid.to_dict())
+    blocks = []
+    for block in out.blocks:
+        block = dict(block)
+        block["axes"] = {**dict(block.get("axes", {})), "seed": [int(s) for s in seeds]}
+        blocks.append(block)
+    out.blocks = blocks
+    return out
+
+
 def load_config_file(path: str) -> ml_collections.ConfigDict:
     """`get_config()` of a config file (relative paths are from the repository root)."""
     full = path if os.path.isabs(path) else os.path.join(_REPO, path)
