@@ -84,9 +84,11 @@ def train_run(config_json: str, cache_dir: str) -> dict:
     from ebpo_jax.config import finalize
 
     _setup_jax(cache_dir)
+    from ebpo_jax.trainer import reasoning_setup
     from ebpo_jax.trainer.loop import train
 
     config = finalize(ml_collections.ConfigDict(json.loads(config_json)))
+    reasoning_setup.install(config)  # until task_setup dispatches on task.family
     summary = train(config, log=_quiet)
     if _orphaned():  # the death signal stopped this run at a checkpoint; take no other
         os._exit(0)
