@@ -221,6 +221,8 @@ def comparisons(evals, runs, alpha: float = 0.05):
 
 def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=print) -> dict:
     """Seeds for `power` to detect `effect` on every claim, from the pilot's difference stds."""
+    import pandas as pd
+
     from ebpo_jax import ablation
     from ebpo_jax.ablation import power as power_lib
 
@@ -248,8 +250,6 @@ def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=pri
     needed = max(r["seeds_needed"] for r in rows)
     chosen = max(pilot, min(needed, max_seeds))
     achieved = min(power_lib.paired_power(chosen, effect, r["pilot_sd"], alpha) for r in rows)
-    import pandas as pd
-
     log(ablation.to_markdown(pd.DataFrame(rows)))
     capped = f" (capped by --max_seeds={max_seeds})" if needed > chosen else ""
     log(
@@ -346,8 +346,9 @@ def compare_rows(old, new, atol: float = 0.0) -> dict:
 def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     """Retrain one run of the committed results.csv and compare its rows with the recorded ones.
 
-    The run trains in a fresh process with the XLA_FLAGS the recorded run used (its
-    provenance), in `<out_dir>/rerun/<run_id>`; versions and machine are compared too.
+    The run trains in a fresh process with the XLA_FLAGS and matmul precision the recorded
+    run used (its provenance), in `<out_dir>/rerun/<run_id>`; versions and machine are
+    reported beside the recorded ones.
     """
     import pandas as pd
 
@@ -368,8 +369,11 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     config = _configs(grid, [run], rerun_dir)[run_id]
     recorded = old.iloc[0].to_dict()
     env = dict(os.environ)
+    # The process-level settings that change the numbers, as the recorded run had them.
     if isinstance(recorded.get("xla_flags"), str):
         env["XLA_FLAGS"] = recorded["xla_flags"]
+    if isinstance(recorded.get("matmul_precision"), str) and recorded["matmul_precision"]:
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = recorded["matmul_precision"]
     code = (
         "import sys; sys.path.insert(0, sys.argv[1]); import ablate; "
         "ablate.train_run(open(sys.argv[2]).read(), sys.argv[3])"

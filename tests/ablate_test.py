@@ -237,3 +237,34 @@ def test_power_pilot_then_rerun_micro(tmp_path):
     assert "ebpo - grpo" in text and "verdict_holm" in text
     report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
     assert report["match"], report
+
+
+@pytest.mark.parametrize("part", ["pilot", "group_size", "variants", "curriculum"])
+def test_reasoning_grids_expand_to_valid_configs(part):
+    from ebpo_jax.config import validate
+
+    spec = importlib.util.spec_from_file_location(
+        "reasoning_grid", os.path.join(REPO, "configs", "ablations", "reasoning.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    grid = module.get_config(part)
+    base = grid_lib.load_config_file(grid.base_config)
+    runs = ablation.expand(grid)
+    for run in runs:
+        cfg = ablation.run_config(base, run, "/tmp/x")
+        validate(cfg)
+        assert cfg.task.family == "reasoning" and cfg.total_steps == 200
+        assert cfg.prompts_per_step * cfg.group_size == 128
+    with pytest.raises(ValueError, match="part must be one of"):
+        module.get_config("nope")
+
+
+def test_provenance_reads_the_cpu_model(tmp_path):
+    from ebpo_jax.ablation import provenance
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Fancy CPU @ 3GHz\n")
+    assert provenance.cpu_model(str(info)) == "Fancy CPU @ 3GHz"
+    prov = provenance.provenance()
+    assert set(prov) == set(provenance.FIELDS) and prov["jaxlib"] and prov["machine"]

@@ -8,6 +8,7 @@ from scipy import stats
 from ebpo_jax import tasks
 from ebpo_jax.tasks import BOS_ID, EOS_ID, PAD_ID
 from ebpo_jax.tasks import reasoning as R
+from ebpo_jax.trainer.reasoning_setup import load_problems
 
 TOK = R.make_tokenizer()
 
@@ -211,3 +212,22 @@ def test_prompt_batches_hold_the_final_answer(splits):
     assert np.asarray(r).tolist() == [1.0] * len(test)
     for p, row, n in zip(test, batch.answer_tokens, batch.answer_lengths):
         assert TOK.decode(row[:n]) == p.answer
+
+
+def test_reasoning_config_is_valid_and_family_is_checked():
+    from ebpo_jax.ablation.grid import load_config_file
+    from ebpo_jax.config import ConfigError, validate
+
+    config = load_config_file("configs/reasoning.py")
+    validate(config)
+    assert config.task.family == "reasoning"
+    _, train, test = load_problems(config)
+    prompt_len = max(len(p.prompt) for p in train + test) + 1  # BOS
+    assert prompt_len + config.sampler.max_new_tokens <= (
+        config.model.overrides.max_position_embeddings
+    )
+    assert config.sampler.max_new_tokens == R.MAX_RESPONSE_TOKENS
+    config.unlock()
+    config.task.family = "geometry"
+    with pytest.raises(ConfigError, match="task.family='geometry'"):
+        validate(config)

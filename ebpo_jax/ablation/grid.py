@@ -33,6 +33,7 @@ METHODS: dict[str, dict[str, Any]] = {
     # Control: batch-standardised advantages around the group mean (EBPO's scale, GRPO's
     # baseline), which separates the shrunk baseline from the change of step size.
     "rpp": {"estimator": "reinforce_pp_baseline"},
+    "rloo": {"estimator": "rloo"},  # leave-one-out mean baseline
     # EBPO variants.
     "ebpo_per_batch": {
         "estimator": "ebpo",

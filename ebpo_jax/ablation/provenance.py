@@ -4,7 +4,7 @@ import os
 import platform
 
 # Columns added to every results.csv row (constant per run, not compared by --rerun).
-FIELDS = ("jax", "jaxlib", "machine", "cpu", "xla_flags", "backend")
+FIELDS = ("jax", "jaxlib", "machine", "cpu", "xla_flags", "matmul_precision", "backend")
 
 
 def cpu_model(path: str = "/proc/cpuinfo") -> str:
@@ -31,5 +31,6 @@ def provenance() -> dict[str, str]:
         "machine": platform.machine(),
         "cpu": cpu_model(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "matmul_precision": jax.config.jax_default_matmul_precision or "",
         "backend": f"{jax.default_backend()} x{jax.device_count()}",
     }
