@@ -215,6 +215,7 @@ def comparisons(evals, runs, alpha: float = 0.05):
     if not tables:
         return pd.DataFrame()
     table = pd.concat(tables, ignore_index=True)
+    table = table[["block", "method", *(c for c in table.columns if c not in ("block", "method"))]]
     direction = [1 if m.startswith("ebpo") else 0 for m in table.method]
     return ablation.claims(table, direction, alpha)
 
