@@ -2,9 +2,13 @@
 ebpo_jax.tasks.reasoning (column addition and multiplication with carries written out,
 left-to-right +/- chains; the final answer after "#").
 
-Responses are 16-64 tokens (median ~33, right-skewed). The short SFT stage leaves a low
-base pass rate, so all-fail groups are common at G = 2-8 (see the README for the measured
-rate and the cost of a 200-step run).
+Measured (seed 0, 2-core CPU under heavy load from other jobs): supervised responses are
+16-64 tokens (median 33, p90 45, p99 60, skew 0.53); after the 300-step SFT warm start
+held-out pass@1 is 13.2% (T=1, 4 samples x 180 problems), sampled lengths median 33,
+p90 48, 2.2% truncated at 64, and 69-86% of training groups are all-equal at G = 4-8.
+NOT TUNED: at this learning rate (2e-4, the tiny default's) a 50-step G=4 pilot lost
+held-out pass@1 (13.2% -> 1.0% GRPO, 7.6% EBPO) and training reward fell; sweep the
+learning rate (e.g. 2e-5 - 1e-4) before running the grids.
 """
 
 from ebpo_jax.config import default_config, finalize
