@@ -3,7 +3,7 @@ ebpo_jax.tasks.reasoning (column addition and multiplication with carries writte
 left-to-right +/- chains; the final answer after "#").
 
 Measured (seed 0, 2-core CPU under heavy load from other jobs): supervised responses are
-16-64 tokens (median 33, p90 45, p99 60, skew 0.53); after the 300-step SFT warm start
+16-64 tokens (median 33, p90 45, p99 60, skew 0.54); after the 300-step SFT warm start
 held-out pass@1 is 13.2% (T=1, 4 samples x 180 problems), sampled lengths median 33,
 p90 48, 2.2% truncated at 64, and 69-86% of training groups are all-equal at G = 4-8.
 NOT TUNED: at this learning rate (2e-4, the tiny default's) a 50-step G=4 pilot lost
