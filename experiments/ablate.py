@@ -2,13 +2,25 @@
 
 Each run trains in `<out_dir>/runs/<run_id>`; a run with a `summary.json` is finished and
 skipped, an interrupted one resumes from its checkpoint. Then `<out_dir>/results.csv` (one
-row per run and eval step), `steps.csv` (per-step training curves), `summary.md` (final
-pass@1 per setting, 95% intervals over seeds) and PNG plots under `<out_dir>/plots/`.
+row per run and eval step, with the run's jax/jaxlib versions, machine, CPU and XLA flags),
+`steps.csv` (per-step training curves), `summary.md` (final pass@1 per setting, 95%
+intervals over seeds, and each paired comparison with its p-value, Holm correction and
+verdict) and PNG plots under `<out_dir>/plots/`.
 `--config=...py:paper` selects a grid's paper-scale variant (pod configs).
+
+Seeds by power analysis: `--power_effect=0.02 --power=0.8 --pilot_seeds=4 --max_seeds=20`
+first trains seeds 0..3 of every run, estimates the std of each claim's paired difference
+(EBPO variants minus the reference method, per setting), prints how many paired seeds a
+two-sided paired t-test at `--alpha` needs to detect `--power_effect` with that power, and
+trains that many (the largest over the claims, capped at --max_seeds); `power.json` records it.
+Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv in
+`<out_dir>/rerun/` and reports whether its rows match (|a - b| <= --rerun_atol).
 """
 
 import json
 import os
+import shutil
+import subprocess
 import sys
 import time
 
@@ -20,6 +32,27 @@ _CONFIG = cli.define_config("config", None, "Ablation grid config.")
 _WORKERS = flags.DEFINE_integer("workers", 1, "Runs trained at once, one process each (CPU).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "List the runs and their state; train nothing.")
 _PLOTS_ONLY = flags.DEFINE_bool("plots_only", False, "Only collect results and plot.")
+_POWER_EFFECT = flags.DEFINE_float(
+    "power_effect", 0.0, "Pass@1 difference to detect; > 0 chooses the seeds by a pilot."
+)
+_POWER = flags.DEFINE_float("power", 0.8, "Target power of the paired t-test.")
+_ALPHA = flags.DEFINE_float("alpha", 0.05, "Two-sided level of the paired tests and Holm.")
+_PILOT = flags.DEFINE_integer("pilot_seeds", 4, "Seeds of the pilot that estimates the std.")
+_MAX_SEEDS = flags.DEFINE_integer("max_seeds", 20, "Cap on the seeds the power analysis picks.")
+_RERUN = flags.DEFINE_string("rerun", "", "Retrain this run id and compare with results.csv.")
+_RERUN_ATOL = flags.DEFINE_float("rerun_atol", 0.0, "Tolerance of --rerun (0 = bitwise).")
+
+REFERENCE = "grpo"  # the method every other one is compared with, paired by seed
+VERDICT_RULE = (
+    "Verdict rule, stated before the runs: `reproduced` when the 95% interval excludes 0 in "
+    "the paper's direction (EBPO variants above the reference), `opposite` when it excludes 0 "
+    "the other way, `inconclusive` otherwise; `verdict_holm` applies the rule to Holm-adjusted "
+    "p-values across every claim of the grid (alpha {alpha}). `n/a`: no claim in the paper, "
+    "shown for reference.\n"
+)
+# Columns of a comparisons() row that are statistics, not the setting compared.
+_STATS = ("diff", "seeds", "ci_low", "ci_high", "p", "sd", "direction", "p_holm", "verdict")
+_STATS += ("verdict_holm",)
 
 
 def _quiet(*_):
@@ -43,11 +76,12 @@ def _orphaned() -> bool:
 
 
 def train_run(config_json: str, cache_dir: str) -> dict:
-    """Train one run from its config (JSON); write summary.json when it finished."""
+    """Train one run from its config (JSON); write summary.json (with provenance) when done."""
     if _orphaned():
         os._exit(0)
     import ml_collections
 
+    from ebpo_jax.ablation.provenance import provenance
     from ebpo_jax.config import finalize
 
     _setup_jax(cache_dir)
@@ -58,6 +92,7 @@ def train_run(config_json: str, cache_dir: str) -> dict:
     if _orphaned():  # the death signal stopped this run at a checkpoint; take no other
         os._exit(0)
     if not summary["stopped_early"]:
+        summary["provenance"] = provenance()
         with open(os.path.join(config.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
@@ -76,47 +111,29 @@ def _worker_init():
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def run_grid(
-    grid, *, workers: int = 1, dry_run: bool = False, plots_only: bool = False, log=print
-) -> dict:
-    """Train the grid's unfinished runs, then write the tables and plots; returns paths."""
+def _configs(grid, runs, runs_dir) -> dict:
+    """Each run's training config, every one validated before anything trains."""
     import jax
-    import pandas as pd
-    from tqdm.auto import tqdm
 
     from ebpo_jax import ablation
     from ebpo_jax import config as config_lib
     from ebpo_jax.ablation import grid as grid_lib
-    from ebpo_jax.ablation import plots
 
-    runs = ablation.expand(grid)
     base = grid_lib.load_config_file(grid.base_config)
-    out = os.path.abspath(grid.out_dir)
-    runs_dir, cache_dir = os.path.join(out, "runs"), os.path.join(out, "jax_cache")
     configs = {}
-    for run in runs:  # every run's config is checked before anything trains
+    for run in runs:
         cfg = ablation.run_config(base, run, os.path.join(runs_dir, run.run_id))
         try:
             config_lib.validate(cfg, jax.device_count())
         except config_lib.ConfigError as e:
             raise config_lib.ConfigError(f"grid {grid.name}, run {run.run_id}: {e}") from None
         configs[run.run_id] = cfg
-    done = {
-        r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
-    }
-    todo = [] if plots_only else [r for r in runs if r.run_id not in done]
-    # Seed-major: one seed of every setting first (an early full picture), and the later
-    # seeds reuse the first seed's compiled programs from the persistent cache.
-    order = {r.run_id: i for i, r in enumerate(runs)}
-    todo.sort(key=lambda r: (r.value("seed", 0), order[r.run_id]))
-    log(f"grid {grid.name}: {len(runs)} runs, {len(done)} finished, {len(todo)} to train -> {out}")
-    if dry_run:
-        for r in runs:
-            log(f"  {'done' if r.run_id in done else 'todo'}  {r.run_id}")
-        return {"runs": [r.run_id for r in runs], "trained": []}
-    os.makedirs(out, exist_ok=True)
-    t0, trained = time.time(), []
-    bar = tqdm(total=len(runs), initial=len(done), unit="run", desc=grid.name, disable=False)
+    return configs
+
+
+def _train_all(todo, configs, cache_dir, workers, bar) -> list[str]:
+    """Train `todo` in order (one process) or on a pool of `workers` processes."""
+    trained = []
     if workers <= 1:
         os.environ["TQDM_DISABLE"] = "1"  # the per-run step bars; the grid bar stays
         try:
@@ -127,30 +144,138 @@ def run_grid(
                 bar.update()
         finally:
             os.environ.pop("TQDM_DISABLE", None)
-    else:
-        import concurrent.futures as cf
-        import multiprocessing as mp
+        return trained
+    import concurrent.futures as cf
+    import multiprocessing as mp
 
-        # One XLA thread per worker (they share the cores); the spawned workers inherit it,
-        # this process (jax already loaded) does not use it, and it is restored after.
-        flags = os.environ.get("XLA_FLAGS")
-        os.environ["XLA_FLAGS"] = (flags or "") + " --xla_cpu_multi_thread_eigen=false"
-        ctx = mp.get_context("spawn")
-        try:
-            with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
-                futs = {
-                    pool.submit(train_run, configs[r.run_id].to_json(), cache_dir): r for r in todo
-                }
-                for fut in cf.as_completed(futs):
-                    fut.result()  # a failed run stops the grid with its error
-                    trained.append(futs[fut].run_id)
-                    bar.update()
-        finally:
-            if flags is None:
-                os.environ.pop("XLA_FLAGS", None)
-            else:
-                os.environ["XLA_FLAGS"] = flags
-    bar.close()
+    # One XLA thread per worker (they share the cores); the spawned workers inherit it,
+    # this process (jax already loaded) does not use it, and it is restored after.
+    flags_before = os.environ.get("XLA_FLAGS")
+    os.environ["XLA_FLAGS"] = (flags_before or "") + " --xla_cpu_multi_thread_eigen=false"
+    ctx = mp.get_context("spawn")
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
+            futs = {pool.submit(train_run, configs[r.run_id].to_json(), cache_dir): r for r in todo}
+            for fut in cf.as_completed(futs):
+                fut.result()  # a failed run stops the grid with its error
+                trained.append(futs[fut].run_id)
+                bar.update()
+    finally:
+        if flags_before is None:
+            os.environ.pop("XLA_FLAGS", None)
+        else:
+            os.environ["XLA_FLAGS"] = flags_before
+    return trained
+
+
+def _train_grid(grid, runs, out, workers, log) -> list[str]:
+    """Train the unfinished `runs` of `grid` (seed-major); returns the ids trained."""
+    from tqdm.auto import tqdm
+
+    runs_dir, cache_dir = os.path.join(out, "runs"), os.path.join(out, "jax_cache")
+    configs = _configs(grid, runs, runs_dir)
+    done = {
+        r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
+    }
+    todo = [r for r in runs if r.run_id not in done]
+    # Seed-major: one seed of every setting first (an early full picture), and the later
+    # seeds reuse the first seed's compiled programs from the persistent cache.
+    order = {r.run_id: i for i, r in enumerate(runs)}
+    todo.sort(key=lambda r: (r.value("seed", 0), order[r.run_id]))
+    log(f"grid {grid.name}: {len(runs)} runs, {len(done)} finished, {len(todo)} to train -> {out}")
+    os.makedirs(out, exist_ok=True)
+    bar = tqdm(total=len(runs), initial=len(done), unit="run", desc=grid.name, disable=False)
+    try:
+        return _train_all(todo, configs, cache_dir, workers, bar)
+    finally:
+        bar.close()
+
+
+def comparisons(evals, runs, alpha: float = 0.05):
+    """Every method minus REFERENCE, paired by seed, per setting of each block's other axes;
+    EBPO variants are the paper's claims (direction +1), Holm-corrected across the grid."""
+    import pandas as pd
+
+    from ebpo_jax import ablation
+
+    tables = []
+    for block in dict.fromkeys(r.block for r in runs):
+        ev = evals[evals.block == block] if not evals.empty else evals
+        axes = [a for a, _ in next(r for r in runs if r.block == block).values if a != "seed"]
+        if ev.empty or "method" not in axes or "seed" not in ev or REFERENCE not in set(ev.method):
+            continue
+        others = [a for a in axes if a != "method"]
+        for m in dict.fromkeys(ev.method):
+            if m == REFERENCE:
+                continue
+            t = ablation.paired_difference(ev, others or ["block"], "method", m, REFERENCE)
+            if not t.empty:
+                tables.append(t.assign(block=block, method=f"{m} - {REFERENCE}"))
+    if not tables:
+        return pd.DataFrame()
+    table = pd.concat(tables, ignore_index=True)
+    table = table[["block", "method", *(c for c in table.columns if c not in ("block", "method"))]]
+    direction = [1 if m.startswith("ebpo") else 0 for m in table.method]
+    return ablation.claims(table, direction, alpha)
+
+
+def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=print) -> dict:
+    """Seeds for `power` to detect `effect` on every claim, from the pilot's difference stds."""
+    import pandas as pd
+
+    from ebpo_jax import ablation
+    from ebpo_jax.ablation import power as power_lib
+
+    table = comparisons(evals, runs, alpha)
+    claims = table[table.direction != 0] if not table.empty else table
+    if claims.empty:
+        raise ValueError(
+            f"power analysis needs claims: a method axis with {REFERENCE!r} and an EBPO variant"
+        )
+    rows = []
+    for row in claims.itertuples(index=False):
+        n = power_lib.seeds_needed(effect, row.sd, power=power, alpha=alpha)
+        upper = power_lib.sd_upper(row.sd, row.seeds)
+        n_up = power_lib.seeds_needed(effect, upper, power=power, alpha=alpha)
+        setting = {k: v for k, v in row._asdict().items() if k not in _STATS}
+        rows.append(
+            {
+                **setting,
+                "pilot_sd": row.sd,
+                "seeds_needed": n,
+                "sd_upper80": upper,
+                "seeds_needed_upper80": n_up,
+            }
+        )
+    needed = max(r["seeds_needed"] for r in rows)
+    chosen = max(pilot, min(needed, max_seeds))
+    achieved = min(power_lib.paired_power(chosen, effect, r["pilot_sd"], alpha) for r in rows)
+    log(ablation.to_markdown(pd.DataFrame(rows)))
+    capped = f" (capped by --max_seeds={max_seeds})" if needed > chosen else ""
+    log(
+        f"power analysis: {needed} paired seeds detect {effect} at power {power} (two-sided "
+        f"paired t, alpha {alpha}) on every claim; running {chosen}{capped}, "
+        f"power >= {achieved:.2f} at the pilot's stds"
+    )
+    return {
+        "effect": effect,
+        "power": power,
+        "alpha": alpha,
+        "pilot_seeds": pilot,
+        "max_seeds": max_seeds,
+        "seeds_needed": needed,
+        "seeds": chosen,
+        "power_at_seeds": achieved,
+        "claims": rows,
+    }
+
+
+def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
+    """results.csv, steps.csv, summary.md (settings, comparisons, verdicts) and plots."""
+    from ebpo_jax import ablation
+    from ebpo_jax.ablation import plots
+
+    runs_dir = os.path.join(out, "runs")
     evals, steps = ablation.collect(runs_dir, runs)
     paths = {"results": os.path.join(out, "results.csv"), "steps": os.path.join(out, "steps.csv")}
     evals.to_csv(paths["results"], index=False)
@@ -164,32 +289,184 @@ def run_grid(
         if ev.empty:
             continue
         axes = [a for a, _ in next(r for r in runs if r.block == block).values if a != "seed"]
-        table = ablation.summarize(ev, axes)
-        lines += [f"## {block}\n", ablation.to_markdown(table), ""]
-        if "method" in axes and "seed" in ev and "grpo" in set(ev.method):  # paired by seed
-            others = [a for a in axes if a != "method"]
-            diffs = [
-                ablation.paired_difference(ev, others or ["block"], "method", m, "grpo").assign(
-                    method=f"{m} - grpo"
-                )
-                for m in dict.fromkeys(ev.method)
-                if m != "grpo"
-            ]
-            table = pd.concat(diffs)[
-                ["method", *(others or []), "seeds", "diff", "ci_low", "ci_high"]
-            ]
-            lines += [
-                f"Paired by seed, final pass@1 minus GRPO's ({block}):\n",
-                ablation.to_markdown(table),
-                "",
-            ]
+        lines += [f"## {block}\n", ablation.to_markdown(ablation.summarize(ev, axes)), ""]
         paths["plots"] += plots.plot_block(evals, steps, block, plot_dir)
+    table = comparisons(evals, runs, alpha)
+    if not table.empty:
+        lines += [
+            f"## Paired comparisons (final pass@1 minus {REFERENCE}'s, paired by seed)\n",
+            VERDICT_RULE.format(alpha=alpha),
+            ablation.to_markdown(table.drop(columns=["direction"])),
+            "",
+        ]
     paths["summary"] = os.path.join(out, "summary.md")
     with open(paths["summary"], "w") as f:
         f.write("\n".join(lines))
     log("\n".join(lines))
+    return paths
+
+
+def _find_run(grid, out, run_id):
+    """The Run of `run_id`: in the grid, or in it with the seeds results.csv holds."""
+    import pandas as pd
+
+    from ebpo_jax import ablation
+
+    runs = {r.run_id: r for r in ablation.expand(grid)}
+    results = os.path.join(out, "results.csv")
+    if run_id not in runs and os.path.exists(results):
+        seeds = sorted(pd.read_csv(results)["seed"].dropna().astype(int).unique())
+        runs.update({r.run_id: r for r in ablation.expand(ablation.with_seeds(grid, seeds))})
+    if run_id not in runs:
+        raise ValueError(f"--rerun={run_id!r}: no such run in grid {grid.name}")
+    return runs[run_id]
+
+
+def compare_rows(old, new, atol: float = 0.0) -> dict:
+    """Whether two runs' eval rows agree: same steps, and every numeric metric within atol
+    (NaN matches NaN); returns {"match", "max_abs_diff", "columns": {name: max |a - b|}}."""
+    import numpy as np
+
+    from ebpo_jax.ablation.results import CURVES
+
+    cols = [c for c in ("generated_tokens", "pass@1", *CURVES) if c in old and c in new]
+    old, new = old.sort_values("step"), new.sort_values("step")
+    if list(old.step) != list(new.step):
+        return {"match": False, "why": f"eval steps {list(old.step)} != {list(new.step)}"}
+    diffs = {}
+    for c in cols:
+        a, b = old[c].to_numpy(np.float64), new[c].to_numpy(np.float64)
+        both_nan = np.isnan(a) & np.isnan(b)
+        d = np.where(both_nan, 0.0, np.abs(a - b))
+        diffs[c] = float(np.nan_to_num(d, nan=np.inf).max(initial=0.0))
+    worst = max(diffs.values(), default=0.0)
+    return {"match": bool(worst <= atol), "max_abs_diff": worst, "columns": diffs}
+
+
+def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
+    """Retrain one run of the committed results.csv and compare its rows with the recorded ones.
+
+    The run trains in a fresh process with the XLA_FLAGS and matmul precision the recorded
+    run used (its provenance), in `<out_dir>/rerun/<run_id>`; versions and machine are
+    reported beside the recorded ones.
+    """
+    import pandas as pd
+
+    from ebpo_jax import ablation
+
+    out = os.path.abspath(grid.out_dir)
+    results = os.path.join(out, "results.csv")
+    if not os.path.exists(results):
+        raise ValueError(f"--rerun: no {results} to compare with")
+    old = pd.read_csv(results, keep_default_na=False, na_values=[""])
+    old = old[old.run_id == run_id]
+    if old.empty:
+        raise ValueError(f"--rerun={run_id!r}: not in {results}")
+    run = _find_run(grid, out, run_id)
+    rerun_dir = os.path.join(out, "rerun")
+    workdir = os.path.join(rerun_dir, run_id)
+    shutil.rmtree(workdir, ignore_errors=True)
+    config = _configs(grid, [run], rerun_dir)[run_id]
+    recorded = old.iloc[0].to_dict()
+    env = dict(os.environ)
+    # The process-level settings that change the numbers, as the recorded run had them.
+    if isinstance(recorded.get("xla_flags"), str):
+        env["XLA_FLAGS"] = recorded["xla_flags"]
+    if isinstance(recorded.get("matmul_precision"), str) and recorded["matmul_precision"]:
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = recorded["matmul_precision"]
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import ablate; "
+        "ablate.train_run(open(sys.argv[2]).read(), sys.argv[3])"
+    )
+    os.makedirs(workdir, exist_ok=True)
+    cfg_path = os.path.join(workdir, "rerun_config.json")
+    with open(cfg_path, "w") as f:
+        f.write(config.to_json())
+    t0 = time.time()
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run(
+        [sys.executable, "-c", code, here, cfg_path, os.path.join(out, "jax_cache")],
+        env={**env, "TQDM_DISABLE": "1"},
+        check=True,
+    )
+    new, _ = ablation.collect(rerun_dir, [run])
+    report = compare_rows(old, new, atol)
+    prov = ablation.results.run_provenance(workdir)
+    report.update(
+        run_id=run_id,
+        atol=atol,
+        wall_time_s=time.time() - t0,
+        recorded={k: recorded.get(k) for k in prov},
+        now=prov,
+    )
+    log(json.dumps(report, indent=2, default=str))
+    verdict = "MATCH" if report["match"] else "MISMATCH"
+    log(f"rerun {run_id}: {verdict} (max |diff| {report.get('max_abs_diff')}, atol {atol})")
+    return report
+
+
+def run_grid(
+    grid,
+    *,
+    workers: int = 1,
+    dry_run: bool = False,
+    plots_only: bool = False,
+    power_effect: float = 0.0,
+    power: float = 0.8,
+    alpha: float = 0.05,
+    pilot_seeds: int = 4,
+    max_seeds: int = 20,
+    log=print,
+) -> dict:
+    """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0),
+    then write the tables and plots; returns paths, the run ids and those trained."""
+    from ebpo_jax import ablation
+
+    out = os.path.abspath(grid.out_dir)
+    runs_dir = os.path.join(out, "runs")
+    power_report = None
+    if power_effect > 0 and not plots_only:
+        if pilot_seeds < 2:
+            raise ValueError(f"--pilot_seeds={pilot_seeds}: a std needs >= 2 paired seeds")
+        pilot = ablation.with_seeds(grid, range(pilot_seeds))
+        pilot_runs = ablation.expand(pilot)
+        if dry_run:
+            log(f"power analysis: a pilot of {pilot_seeds} seeds first ({len(pilot_runs)} runs)")
+            grid = pilot
+        else:
+            trained = _train_grid(pilot, pilot_runs, out, workers, log)
+            evals, _ = ablation.collect(runs_dir, pilot_runs)
+            power_report = choose_seeds(
+                evals,
+                pilot_runs,
+                effect=power_effect,
+                power=power,
+                alpha=alpha,
+                pilot=pilot_seeds,
+                max_seeds=max_seeds,
+                log=log,
+            )
+            grid = ablation.with_seeds(grid, range(power_report["seeds"]))
+            with open(os.path.join(out, "power.json"), "w") as f:
+                json.dump(power_report, f, indent=2, default=str)
+    runs = ablation.expand(grid)
+    if dry_run:
+        _configs(grid, runs, runs_dir)
+        for r in runs:
+            state = (
+                "done"
+                if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
+                else "todo"
+            )
+            log(f"  {state}  {r.run_id}")
+        return {"runs": [r.run_id for r in runs], "trained": []}
+    t0 = time.time()
+    trained = [] if power_report is None else trained
+    if not plots_only:
+        trained += _train_grid(grid, runs, out, workers, log)
+    paths = write_results(grid, runs, out, alpha=alpha, log=log)
     log(f"{len(trained)} runs trained in {time.time() - t0:.0f} s; results: {paths['results']}")
-    return {**paths, "runs": [r.run_id for r in runs], "trained": trained}
+    return {**paths, "runs": [r.run_id for r in runs], "trained": trained, "power": power_report}
 
 
 def main(argv):
@@ -199,8 +476,19 @@ def main(argv):
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
+    if _RERUN.value:
+        report = rerun(_CONFIG.value, _RERUN.value, atol=_RERUN_ATOL.value)
+        sys.exit(0 if report["match"] else 1)
     run_grid(
-        _CONFIG.value, workers=_WORKERS.value, dry_run=_DRY_RUN.value, plots_only=_PLOTS_ONLY.value
+        _CONFIG.value,
+        workers=_WORKERS.value,
+        dry_run=_DRY_RUN.value,
+        plots_only=_PLOTS_ONLY.value,
+        power_effect=_POWER_EFFECT.value,
+        power=_POWER.value,
+        alpha=_ALPHA.value,
+        pilot_seeds=_PILOT.value,
+        max_seeds=_MAX_SEEDS.value,
     )
 
 

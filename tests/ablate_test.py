@@ -1,5 +1,6 @@
 """Ablation grids: expansion, config errors, result tables, and a micro grid end to end."""
 
+import functools
 import importlib.util
 import os
 
@@ -106,6 +107,7 @@ def test_summarize_matches_brute_force_t_interval():
     assert diff["diff"].iloc[0] == pytest.approx((fa - fb).mean())
 
 
+@functools.cache  # the module defines absl flags: load it once per process
 def _load_ablate():
     spec = importlib.util.spec_from_file_location(
         "ablate", os.path.join(REPO, "experiments", "ablate.py")
@@ -142,3 +144,127 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     again = ablate.run_grid(grid, log=lambda *_: None)
     assert again["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), evals)
+
+
+def _pilot_evals(diffs_by_setting, base=0.3):
+    """Final-eval rows of a pilot: ebpo = grpo + diff per seed, per group size."""
+    rows = []
+    for g, diffs in diffs_by_setting.items():
+        for seed, d in enumerate(diffs):
+            for method, value in (("grpo", base + 0.01 * seed), ("ebpo", base + 0.01 * seed + d)):
+                rid = f"b__method-{method}__group_size-{g}__seed-{seed}"
+                for step, p in ((0, 0.2), (10, value)):
+                    rows.append(
+                        {
+                            "block": "b",
+                            "run_id": rid,
+                            "method": method,
+                            "group_size": g,
+                            "seed": seed,
+                            "step": step,
+                            "pass@1": p,
+                            "generated_tokens": 0.0,
+                        }
+                    )
+    return pd.DataFrame(rows)
+
+
+def test_power_analysis_chooses_seeds_from_the_pilot():
+    ablate = _load_ablate()
+    grid = _grid(axes={"method": ["grpo", "ebpo"], "group_size": [2, 4], "seed": [0, 1, 2]})
+    pilot = ablation.with_seeds(grid, range(4))
+    runs = ablation.expand(pilot)
+    assert len(runs) == 16 and {r.value("seed") for r in runs} == {0, 1, 2, 3}
+    assert ablation.with_seeds(_grid(axes={"method": ["grpo"]}), [5]).blocks[0]["axes"]["seed"] == [
+        5
+    ]
+    diffs = {2: [0.03, 0.0, 0.05, 0.02], 4: [0.01, 0.02, 0.0, 0.03]}
+    evals = _pilot_evals(diffs)
+    from ebpo_jax.ablation import power
+
+    out = ablate.choose_seeds(
+        evals, runs, effect=0.02, power=0.8, alpha=0.05, pilot=4, max_seeds=100, log=lambda *_: None
+    )
+    want = max(power.seeds_needed(0.02, np.std(d, ddof=1)) for d in diffs.values())
+    assert out["seeds_needed"] == out["seeds"] == want
+    assert [c["pilot_sd"] for c in out["claims"]] == pytest.approx(
+        [np.std(d, ddof=1) for d in diffs.values()]
+    )
+    capped = ablate.choose_seeds(
+        evals, runs, effect=0.02, power=0.8, alpha=0.05, pilot=4, max_seeds=5, log=lambda *_: None
+    )
+    assert capped["seeds"] == 5 and capped["power_at_seeds"] < 0.8
+    table = ablate.comparisons(evals, runs)
+    assert list(table.method) == ["ebpo - grpo"] * 2 and (table.direction == 1).all()
+    np.testing.assert_allclose(table.p_holm, power.holm(table.p))
+    for g, d in diffs.items():
+        row = table[table.group_size == g].iloc[0]
+        assert row["p"] == pytest.approx(stats.ttest_1samp(d, 0.0).pvalue)
+
+
+def test_compare_rows_exact_and_with_tolerance():
+    ablate = _load_ablate()
+    old = pd.DataFrame({"step": [0, 10], "pass@1": [0.2, 0.3], "reward/mean": [np.nan, 0.25]})
+    assert ablate.compare_rows(old, old.copy())["match"]
+    new = old.assign(**{"pass@1": [0.2, 0.3 + 1e-6]})
+    assert not ablate.compare_rows(old, new)["match"]
+    assert ablate.compare_rows(old, new, atol=1e-5)["match"]
+    assert not ablate.compare_rows(old, new.assign(**{"reward/mean": [np.nan, np.nan]}))["match"]
+    assert not ablate.compare_rows(old, old.iloc[:1])["match"]
+
+
+@pytest.mark.slow
+def test_power_pilot_then_rerun_micro(tmp_path):
+    """A 2-seed pilot picks the seed count, the grid trains it, a rerun matches bitwise."""
+    ablate = _load_ablate()
+    grid = grid_lib.load_config_file("configs/ablations/micro.py")
+    grid.out_dir = str(tmp_path / "grid")
+    grid.blocks = [
+        {
+            "name": "main",
+            "axes": {"method": ["grpo", "ebpo"], "group_size": [2]},
+            "rollouts_per_step": 8,
+            "fixed": {"mesh.devices": 1},
+        }
+    ]
+    out = ablate.run_grid(grid, power_effect=0.5, pilot_seeds=2, max_seeds=3, log=lambda *_: None)
+    assert out["power"]["seeds"] in (2, 3) and len(out["runs"]) == 2 * out["power"]["seeds"]
+    assert os.path.exists(os.path.join(grid.out_dir, "power.json"))
+    evals = pd.read_csv(out["results"])
+    assert (evals.jaxlib.astype(str).str.len() > 0).all() and evals.machine.notna().all()
+    with open(out["summary"]) as f:
+        text = f.read()
+    assert "ebpo - grpo" in text and "verdict_holm" in text
+    report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
+    assert report["match"], report
+
+
+@pytest.mark.parametrize("part", ["pilot", "group_size", "variants", "curriculum"])
+def test_reasoning_grids_expand_to_valid_configs(part):
+    from ebpo_jax.config import validate
+
+    spec = importlib.util.spec_from_file_location(
+        "reasoning_grid", os.path.join(REPO, "configs", "ablations", "reasoning.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    grid = module.get_config(part)
+    base = grid_lib.load_config_file(grid.base_config)
+    runs = ablation.expand(grid)
+    for run in runs:
+        cfg = ablation.run_config(base, run, "/tmp/x")
+        validate(cfg)
+        assert cfg.task.family == "reasoning" and cfg.total_steps == 200
+        assert cfg.prompts_per_step * cfg.group_size == 128
+    with pytest.raises(ValueError, match="part must be one of"):
+        module.get_config("nope")
+
+
+def test_provenance_reads_the_cpu_model(tmp_path):
+    from ebpo_jax.ablation import provenance
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Fancy CPU @ 3GHz\n")
+    assert provenance.cpu_model(str(info)) == "Fancy CPU @ 3GHz"
+    prov = provenance.provenance()
+    assert set(prov) == set(provenance.FIELDS) and prov["jaxlib"] and prov["machine"]

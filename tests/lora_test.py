@@ -310,3 +310,29 @@ def test_peft_loads_the_adapter_export(kind, tmp_path):
         np.testing.assert_allclose(
             merged(torch.as_tensor(tok)).logits.numpy(), want, atol=1e-4, rtol=0
         )
+
+
+def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
+    """model.lora.rank > 0 through train(): only adapters (and their Adam moments) are saved
+    and move; the sampler and the eval run the merged weights; a resume continues exactly."""
+    from configs import micro
+    from ebpo_jax.checkpoint import load_params
+    from ebpo_jax.trainer import loop
+
+    def cfg(name, steps):
+        c = micro.get_config()
+        c.unlock()
+        c.workdir, c.total_steps, c.mesh.devices = str(tmp_path / name), steps, 1
+        c.model.lora.rank, c.loss.kl_coef = 4, 0.01
+        c.optimizer.learning_rate = 1e-2
+        return c
+
+    s = loop.train(cfg("full", 4), log=lambda *_: None)
+    assert s["step"] == 4 and np.isfinite(s["pass@1_end"])
+    adapters = load_params(str(tmp_path / "full"))
+    names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]}
+    assert names and all("'a'" in n or "'b'" in n for n in names), sorted(names)[:4]
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(adapters))  # B moved
+    loop.train(cfg("resumed", 4), log=lambda *_: None, stop_after=2)
+    loop.train(cfg("resumed", 4), log=lambda *_: None)
+    jax.tree.map(np.testing.assert_array_equal, load_params(str(tmp_path / "resumed")), adapters)

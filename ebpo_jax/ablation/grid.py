@@ -33,6 +33,7 @@ METHODS: dict[str, dict[str, Any]] = {
     # Control: batch-standardised advantages around the group mean (EBPO's scale, GRPO's
     # baseline), which separates the shrunk baseline from the change of step size.
     "rpp": {"estimator": "reinforce_pp_baseline"},
+    "rloo": {"estimator": "rloo"},  # leave-one-out mean baseline
     # EBPO variants.
     "ebpo_per_batch": {
         "estimator": "ebpo",
@@ -132,6 +133,18 @@ def expand(grid: ml_collections.ConfigDict) -> list[Run]:
             seen.add(run.run_id)
             runs.append(run)
     return runs
+
+
+def with_seeds(grid: ml_collections.ConfigDict, seeds) -> ml_collections.ConfigDict:
+    """A copy of `grid` whose every block runs `seeds` (its `seed` axis replaced or added)."""
+    out = ml_collections.ConfigDict(grid.to_dict())
+    blocks = []
+    for block in out.blocks:
+        block = dict(block)
+        block["axes"] = {**dict(block.get("axes", {})), "seed": [int(s) for s in seeds]}
+        blocks.append(block)
+    out.blocks = blocks
+    return out
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

@@ -1,6 +1,7 @@
 """Collect finished runs' metrics into tables: one row per (run, eval step), per-step curves,
 and final pass@1 per setting with a 95% t-interval over seeds."""
 
+import json
 import os
 from collections.abc import Sequence
 
@@ -8,7 +9,9 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from ebpo_jax.ablation import power
 from ebpo_jax.ablation.grid import Run
+from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
 from ebpo_jax.metrics import read_metrics
 
 # Training curves averaged over the steps since the previous eval in results.csv.
@@ -33,11 +36,23 @@ def _run_columns(run: Run) -> dict:
     return cols
 
 
+def run_provenance(run_dir: str) -> dict:
+    """The provenance fields a finished run recorded in its summary.json (empty if none)."""
+    path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        recorded = json.load(f).get("provenance", {})
+    return {k: recorded.get(k, "") for k in PROVENANCE_FIELDS}
+
+
 def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(eval rows, step rows) of every run with metrics under `runs_dir/<run_id>`."""
+    """(eval rows, step rows) of every run with metrics under `runs_dir/<run_id>`; eval rows
+    end with the run's provenance (versions, machine, CPU, XLA flags) when it recorded one."""
     evals, steps = [], []
     for run in runs:
         records = read_metrics(os.path.join(runs_dir, run.run_id))
+        prov = run_provenance(os.path.join(runs_dir, run.run_id))
         cols, since, tokens = _run_columns(run), [], 0.0
         for rec in records:
             tokens = rec.get("perf/generated_tokens_total") or tokens
@@ -50,7 +65,7 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
                 for k in CURVES:
                     vals = [r[k] for r in since if r.get(k) is not None]
                     row[k] = float(np.mean(vals)) if vals else np.nan
-                evals.append(row)
+                evals.append({**row, **prov})
                 since = []
     return pd.DataFrame(evals), pd.DataFrame(steps)
 
@@ -108,19 +123,38 @@ def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
 
 
 def paired_difference(evals: pd.DataFrame, by: Sequence[str], column: str, a, b) -> pd.DataFrame:
-    """Final pass@1 of `column`=a minus `column`=b, paired by seed, per setting `by`."""
+    """Final pass@1 of `column`=a minus `column`=b, paired by seed, per setting `by`: mean,
+    95% t-interval, paired t-test p-value, std of the differences and number of pairs."""
     final = final_rows(evals)
     out = []
     for key, grp in final.groupby(list(by), sort=False):
         pa = grp[grp[column] == a].set_index("seed")["pass@1"]
         pb = grp[grp[column] == b].set_index("seed")["pass@1"]
-        d = (pa - pb).dropna()
-        if d.empty:
+        both = pd.concat([pa, pb], axis=1, join="inner").dropna()
+        if both.empty:
             continue
-        m, lo, hi = interval95(d)
-        row = _key_dict(by, key)
-        out.append({**row, "diff": m, "ci_low": lo, "ci_high": hi, "seeds": len(d)})
+        test = power.paired_test(both.iloc[:, 0], both.iloc[:, 1])
+        out.append({**_key_dict(by, key), **test})
     return pd.DataFrame(out)
+
+
+def claims(table: pd.DataFrame, direction: Sequence[int], alpha: float = 0.05) -> pd.DataFrame:
+    """`table` (paired_difference rows) with the pre-stated verdicts. `direction` is the
+    paper's sign per row (+1: a > b; 0: no claim, left out of the Holm family). `verdict`
+    reads the row's 95% interval; `verdict_holm` the Holm-adjusted p-value across the claims."""
+    out = table.copy()
+    out["direction"] = [int(d) for d in direction]
+    claim = out.direction != 0
+    out["p_holm"] = power.holm(np.where(claim, out["p"].to_numpy(np.float64), np.nan))
+    out["verdict"] = [
+        power.verdict(lo, hi, d) if d else "n/a"
+        for lo, hi, d in zip(out.ci_low, out.ci_high, out.direction)
+    ]
+    out["verdict_holm"] = [
+        power.holm_verdict(m, p, d, alpha) if d else "n/a"
+        for m, p, d in zip(out["diff"], out.p_holm, out.direction)
+    ]
+    return out
 
 
 def to_markdown(df: pd.DataFrame, digits: int = 3) -> str:

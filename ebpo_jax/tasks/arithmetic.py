@@ -42,6 +42,11 @@ class Problem:
     difficulty: int
     id: str
 
+    @property
+    def completion(self) -> str:
+        """The supervised response (SFT target): the answer itself."""
+        return self.answer
+
 
 def solve(topic: str, a: int, b: int) -> tuple[str, str]:
     """The (prompt, answer) strings of `topic` on operands a, b."""

@@ -63,8 +63,9 @@ def encode_problems(
 def sft_examples(
     problems: Sequence[Problem], tokenizer: CharTokenizer, *, seq_len: int | None = None
 ) -> SFTBatch:
-    """Supervised sequences of `problems` with the loss restricted to answer + EOS."""
-    texts = [p.prompt + p.answer for p in problems]
+    """Supervised sequences of `problems` with the loss restricted to the completion + EOS
+    (the answer for arithmetic; the chain of steps and the answer for reasoning problems)."""
+    texts = [p.prompt + p.completion for p in problems]
     tokens, lengths = tokenizer.encode_batch(texts, add_bos=True, add_eos=True, length=seq_len)
     prompt_end = np.array([1 + len(p.prompt) for p in problems], np.int32)[:, None]
     pos = np.arange(tokens.shape[1])[None, :]

@@ -42,6 +42,7 @@ class Task(NamedTuple):
 _BUILTIN = {
     "arithmetic": "ebpo_jax.trainer.task_arithmetic:build",
     "math": "ebpo_jax.trainer.task_math:build",
+    "reasoning": "ebpo_jax.trainer.task_reasoning:build",
 }
 _REGISTRY: dict[str, Callable[..., Task]] = {}
 

@@ -1,5 +1,9 @@
 """The synthetic arithmetic family: char tokenizer, preset policy + SFT warm start, a jittable
-exact-answer reward, EB clusters per topic or per (topic, difficulty) cell."""
+exact-answer reward, EB clusters per topic or per (topic, difficulty) cell.
+
+`build_synthetic` is shared with the other generated-problem families (task_reasoning): a
+family there is its problem module (make_splits, TOPICS, DIFFICULTIES), tokenizer and reward.
+"""
 
 import functools
 
@@ -15,41 +19,42 @@ from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
 from ebpo_jax.trainer.task import Reward, Task, model_config_from, tokenizer_vocab
 
 
-def load_problems(spec: TaskSpec):
-    """(tokenizer, train problems, held-out problems) of the `task` section."""
+def load_problems(spec: TaskSpec, family=tasks, tokenizer=None):
+    """(tokenizer, train problems, held-out problems) of the `task` section for a generated
+    family (a module with make_splits, TOPICS and DIFFICULTIES; default arithmetic)."""
     t = spec.task
-    topics = tuple(x for x in t.topics.split(",") if x) or tasks.TOPICS
-    levels = tuple(d for d in tasks.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
-    train, test = tasks.make_splits(
+    topics = tuple(x for x in t.topics.split(",") if x) or family.TOPICS
+    levels = tuple(d for d in family.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
+    train, test = family.make_splits(
         t.seed,
         train_per_cell=t.train_per_cell,
         test_per_cell=t.test_per_cell,
         topics=topics,
         difficulties=levels,
     )
-    return tasks.CharTokenizer(), train, test
+    return tokenizer or tasks.CharTokenizer(), train, test
 
 
-def num_clusters(eb_clusters: str) -> int:
+def num_clusters(eb_clusters: str, family=tasks) -> int:
     """EB priors: one, one per topic, or one per (topic, difficulty) cell."""
-    topics, levels = len(tasks.TOPICS), len(tasks.DIFFICULTIES)
+    topics, levels = len(family.TOPICS), len(family.DIFFICULTIES)
     return {"none": 1, "topic": topics, "cell": topics * levels}[eb_clusters]
 
 
-def cluster_ids(eb_clusters: str, batch) -> jax.Array:
-    """[P] int32 EB cluster of each prompt of a PromptBatch."""
+def cluster_ids(eb_clusters: str, batch, levels: int = len(tasks.DIFFICULTIES)) -> jax.Array:
+    """[P] int32 EB cluster of each prompt of a PromptBatch (`levels`: difficulty levels)."""
     topic = jnp.asarray(batch.topic_ids, jnp.int32)
     if eb_clusters == "topic":
         return topic
     if eb_clusters == "cell":
-        return topic * len(tasks.DIFFICULTIES) + jnp.asarray(batch.difficulty, jnp.int32) - 1
+        return topic * levels + jnp.asarray(batch.difficulty, jnp.int32) - 1
     return jnp.zeros_like(topic)
 
 
-def eval_set(problems, tokenizer, name: str = "heldout") -> EvalSet:
-    """The held-out problems scored by the exact-answer reward."""
+def eval_set(problems, tokenizer, reward_fn, name: str = "heldout") -> EvalSet:
+    """The held-out problems scored by the family's jittable reward."""
     data = tasks.encode_problems(problems, tokenizer)
-    reward = jax.jit(functools.partial(tasks.reward_fn, eos_id=tokenizer.eos_id))
+    reward = jax.jit(functools.partial(reward_fn, eos_id=tokenizer.eos_id))
 
     def score(tokens, lengths):
         k = len(lengths) // len(problems)
@@ -60,9 +65,9 @@ def eval_set(problems, tokenizer, name: str = "heldout") -> EvalSet:
     return EvalSet(name, data.prompt_tokens, data.prompt_lengths, score)
 
 
-def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
-    """The synthetic tasks: char tokenizer, preset init (+ SFT warm start), exact-answer reward."""
-    tokenizer, train_problems, test_problems = load_problems(spec)
+def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, log=print):
+    """A generated-problem family's Task: preset init (+ SFT warm start), jittable reward."""
+    tokenizer, train_problems, test_problems = load_problems(spec, family, tokenizer)
     model_config = model_config_from(spec.model, tokenizer_vocab(tokenizer))
     source = tasks.PromptSource(
         train_problems,
@@ -81,15 +86,22 @@ def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
     params = models.init_params(model_config, jax.random.key(spec.seed))
     params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
     eos = tokenizer.eos_id
-    sets = [eval_set(test_problems, tokenizer)]
+    sets = [eval_set(test_problems, tokenizer, reward_fn)]
+    levels = len(family.DIFFICULTIES)
     return Task(
         tokenizer=tokenizer,
         model_config=model_config,
         params=params,
         source=source,
-        reward=Reward(functools.partial(tasks.reward_fn, eos_id=eos), jittable=True),
-        cluster_ids=functools.partial(cluster_ids, spec.eb_clusters),
-        num_clusters=num_clusters(spec.eb_clusters),
+        reward=Reward(functools.partial(reward_fn, eos_id=eos), jittable=True),
+        cluster_ids=functools.partial(cluster_ids, spec.eb_clusters, levels=levels),
+        num_clusters=num_clusters(spec.eb_clusters, family),
         stop_ids=eos,
         evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
     )
+
+
+def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
+    """The synthetic tasks: char tokenizer, preset init (+ SFT warm start), exact-answer reward."""
+    tok = tasks.CharTokenizer()
+    return build_synthetic(spec, tasks, tok, tasks.reward_fn, mesh=mesh, log=log)

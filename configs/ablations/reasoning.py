@@ -1,0 +1,87 @@
+"""The ablations on the reasoning-length task (configs/reasoning.py: 16-64-token chains).
+
+`--config=configs/ablations/reasoning.py:<part>`, part one of
+  pilot        EBPO vs GRPO at G=4: the pilot whose paired-difference std sizes the others;
+  group_size   method x G at an equal budget of 128 responses per step (EBPO, GRPO,
+               Dr. GRPO, RLOO, REINFORCE++-baseline) plus one DAPO row at G=4;
+  variants     the EBPO priors (carried, per-batch, per (topic, difficulty) cell,
+               forgetting) against GRPO at G=4;
+  curriculum   naive, topic and easy-to-hard orders for GRPO and EBPO at G=4.
+Seeds: give them by power analysis, e.g.
+  python experiments/ablate.py --config=configs/ablations/reasoning.py:group_size \\
+      --power_effect=0.02 --power=0.8 --pilot_seeds=4 --max_seeds=20
+(the seed lists below are the pilot's default and are replaced by --power_effect).
+"""
+
+import ml_collections
+
+BUDGET = 128  # responses per step, every G
+FIXED = {
+    "total_steps": 200,
+    "eval_every": 50,
+    "eval_samples": 4,
+    "checkpoint_every": 50,
+    "keep_checkpoints": 1,
+}
+SEEDS = [0, 1, 2, 3]
+PARTS = ("pilot", "group_size", "variants", "curriculum")
+
+
+def _blocks(part: str) -> list[dict]:
+    if part == "pilot":
+        return [
+            {
+                "name": "pilot",
+                "axes": {"method": ["grpo", "ebpo"], "group_size": [4], "seed": SEEDS},
+                "rollouts_per_step": BUDGET,
+            }
+        ]
+    if part == "group_size":
+        return [
+            {
+                "name": "budget",
+                "axes": {
+                    "method": ["grpo", "dr_grpo", "rloo", "rpp", "ebpo"],
+                    "group_size": [2, 4, 8, 16],
+                    "seed": SEEDS,
+                },
+                "rollouts_per_step": BUDGET,
+            },
+            {
+                "name": "dapo",
+                "axes": {"method": ["grpo", "dapo"], "group_size": [4], "seed": SEEDS},
+                "rollouts_per_step": BUDGET,
+            },
+        ]
+    if part == "variants":
+        methods = ["grpo", "ebpo", "ebpo_per_batch", "ebpo_cluster", "ebpo_forget"]
+        return [
+            {
+                "name": "variant",
+                "axes": {"method": methods, "group_size": [4], "seed": SEEDS},
+                "rollouts_per_step": BUDGET,
+            }
+        ]
+    return [
+        {
+            "name": "order",
+            "axes": {
+                "method": ["grpo", "ebpo"],
+                "order": ["naive", "topic", "difficulty"],
+                "seed": SEEDS,
+            },
+            "fixed": {"group_size": 4, "prompts_per_step": BUDGET // 4},
+        }
+    ]
+
+
+def get_config(part: str = "group_size"):
+    if part not in PARTS:
+        raise ValueError(f"configs/ablations/reasoning.py:{part}: part must be one of {PARTS}")
+    c = ml_collections.ConfigDict()
+    c.name = f"reasoning_{part}"
+    c.base_config = "configs/reasoning.py"
+    c.out_dir = f"results/ablations/reasoning_{part}"
+    c.fixed = dict(FIXED)
+    c.blocks = _blocks(part)
+    return c
