@@ -178,6 +178,7 @@ def _decode(
     max_new_tokens,
     sampling,
     batch_sharding,
+    kv_block,
 ):
     """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t."""
     batch = token_B.shape[0]
@@ -208,6 +209,7 @@ def _decode(
             start=slot,
             kv_mask_BS=kv_mask_BS,
             layers=layers,
+            kv_block=kv_block,
         )
         cache = _constrain_cache(cache, axes, batch_sharding)
         tok_B, logp_B = select_tokens(
@@ -242,7 +244,14 @@ _prefill_jit = jax.jit(
 # it the cache would live twice, which is what runs out of memory at scale.
 _decode_jit = jax.jit(
     _decode,
-    static_argnames=("config", "prompt_len", "max_new_tokens", "sampling", "batch_sharding"),
+    static_argnames=(
+        "config",
+        "prompt_len",
+        "max_new_tokens",
+        "sampling",
+        "batch_sharding",
+        "kv_block",
+    ),
     donate_argnums=(1,),
 )
 
@@ -255,13 +264,22 @@ class _Sampling(NamedTuple):
     top_p: float
 
 
+def _data_axes(mesh, data_axes):
+    if data_axes is None:
+        return tuple(a for a in mesh.axis_names if a in ("data", "fsdp"))
+    return tuple(data_axes)
+
+
+def _data_size(mesh, data_axes):
+    return int(np.prod([mesh.shape[a] for a in _data_axes(mesh, data_axes)]))
+
+
 def _batch_sharding(mesh, data_axes, num_rows, required):
     """Rows over the mesh's data axes; None when unsharded (or not divisible and optional)."""
     if mesh is None:
         return None
-    if data_axes is None:
-        data_axes = tuple(a for a in mesh.axis_names if a in ("data", "fsdp"))
-    size = int(np.prod([mesh.shape[a] for a in data_axes]))
+    data_axes = _data_axes(mesh, data_axes)
+    size = _data_size(mesh, data_axes)
     if num_rows % size == 0:
         return NamedSharding(mesh, P(tuple(data_axes)))
     if required:
@@ -288,6 +306,8 @@ def generate(
     cache_size=None,
     mesh=None,
     data_axes=None,
+    slots=0,
+    kv_block=models.decode.BLOCK,
 ):
     """Samples `num_samples` completions per right-padded prompt; returns a `Generation`.
 
@@ -297,8 +317,12 @@ def generate(
     temperature=0 is greedy. eos_id: None, an id or a list of ids. cache_size defaults to
     Tp + max_new_tokens. With `mesh`, rows are sharded over `data_axes` (default: the
     mesh's 'data' and 'fsdp' axes); params keep whatever sharding they have.
+    slots=0 decodes all rows as one static batch until the last one ends; slots=S > 0
+    decodes S rows at a time and refills a slot as soon as its row ends (continuous
+    batching, ebpo_jax.slots; same output row for row). kv_block: cache slots per block
+    of the decode attention, which reads only the blocks below the longest valid prefix.
     """
-    return _generate_with_steps(
+    return _generate_with_stats(
         config,
         params,
         prompt_tokens,
@@ -313,10 +337,30 @@ def generate(
         cache_size=cache_size,
         mesh=mesh,
         data_axes=data_axes,
+        slots=slots,
+        kv_block=kv_block,
     )[0]
 
 
-def _generate_with_steps(
+def _check_slots(slots, num_prompts, num_rows, shards, cache_size, needed):
+    """(slots to run: at most the rows, data shards), or None for the static batch."""
+    _check_int("slots", slots, 0)
+    if slots == 0:
+        return None
+    if cache_size != needed:
+        raise ValueError(
+            f"slots={slots} (continuous batching) sizes its own cache; got cache_size={cache_size}"
+        )
+    slots = min(slots, num_rows)
+    if slots % shards or num_prompts % shards:
+        raise ValueError(
+            f"slots={slots} and the {num_prompts} prompts must be multiples of the {shards} "
+            "data shards (each shard refills its slots from its own prompts)"
+        )
+    return slots, shards
+
+
+def _generate_with_stats(
     config,
     params,
     prompt_tokens,
@@ -332,19 +376,33 @@ def _generate_with_steps(
     cache_size=None,
     mesh=None,
     data_axes=None,
+    slots=0,
+    kv_block=models.decode.BLOCK,
 ):
-    """generate, plus the number of decode steps run (for tests of the early stop)."""
+    """generate, plus the decode steps run (static) or the slots' SlotStats (continuous)."""
+    needed = jnp.shape(prompt_tokens)[1] + max_new_tokens
     cache_size = _validate(
         config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size
     )
+    _check_int("kv_block", kv_block, 1)
     eos = validate_sampling(temperature, top_p, top_k, eos_id, config.vocab_size)
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     num_prompts, prompt_len = jnp.shape(prompt_tokens)
     prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
     lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
-    row_sharding = _batch_sharding(mesh, data_axes, num_prompts * num_samples, True)
+    eos_E = jnp.asarray(eos, jnp.int32).reshape(-1)
+    num_rows = num_prompts * num_samples
+    row_sharding = _batch_sharding(mesh, data_axes, num_rows, True)
     # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
     prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False)
+    shards = 1 if row_sharding is None else _data_size(mesh, data_axes)
+    slot_plan = _check_slots(slots, num_prompts, num_rows, shards, cache_size, needed)
+    if slot_plan is not None:
+        return _generate_slots(
+            config, params, prompt_PT, lengths_P, rng, eos_E, slot_plan,
+            num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
+            mesh=mesh, data_axes=data_axes, prompt_sharding=prompt_sharding, kv_block=kv_block,
+        )  # fmt: skip
     cache, kv_mask_BS, lengths_B, token_B, logp_B = _prefill_jit(
         params,
         prompt_PT,
@@ -365,11 +423,33 @@ def _generate_with_steps(
         token_B,
         logp_B,
         rng,
-        jnp.asarray(eos, jnp.int32).reshape(-1),
+        eos_E,
         config=config,
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         batch_sharding=row_sharding,
+        kv_block=kv_block,
     )
     return generation, steps
+
+
+def _generate_slots(
+    config, params, prompt_PT, lengths_P, rng, eos_E, slot_plan, *,
+    num_samples, max_new_tokens, sampling, mesh, data_axes, prompt_sharding, kv_block,
+):  # fmt: skip
+    """The continuous-batching path of generate (ebpo_jax.slots)."""
+    from ebpo_jax import slots as slots_lib  # it imports this module's helpers
+
+    num_slots, shards = slot_plan
+    cache, first_R, first_logp_R = slots_lib.prefill_jit(
+        params, prompt_PT, lengths_P, rng,
+        config=config, num_samples=num_samples, sampling=sampling,
+        prompt_sharding=prompt_sharding,
+    )  # fmt: skip
+    return slots_lib.decode_jit(
+        params, cache, first_R, first_logp_R, lengths_P, rng, eos_E,
+        config=config, num_samples=num_samples, slots=num_slots, shards=shards,
+        max_new_tokens=max_new_tokens, sampling=sampling,
+        slot_sharding=_batch_sharding(mesh, data_axes, num_slots, True), kv_block=kv_block,
+    )  # fmt: skip

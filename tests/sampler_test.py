@@ -196,7 +196,7 @@ def test_eos_stops_rows_and_pads(params):
 def test_early_stop_when_all_rows_finish(params):
     tokens = np.asarray(greedy(params).tokens)
     eos = sorted(set(tokens[:, 1].tolist()))
-    gen, steps = sampler._generate_with_steps(
+    gen, steps = sampler._generate_with_stats(
         CONFIG,
         params,
         PROMPTS,
