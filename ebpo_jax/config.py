@@ -68,6 +68,10 @@ def default_config() -> ml_collections.ConfigDict:
     # generates P / prompts_per_call chunks one after another, so the KV cache is per chunk.
     c.sampler.prompts_per_call = 0
     c.sampler.mesh = ""  # e.g. "data=8,tp=4" (AOT report); "" = the trainer's mesh
+    # Decode slots per sampler call: 0 = every row of the call decodes as one static batch
+    # until the longest ends; S > 0 = continuous batching, S rows at a time, a slot refilled
+    # as soon as its row ends. A multiple of the sampler mesh's data shards.
+    c.sampler.slots = 0
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-6
@@ -237,6 +241,21 @@ def _validate_data_and_model(c, need) -> None:
     )
 
 
+def _validate_slots(c, shape, need):
+    """Continuous batching splits slots and each call's prompts over the data shards."""
+    slots = c.sampler.get("slots", 0)
+    if not slots:
+        return
+    spec = sampler_mesh_spec(c) or list(zip(c.mesh.axes, shape))
+    shards = math.prod(n for axis, n in spec if axis in ("data", "fsdp"))
+    per_call = c.sampler.prompts_per_call or c.prompts_per_step
+    need(
+        slots % shards == 0 and per_call % shards == 0,
+        f"sampler.slots={slots} and the {per_call} prompts per sampler call must be multiples "
+        f"of the sampler mesh's {shards} data shards",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -334,6 +353,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"prompts_per_step={c.prompts_per_step} (each round of P prompts is chunked)",
     )
     sampler_mesh_spec(c)
+    slots = c.sampler.get("slots", 0)
+    need(
+        isinstance(slots, int) and slots >= 0,
+        f"sampler.slots={slots!r} must be an int >= 0 (0 = the static batch)",
+    )
     _validate_data_and_model(c, need)
 
     from ebpo_jax import advantages  # the registry; imported late so this module stays light
@@ -351,3 +375,4 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             batch % math.prod(shape) == 0,
             f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
         )
+        _validate_slots(c, shape, need)

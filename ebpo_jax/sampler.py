@@ -178,7 +178,7 @@ def _decode(
     max_new_tokens,
     sampling,
     batch_sharding,
-    kv_block,
+    kv_block=models.decode.BLOCK,
 ):
     """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t."""
     batch = token_B.shape[0]
@@ -342,12 +342,12 @@ def generate(
     )[0]
 
 
-def _check_slots(slots, num_prompts, num_rows, shards, cache_size, needed):
+def _check_slots(slots, num_prompts, num_rows, shards, cache_size):
     """(slots to run: at most the rows, data shards), or None for the static batch."""
     _check_int("slots", slots, 0)
     if slots == 0:
         return None
-    if cache_size != needed:
+    if cache_size is not None:
         raise ValueError(
             f"slots={slots} (continuous batching) sizes its own cache; got cache_size={cache_size}"
         )
@@ -380,7 +380,7 @@ def _generate_with_stats(
     kv_block=models.decode.BLOCK,
 ):
     """generate, plus the decode steps run (static) or the slots' SlotStats (continuous)."""
-    needed = jnp.shape(prompt_tokens)[1] + max_new_tokens
+    requested = cache_size
     cache_size = _validate(
         config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size
     )
@@ -396,7 +396,7 @@ def _generate_with_stats(
     # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
     prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False)
     shards = 1 if row_sharding is None else _data_size(mesh, data_axes)
-    slot_plan = _check_slots(slots, num_prompts, num_rows, shards, cache_size, needed)
+    slot_plan = _check_slots(slots, num_prompts, num_rows, shards, requested)
     if slot_plan is not None:
         return _generate_slots(
             config, params, prompt_PT, lengths_P, rng, eos_E, slot_plan,
