@@ -89,12 +89,49 @@ def compile_update(config, mc, mesh, prompt_len: int):
         return jitted.lower(state, ro).compile(), state.params, state_sh.params
 
 
+def compile_slot_sampler(config, mc, mesh, params, prompts: int, prompt_len: int):
+    """The continuous-batching sampler's prefill and slot decode (sampler.slots > 0)."""
+    from ebpo_jax import sampler, slots
+
+    G, N, s = config.group_size, config.sampler.max_new_tokens, config.sampler
+    sampling = sampler._Sampling(float(s.temperature), int(s.top_k), float(s.top_p))
+    shards = sampler._data_size(mesh, None)
+    sampler._check_slots(s.slots, prompts, prompts * G, shards, None)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    prompt_sh = sampler._batch_sharding(mesh, None, prompts, True)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=prompt_sh)
+    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=prompt_sh)
+    static = {"config": mc, "sampling": sampling, "num_samples": G}
+    with jax.set_mesh(mesh):
+        prefill = slots.prefill_jit.lower(
+            params, prompt_PT, lengths_P, rng, prompt_sharding=prompt_sh, **static
+        )
+        out = prefill.out_info
+        prefill = prefill.compile()
+        outs = [
+            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
+            for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
+        ]
+        cache, first_R, first_logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
+        eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
+        decode = slots.decode_jit.lower(
+            params, cache, first_R, first_logp_R, lengths_P, rng, eos,
+            slots=s.slots, shards=shards, max_new_tokens=N,
+            slot_sharding=sampler._batch_sharding(mesh, None, s.slots, True), **static,
+        ).compile()  # fmt: skip
+    return prefill, decode
+
+
 def compile_sampler(config, mc, mesh, params, prompts: int, prompt_len: int):
     """The sampler's own jitted prefill and decode for `prompts` prompts x G samples."""
     from ebpo_jax import sampler
 
     G, N = config.group_size, config.sampler.max_new_tokens
     s = config.sampler
+    if 0 < s.get("slots", 0) < prompts * G:
+        return compile_slot_sampler(config, mc, mesh, params, prompts, prompt_len)
     sampling = sampler._Sampling(float(s.temperature), int(s.top_k), float(s.top_p))
     row_sh = sampler._batch_sharding(mesh, None, prompts * G, True)
     prompt_sh = sampler._batch_sharding(mesh, None, prompts, False)

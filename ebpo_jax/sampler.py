@@ -172,6 +172,7 @@ def _decode(
     logp_B,
     rng,
     eos_E,
+    limit_B=None,
     *,
     config,
     prompt_len,
@@ -180,12 +181,16 @@ def _decode(
     batch_sharding,
     kv_block=models.decode.BLOCK,
 ):
-    """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t."""
+    """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t.
+
+    limit_B: per-row token limits (<= N; benchmarks impose long-tailed lengths with it).
+    """
     batch = token_B.shape[0]
     rows_B = jnp.arange(batch)
     tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
     logps_BN = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(logp_B)
-    done_B = jnp.isin(token_B, eos_E)
+    limit_B = jnp.full((batch,), max_new_tokens, jnp.int32) if limit_B is None else limit_B
+    done_B = jnp.isin(token_B, eos_E) | (limit_B <= 1)
     gen_len_B = jnp.ones((batch,), jnp.int32)
     axes = _cache_batch_axes(config, kv_mask_BS.shape[1])
     layers = models.split_layers(config, params) if _on_cpu(batch_sharding) else None
@@ -220,7 +225,7 @@ def _decode(
         tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, tok_B[:, None], (jnp.int32(0), t))
         logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp_B[:, None], (jnp.int32(0), t))
         gen_len_B = gen_len_B + (~done_B).astype(jnp.int32)
-        done_B = done_B | jnp.isin(tok_B, eos_E)
+        done_B = done_B | jnp.isin(tok_B, eos_E) | (t + 1 >= limit_B)
         return t + 1, cache, kv_mask_BS, tok_B, done_B, tokens_BN, logps_BN, gen_len_B
 
     carry = (jnp.int32(1), cache, kv_mask_BS, token_B, done_B, tokens_BN, logps_BN, gen_len_B)
@@ -317,9 +322,9 @@ def generate(
     temperature=0 is greedy. eos_id: None, an id or a list of ids. cache_size defaults to
     Tp + max_new_tokens. With `mesh`, rows are sharded over `data_axes` (default: the
     mesh's 'data' and 'fsdp' axes); params keep whatever sharding they have.
-    slots=0 decodes all rows as one static batch until the last one ends; slots=S > 0
-    decodes S rows at a time and refills a slot as soon as its row ends (continuous
-    batching, ebpo_jax.slots; same output row for row). kv_block: cache slots per block
+    slots=0 decodes all rows as one static batch until the last one ends; 0 < slots < rows
+    decodes that many rows at a time and refills a slot as soon as its row ends (continuous
+    batching, ebpo_jax.slots; same output row for row); slots >= rows is the static batch. kv_block: cache slots per block
     of the decode attention, which reads only the blocks below the longest valid prefix.
     """
     return _generate_with_stats(
@@ -343,15 +348,15 @@ def generate(
 
 
 def _check_slots(slots, num_prompts, num_rows, shards, cache_size):
-    """(slots to run: at most the rows, data shards), or None for the static batch."""
+    """(slots, data shards) for continuous batching, or None for the static batch."""
     _check_int("slots", slots, 0)
-    if slots == 0:
+    # With a slot per row nothing is ever refilled: the static batch is the same schedule.
+    if slots == 0 or slots >= num_rows:
         return None
     if cache_size is not None:
         raise ValueError(
             f"slots={slots} (continuous batching) sizes its own cache; got cache_size={cache_size}"
         )
-    slots = min(slots, num_rows)
     if slots % shards or num_prompts % shards:
         raise ValueError(
             f"slots={slots} and the {num_prompts} prompts must be multiples of the {shards} "
@@ -378,8 +383,13 @@ def _generate_with_stats(
     data_axes=None,
     slots=0,
     kv_block=models.decode.BLOCK,
+    row_limits=None,
 ):
-    """generate, plus the decode steps run (static) or the slots' SlotStats (continuous)."""
+    """generate, plus the decode steps run (static) or the slots' SlotStats (continuous).
+
+    row_limits: [rows] int, a token limit per row (<= max_new_tokens), as if each row's
+    stop id came at that length: how benchmarks impose a length distribution.
+    """
     requested = cache_size
     cache_size = _validate(
         config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size
@@ -391,6 +401,7 @@ def _generate_with_stats(
     prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
     lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
     eos_E = jnp.asarray(eos, jnp.int32).reshape(-1)
+    limit_R = None if row_limits is None else jnp.asarray(row_limits, jnp.int32)
     num_rows = num_prompts * num_samples
     row_sharding = _batch_sharding(mesh, data_axes, num_rows, True)
     # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
@@ -399,7 +410,7 @@ def _generate_with_stats(
     slot_plan = _check_slots(slots, num_prompts, num_rows, shards, requested)
     if slot_plan is not None:
         return _generate_slots(
-            config, params, prompt_PT, lengths_P, rng, eos_E, slot_plan,
+            config, params, prompt_PT, lengths_P, rng, eos_E, limit_R, slot_plan,
             num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
             mesh=mesh, data_axes=data_axes, prompt_sharding=prompt_sharding, kv_block=kv_block,
         )  # fmt: skip
@@ -424,6 +435,7 @@ def _generate_with_stats(
         logp_B,
         rng,
         eos_E,
+        limit_R,
         config=config,
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
@@ -435,7 +447,7 @@ def _generate_with_stats(
 
 
 def _generate_slots(
-    config, params, prompt_PT, lengths_P, rng, eos_E, slot_plan, *,
+    config, params, prompt_PT, lengths_P, rng, eos_E, limit_R, slot_plan, *,
     num_samples, max_new_tokens, sampling, mesh, data_axes, prompt_sharding, kv_block,
 ):  # fmt: skip
     """The continuous-batching path of generate (ebpo_jax.slots)."""
@@ -448,7 +460,7 @@ def _generate_slots(
         prompt_sharding=prompt_sharding,
     )  # fmt: skip
     return slots_lib.decode_jit(
-        params, cache, first_R, first_logp_R, lengths_P, rng, eos_E,
+        params, cache, first_R, first_logp_R, lengths_P, rng, eos_E, limit_R,
         config=config, num_samples=num_samples, slots=num_slots, shards=shards,
         max_new_tokens=max_new_tokens, sampling=sampling,
         slot_sharding=_batch_sharding(mesh, data_axes, num_slots, True), kv_block=kv_block,

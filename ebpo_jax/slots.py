@@ -46,6 +46,7 @@ class _Slots(NamedTuple):
     t_DS: jax.Array  # index of the token the next step samples
     prev_DS: jax.Array  # token t - 1, fed in at the next step
     plen_DS: jax.Array  # the row's prompt length
+    limit_DS: jax.Array  # the row's token limit
     next_D: jax.Array
 
 
@@ -69,7 +70,7 @@ def _copy_prompts(cache, prompt_cache, admit_DS, prompt_DS, shards):
     return jax.tree.map(layer, cache, prompt_cache)
 
 
-def _admit(st, cache, prompt_cache, first_DR, plen_DR, eos_E, *, num_samples, n_new, shards):
+def _admit(st, cache, prompt_cache, first_DR, plen_DR, limit_DR, eos_E, *, num_samples, shards):
     """Free slots take the shard's next queued rows (in row order); copies their prompts."""
     rows = first_DR.shape[1]
     free_DS = ~st.live_DS
@@ -78,13 +79,15 @@ def _admit(st, cache, prompt_cache, first_DR, plen_DR, eos_E, *, num_samples, n_
     new_DS = jnp.where(admit_DS, new_DS, st.row_DS)
     first_DS = _take_rows(first_DR, new_DS)
     # A row whose first token already ends it is never live: its slot refills next step.
-    ends_DS = jnp.isin(first_DS, eos_E) | (n_new == 1)
+    limit_DS = _take_rows(limit_DR, new_DS)
+    ends_DS = jnp.isin(first_DS, eos_E) | (limit_DS <= 1)
     st = _Slots(
         row_DS=new_DS,
         live_DS=st.live_DS | (admit_DS & ~ends_DS),
         t_DS=jnp.where(admit_DS, 1, st.t_DS),
         prev_DS=jnp.where(admit_DS, first_DS, st.prev_DS),
         plen_DS=jnp.where(admit_DS, _take_rows(plen_DR, new_DS), st.plen_DS),
+        limit_DS=jnp.where(admit_DS, limit_DS, st.limit_DS),
         next_D=st.next_D + admit_DS.sum(axis=1),
     )
     # Only steps that admit a row pay for the copy.
@@ -94,7 +97,7 @@ def _admit(st, cache, prompt_cache, first_DR, plen_DR, eos_E, *, num_samples, n_
 
 
 def _step(
-    params, layers, st, cache, out, rng, eos_E, *, config, n_new, sampling, axes, sharding, kv_block
+    params, layers, st, cache, out, rng, eos_E, *, config, sampling, axes, sharding, kv_block
 ):
     """One decode step of every slot; live rows record their token t."""
     tokens_DRN, logps_DRN, gen_len_DR = out
@@ -129,7 +132,7 @@ def _step(
     gen_len_DR = jax.vmap(lambda x, r, v: x.at[r].set(v, mode="drop"))(
         gen_len_DR, row_DS, st.t_DS + 1
     )
-    ends_DS = jnp.isin(tok_DS, eos_E) | (st.t_DS + 1 >= n_new)
+    ends_DS = jnp.isin(tok_DS, eos_E) | (st.t_DS + 1 >= st.limit_DS)
     st = st._replace(
         live_DS=st.live_DS & ~ends_DS,
         t_DS=st.t_DS + st.live_DS,
@@ -146,6 +149,7 @@ def decode(
     lengths_P,
     rng,
     eos_E,
+    limit_R=None,
     *,
     config,
     num_samples,
@@ -154,9 +158,12 @@ def decode(
     max_new_tokens,
     sampling,
     slot_sharding,
-    kv_block,
+    kv_block=models.decode.BLOCK,
 ):
-    """All rows through `slots` refilled decode slots: (Generation, SlotStats)."""
+    """All rows through `slots` refilled decode slots: (Generation, SlotStats).
+
+    limit_R: per-row token limits (<= max_new_tokens; benchmarks impose lengths with it).
+    """
     P, Tp = lengths_P.shape[0], prompt_cache["k"][0].shape[2]
     R, N, D = P * num_samples, max_new_tokens, shards
     Sd, Rd = slots // D, R // D
@@ -165,16 +172,19 @@ def decode(
     cache = _constrain_cache(models.init_cache(config, slots, cache_size), axes, slot_sharding)
     first_DR = first_R.reshape(D, Rd)
     plen_DR = jnp.repeat(lengths_P, num_samples).reshape(D, Rd)
+    limit_DR = jnp.full((D, Rd), N, jnp.int32) if limit_R is None else limit_R.reshape(D, Rd)
     tokens_DRN = jnp.zeros((D, Rd, N), jnp.int32).at[:, :, 0].set(first_DR)
     logps_DRN = jnp.zeros((D, Rd, N), jnp.float32).at[:, :, 0].set(first_logp_R.reshape(D, Rd))
     out = (tokens_DRN, logps_DRN, jnp.ones((D, Rd), jnp.int32))
     out = jax.tree.map(lambda x: _constrain(x, slot_sharding), out)
     zeros = jnp.zeros((D, Sd), jnp.int32)
-    st = _Slots(zeros, zeros.astype(bool), zeros, zeros, zeros + 1, jnp.zeros((D,), jnp.int32))
+    st = _Slots(
+        zeros, zeros.astype(bool), zeros, zeros, zeros + 1, zeros, jnp.zeros((D,), jnp.int32)
+    )
     layers = models.split_layers(config, params) if _on_cpu(slot_sharding) else None
     admit = lambda st, cache: _admit(
-        st, cache, prompt_cache, first_DR, plen_DR, eos_E,
-        num_samples=num_samples, n_new=N, shards=D,
+        st, cache, prompt_cache, first_DR, plen_DR, limit_DR, eos_E,
+        num_samples=num_samples, shards=D,
     )  # fmt: skip
     st, cache = admit(st, cache)
 
@@ -187,7 +197,7 @@ def decode(
         busy = busy + st.live_DS.sum(dtype=jnp.int32)
         st, cache, out = _step(
             params, layers, st, cache, out, rng, eos_E,
-            config=config, n_new=N, sampling=sampling, axes=axes, sharding=slot_sharding,
+            config=config, sampling=sampling, axes=axes, sharding=slot_sharding,
             kv_block=kv_block,
         )  # fmt: skip
         st, cache = admit(st, cache)
