@@ -16,6 +16,7 @@ Compile time is excluded (one warm-up call each).
 """
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -24,34 +25,23 @@ import jax.numpy as jnp
 import numpy as np
 
 from ebpo_jax import models, sampler
+from ebpo_jax.aot_report import Lengths
 
-BENCH_MODEL = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=1024,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=64,
-    max_position_embeddings=8192,
-)
+BENCH_MODEL = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 1024,
+    "num_layers": 4,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+}
 
 
-def long_tail_lengths(rows, limit, seed=0, sigma=1.0, at_limit=0.05):
-    """Lengths in [1, limit]: `at_limit` of the rows at the limit, the rest lognormal, mean limit/4."""
-    rng = np.random.default_rng(seed)
-    target = limit / 4
-    lengths = np.full(rows, limit)
-    rest = rng.random(rows) >= at_limit
-    draw = rng.lognormal(0.0, sigma, rest.sum())
-    # Scale the lognormal so that the whole set's mean (after clipping) is limit / 4.
-    lo, hi = 1e-3, float(limit)
-    for _ in range(60):
-        scale = (lo + hi) / 2
-        mean = (np.clip(np.round(draw * scale), 1, limit).sum() + limit * (~rest).sum()) / rows
-        lo, hi = (scale, hi) if mean < target else (lo, scale)
-    lengths[rest] = np.clip(np.round(draw * scale), 1, limit)
-    return lengths.astype(np.int32)
+def long_tail_lengths(rows, limit, seed=0):
+    """Lengths in [1, limit]: 5% at the limit, the rest lognormal below it, mean limit / 4."""
+    return Lengths(response_mean=limit / 4, at_limit=0.05, seed=seed).draw(rows, limit)
 
 
 def timed(fn):
@@ -71,7 +61,7 @@ def static_vs_continuous(config, params, *, prompts, group, width, new_tokens, s
     """Useful tokens/s of both samplers on long-tailed lengths, and the slots' utilisation."""
     tokens, lengths = prompts_for(config, prompts, width)
     limits = long_tail_lengths(prompts * group, new_tokens)
-    kw = dict(max_new_tokens=new_tokens, rng=jax.random.key(0), num_samples=group)
+    kw = {"max_new_tokens": new_tokens, "rng": jax.random.key(0), "num_samples": group}
     kw["row_limits"] = limits
     run = lambda s: sampler._generate_with_stats(config, params, tokens, lengths, slots=s, **kw)
     static, _ = run(0)
@@ -97,8 +87,8 @@ def static_vs_continuous(config, params, *, prompts, group, width, new_tokens, s
     }
 
 
-def decode_step_time(config, params, *, batch, valid, cache_size, kv_block, steps=8, runs=3):
-    """Seconds per decode step (forward_cached at per-row slot `valid`) over `steps` steps."""
+def decode_loop(config, params, *, batch, valid, cache_size, kv_block, steps=8):
+    """(jitted loop of `steps` decode steps at per-row slot `valid`, its initial cache)."""
     tokens_B1 = jnp.ones((batch, 1), jnp.int32)
     start_B = jnp.full((batch,), valid, jnp.int32)
     layers = models.split_layers(config, params)
@@ -115,27 +105,27 @@ def decode_step_time(config, params, *, batch, valid, cache_size, kv_block, step
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
 
     jitted = jax.jit(loop, donate_argnums=0)
-    cache = models.init_cache(config, batch, cache_size)
-    cache, _ = jax.block_until_ready(jitted(cache))
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        cache, _ = jax.block_until_ready(jitted(cache))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) / steps
+    cache, _ = jax.block_until_ready(jitted(models.init_cache(config, batch, cache_size)))
+    return jitted, cache
 
 
-def cache_size_scaling(config, params, *, batch=32, valid=256, sizes=(1024, 2048, 4096)):
+def cache_size_scaling(config, params, *, batch=32, valid=256, sizes=(1024, 2048, 4096), rounds=5):
     """Per-step seconds at a fixed valid length: valid-prefix reads vs whole-cache reads."""
-    out = {}
-    for size in sizes:  # interleaved per size, so drift hits both alike
-        out[("prefix", size)] = decode_step_time(
-            config, params, batch=batch, valid=valid, cache_size=size, kv_block=256
-        )
-        out[("whole", size)] = decode_step_time(
-            config, params, batch=batch, valid=valid, cache_size=size, kv_block=size
-        )
-    return out
+    steps = 8
+    loops = {}
+    for size in sizes:
+        for kind, block in (("prefix", 256), ("whole", size)):
+            loops[(kind, size)] = decode_loop(
+                config, params, batch=batch, valid=valid, cache_size=size, kv_block=block
+            )
+    times = {key: [] for key in loops}
+    for _ in range(rounds):  # every variant once per round, so drift hits all alike
+        for key, (jitted, cache) in loops.items():
+            start = time.perf_counter()
+            cache, _ = jax.block_until_ready(jitted(cache))
+            times[key].append((time.perf_counter() - start) / steps)
+            loops[key] = (jitted, cache)
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def tiny_default(runs):
@@ -147,8 +137,8 @@ def tiny_default(runs):
     params = models.init_params(config, jax.random.key(0))
     rows = c.prompts_per_step * c.group_size
     tokens, lengths = prompts_for(config, c.prompts_per_step, 16)
-    kw = dict(max_new_tokens=c.sampler.max_new_tokens, rng=jax.random.key(1))
-    kw |= dict(num_samples=c.group_size, temperature=c.sampler.temperature)
+    kw = {"max_new_tokens": c.sampler.max_new_tokens, "rng": jax.random.key(1)}
+    kw |= {"num_samples": c.group_size, "temperature": c.sampler.temperature}
     run = lambda s: sampler.generate(config, params, tokens, lengths, slots=s, **kw)
     assert np.array_equal(run(0).tokens, run(rows).tokens)
     static_s, cont_s = [], []
@@ -206,7 +196,7 @@ def main():
     sizes = sorted({size for _, size in t})
     for kind in ("prefix", "whole"):
         cells = ", ".join(f"{s}: {1e3 * t[(kind, s)]:.2f} ms" for s in sizes)
-        doubling = [t[(kind, b)] / t[(kind, a)] for a, b in zip(sizes, sizes[1:])]
+        doubling = [t[(kind, b)] / t[(kind, a)] for a, b in itertools.pairwise(sizes)]
         print(
             f"decode step, valid length 256, batch 32, {kind}-cache attention: {cells}; "
             f"doubling cache_size: {', '.join(f'{d:.2f}x' for d in doubling)}"
