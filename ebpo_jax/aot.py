@@ -18,6 +18,7 @@ from ebpo_jax.aot_report import (
     mesh_str,
     report_from_compiled,
     sampler_flops,
+    step_time_estimate,
     topology_devices,
     total_params,
     update_flops,
@@ -268,7 +269,12 @@ def run(
         # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
         r = reports[-1]
         r.note += f"; >= {(N - 1) * r.argument_bytes * per_chip / spec.hbm_bandwidth:.0f} s at HBM bandwidth"
+    from ebpo_jax.sampler import _data_size
+
+    shards, tp = _data_size(s_mesh, None), dict(s_mesh.shape).get("tp", 1)
+    estimate = step_time_estimate(config, mc, spec, prompt_len=prompt_len, shards=shards, tp=tp)
     meta = {
+        "step_estimate": estimate,
         "topology": topology,
         "chip_topology": chip_name,
         "devices": len(devices),
