@@ -350,7 +350,9 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     slots = min(config.sampler.get("slots", 0) or per_call * G, per_call * G)
     after, steps = 0.0, 0
     for call in rows.reshape(P // per_call, shards, -1):
-        blocks, refills = _slot_schedule(call, slots // shards, lengths.prompt_tokens, block)
+        # A slot per row is the static batch: prompts padded to prompt_len in its cache.
+        width = prompt_len if slots == per_call * G else lengths.prompt_tokens
+        blocks, refills = _slot_schedule(call, slots // shards, width, block)
         kv = (slots // shards) * block * blocks.sum() * kv_token
         copies = 2 * refills.sum() * (slots // shards) * prompt_len * kv_token
         after += (len(blocks) * weights + kv + copies) / bw
