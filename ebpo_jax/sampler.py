@@ -324,8 +324,9 @@ def generate(
     mesh's 'data' and 'fsdp' axes); params keep whatever sharding they have.
     slots=0 decodes all rows as one static batch until the last one ends; 0 < slots < rows
     decodes that many rows at a time and refills a slot as soon as its row ends (continuous
-    batching, ebpo_jax.slots; same output row for row); slots >= rows is the static batch. kv_block: cache slots per block
-    of the decode attention, which reads only the blocks below the longest valid prefix.
+    batching, ebpo_jax.slots; same output row for row); slots >= rows is the static batch.
+    kv_block: cache slots per block of the decode attention, which reads only the blocks
+    below the longest valid prefix.
     """
     return _generate_with_stats(
         config,
@@ -401,8 +402,10 @@ def _generate_with_stats(
     prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
     lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
     eos_E = jnp.asarray(eos, jnp.int32).reshape(-1)
-    limit_R = None if row_limits is None else jnp.asarray(row_limits, jnp.int32)
     num_rows = num_prompts * num_samples
+    if row_limits is not None and jnp.shape(row_limits) != (num_rows,):
+        raise ValueError(f"row_limits must have shape ({num_rows},), got {jnp.shape(row_limits)}")
+    limit_R = None if row_limits is None else jnp.asarray(row_limits, jnp.int32)
     row_sharding = _batch_sharding(mesh, data_axes, num_rows, True)
     # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
     prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False)
