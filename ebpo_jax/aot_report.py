@@ -344,6 +344,7 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     bw = spec.hbm_bandwidth
     per_call = config.sampler.prompts_per_call or P
     rows = lengths.draw(P * G, N)
+    prompt_tokens = min(lengths.prompt_tokens, prompt_len)  # real prompts fit the width
     # Before: every call decodes N - 1 steps over its rows' whole caches.
     static_rows = per_call * G // shards
     before = (P // per_call) * (N - 1) * (weights + static_rows * (prompt_len + N) * kv_token) / bw
@@ -351,7 +352,7 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     after, steps = 0.0, 0
     for call in rows.reshape(P // per_call, shards, -1):
         # A slot per row is the static batch: prompts padded to prompt_len in its cache.
-        width = prompt_len if slots == per_call * G else lengths.prompt_tokens
+        width = prompt_len if slots == per_call * G else prompt_tokens
         blocks, refills = _slot_schedule(call, slots // shards, width, block)
         kv = (slots // shards) * block * blocks.sum() * kv_token
         copies = 2 * refills.sum() * (slots // shards) * prompt_len * kv_token
@@ -359,12 +360,12 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
         steps += len(blocks)
     ragged = (
         steps * weights
-        + (rows.sum() * lengths.prompt_tokens + 0.5 * (rows**2).sum()) * kv_token / shards
+        + (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * kv_token / shards
     ) / bw
     util = (rows - 1).sum() / (steps * slots)
     # The update: padded width prompt_len + N vs each row's real tokens.
     m = matmul_params(mc)
-    T_r = lengths.prompt_tokens + rows
+    T_r = prompt_tokens + rows
     per_row = (
         2.0 * m["layers"] * T_r
         + 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * T_r**2 / 2
