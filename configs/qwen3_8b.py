@@ -43,10 +43,12 @@ How each number was chosen:
   instead of 4.6 GiB for all 8192 completion positions at once.
 - attention "splash": the Pallas kernel never holds the [T, T] scores (12288^2 x 32 heads
   x 4 bytes = 18 GiB per row and layer with the plain XLA attention).
-- Sampler: 128 prompts x 4 samples per call (4 calls per step, one after another inside the
-  jitted rollout) on a data=8 x tp=4 mesh of the same 32 chips: the KV cache of all 2048
-  rows of 12288 tokens does not fit, 512 rows do; tp=4 splits the cache's kv heads and
-  the weights, data=8 the rows (README's AOT table was compiled with exactly these).
+- Sampler: all 512 prompts x 4 samples in one call, through 256 continuous-batching slots
+  (sampler.slots; 32 per data shard, each refilled as soon as its row ends) on a data=8 x
+  tp=4 mesh of the same 32 chips. The KV cache is the 512 prompts' (4096 tokens each, once
+  per prompt) plus the 256 slots' (12288 tokens): a static batch of all 2048 rows of 12288
+  tokens does not fit, and 4 static calls of 512 rows each decode to 8192 tokens 4 times.
+  tp=4 splits the cache's kv heads and the weights, data=8 the rows and slots.
 The AOT report for these choices is in the README (experiments/aot_compile.py).
 """
 
@@ -132,7 +134,8 @@ def recipe(preset: str, variant: str | None = None):
     c.sampler.temperature = 1.0
     c.sampler.top_p = 1.0
     c.sampler.top_k = 0
-    c.sampler.prompts_per_call = 128  # 4 calls per step: see the comment block
+    c.sampler.prompts_per_call = 512  # one call per step: see the comment block
+    c.sampler.slots = 256  # continuous batching, 32 slots per data shard
     c.sampler.mesh = "data=8,tp=4"
 
     c.optimizer.learning_rate = 1e-6

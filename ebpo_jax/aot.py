@@ -20,6 +20,7 @@ from ebpo_jax.aot_report import (
     mesh_str,
     report_from_compiled,
     sampler_flops,
+    step_time_estimate,
     topology_devices,
     total_params,
     update_flops,
@@ -114,11 +115,48 @@ def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
+def compile_slot_sampler(s: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
+    """The continuous-batching sampler's prefill and slot decode (sampler.slots > 0)."""
+    from ebpo_jax import sampler, slots
+
+    G, N, rules = s.group_size, s.max_new_tokens, mc.sharding_rules
+    sampling = sampler._Sampling(s.temperature, s.top_k, s.top_p)
+    shards = sampler._data_size(mesh, None, rules)
+    sampler._check_slots(s.slots, prompts, prompts * G, shards, None)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    prompt_sh = sampler._batch_sharding(mesh, None, prompts, True, rules)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
+    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=prompt_sh)
+    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=prompt_sh)
+    static = {"config": mc, "sampling": sampling, "num_samples": G}
+    with jax.set_mesh(mesh):
+        prefill = slots.prefill_jit.lower(
+            params, prompt_PT, lengths_P, rng, prompt_sharding=prompt_sh, **static
+        )
+        out = prefill.out_info
+        prefill = prefill.compile()
+        outs = [
+            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
+            for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
+        ]
+        cache, first_R, first_logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
+        eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
+        decode = slots.decode_jit.lower(
+            params, cache, first_R, first_logp_R, lengths_P, rng, eos,
+            slots=s.slots, shards=shards, max_new_tokens=N,
+            slot_sharding=sampler._batch_sharding(mesh, None, s.slots, True, rules), **static,
+        ).compile()  # fmt: skip
+    return prefill, decode
+
+
 def compile_sampler(spec: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
     """The sampler's own jitted prefill and decode for `prompts` prompts x G samples."""
     from ebpo_jax import sampler
 
     G, N = spec.group_size, spec.max_new_tokens
+    if 0 < spec.slots < prompts * G:
+        return compile_slot_sampler(spec, mc, mesh, params, prompts, prompt_len)
     sampling = sampler._Sampling(spec.temperature, spec.top_k, spec.top_p)
     rules = mc.sharding_rules
     row_sh = sampler._batch_sharding(mesh, None, prompts * G, True, rules)
@@ -294,7 +332,13 @@ def run(
         # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
         r = reports[-1]
         r.note += f"; >= {(N - 1) * r.argument_bytes * per_chip / hw.hbm_bandwidth:.0f} s at HBM bandwidth"
+    from ebpo_jax.sampler import _data_size
+
+    shards = _data_size(s_mesh, None, mc.sharding_rules)
+    tp = dict(s_mesh.shape).get("tp", 1)
+    estimate = step_time_estimate(config, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp)
     meta = {
+        "step_estimate": estimate,
         "topology": topology,
         "chip_topology": chip_name,
         "devices": len(devices),

@@ -258,3 +258,131 @@ def write_json(path: str, reports: list[ProgramReport], **meta) -> None:
 def is_resource_exhausted(err: BaseException) -> bool:
     """True for the compiler's out-of-memory error (the program does not fit in HBM)."""
     return "RESOURCE_EXHAUSTED" in str(err) or "Ran out of memory" in str(err)
+
+
+# ---------------------------------------------------------------- step-time estimate
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    """The stated length distribution of the estimate: prompts, lognormal responses."""
+
+    prompt_tokens: int = 300
+    response_mean: float = 2500.0
+    at_limit: float = 0.05  # share of responses that reach max_new_tokens
+    sigma: float = 1.0
+    seed: int = 0
+
+    def draw(self, rows: int, limit: int):
+        """at_limit of the rows at `limit`, the rest lognormal below it; mean response_mean."""
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+        lengths = np.full(rows, limit)
+        rest = rng.random(rows) >= self.at_limit
+        pool = rng.lognormal(0.0, self.sigma, 8 * rows + 1000)
+        lo, hi = 1e-3, float(limit)
+        for _ in range(60):  # bisect the scale; draws at or over the limit are redrawn
+            scale = (lo + hi) / 2
+            below = np.round(pool * scale)
+            below = np.maximum(below[below < limit][: rest.sum()], 1)
+            mean = (below.sum() + limit * (~rest).sum()) / rows
+            lo, hi = (scale, hi) if mean < self.response_mean else (lo, scale)
+        lengths[rest] = below
+        return lengths.astype(int)
+
+
+def _slot_schedule(lengths_DR, slots_per_shard: int, prompt_tokens: int, block: int):
+    """Per decode step of the slot sampler: (blocks read per slot, whether a slot refilled).
+
+    Each shard refills its slots from its own queue in row order; the attention's block loop
+    runs to the longest valid prefix over all shards (one trip count for the SPMD program).
+    """
+    import numpy as np
+
+    D, R = lengths_DR.shape
+    S = slots_per_shard
+    left = np.zeros((D, S), int)  # tokens still to decode in each slot
+    done = np.zeros((D, S), int)  # tokens the slot's row has so far
+    nxt = np.zeros(D, int)
+    blocks, refills = [], []
+    while True:
+        free = left == 0
+        take = np.minimum(free.sum(1), R - nxt)
+        refilled = False
+        for d in range(D):  # refill free slots in order
+            idx = np.flatnonzero(free[d])[: take[d]]
+            rows = lengths_DR[d, nxt[d] : nxt[d] + take[d]]
+            left[d, idx], done[d, idx] = rows - 1, 1
+            nxt[d] += take[d]
+            refilled |= bool(take[d])
+        live = left > 0
+        if not live.any():
+            break
+        valid = np.where(live, prompt_tokens + done, 0).max()
+        blocks.append(-(-valid // block))
+        refills.append(refilled)
+        left = np.where(live, left - 1, 0)
+        done = done + live
+    return np.array(blocks), np.array(refills)
+
+
+def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
+    """Seconds per RL step at HBM bandwidth (decode) / bf16 peak (update), before and after.
+
+    before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
+    each running to max_new_tokens (some row reaches it), and the update at the padded width.
+    after: `sampler.slots` continuous batching per call (a slot per row: static) with valid-prefix
+    decode attention (blocks below the longest live row), and a packed update over the real
+    tokens (the packed-update work of issue 17). Decode bytes per chip: the weights (bf16,
+    split over tp) at every step plus the KV blocks read; refills copy prompt caches.
+    """
+
+    P, G, N = config.prompts_per_step, config.group_size, config.sampler.max_new_tokens
+    kv_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / tp  # bytes, bf16
+    weights = 2 * total_params(mc) / tp
+    bw = spec.hbm_bandwidth
+    per_call = config.sampler.prompts_per_call or P
+    rows = lengths.draw(P * G, N)
+    prompt_tokens = min(lengths.prompt_tokens, prompt_len)  # real prompts fit the width
+    # Before: every call decodes N - 1 steps over its rows' whole caches.
+    static_rows = per_call * G // shards
+    before = (P // per_call) * (N - 1) * (weights + static_rows * (prompt_len + N) * kv_token) / bw
+    slots = min(config.sampler.get("slots", 0) or per_call * G, per_call * G)
+    after, steps = 0.0, 0
+    for call in rows.reshape(P // per_call, shards, -1):
+        # A slot per row is the static batch: prompts padded to prompt_len in its cache.
+        width = prompt_len if slots == per_call * G else prompt_tokens
+        blocks, refills = _slot_schedule(call, slots // shards, width, block)
+        kv = (slots // shards) * block * blocks.sum() * kv_token
+        copies = 2 * refills.sum() * (slots // shards) * prompt_len * kv_token
+        after += (len(blocks) * weights + kv + copies) / bw
+        steps += len(blocks)
+    ragged = (
+        steps * weights + (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * kv_token / shards
+    ) / bw
+    util = (rows - 1).sum() / (steps * slots)
+    # The update: padded width prompt_len + N vs each row's real tokens.
+    m = matmul_params(mc)
+    T_r = prompt_tokens + rows
+    per_row = (
+        2.0 * m["layers"] * T_r
+        + 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * T_r**2 / 2
+        + 2.0 * m["head"] * rows
+    )
+    ref = 1.0 if config.loss.kl_coef > 0 else 0.0
+    packed = config.loss.ppo_epochs * (3.0 + ref) * per_row.sum()
+    devices = shards * tp
+    peak = spec.peak_flops
+    return {
+        "lengths": dataclasses.asdict(lengths)
+        | {"drawn_mean": float(rows.mean()), "drawn_at_limit": float((rows == N).mean())},
+        "slots": slots,
+        "decode_steps_after": steps,
+        "slot_utilisation": float(util),
+        "decode_s_before": float(before),
+        "decode_s_after": float(after),
+        "decode_s_after_ragged_kernel": float(ragged),
+        "update_s_before": update_flops(config, mc, prompt_len) / devices / peak,
+        "update_s_after_packed": float(packed) / devices / peak,
+    }

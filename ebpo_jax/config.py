@@ -123,6 +123,10 @@ def default_config() -> ml_collections.ConfigDict:
     # 0: each step samples with the params it updates. 1: rollout t+1 is generated with params
     # t while update t runs, the sampler on the `sampler.mesh` devices after the trainer's.
     c.rollout.max_staleness = 0
+    # Decode slots per sampler call: 0 = every row of the call decodes as one static batch
+    # until the longest ends; S > 0 = continuous batching, S rows at a time, a slot refilled
+    # as soon as its row ends. A multiple of the sampler mesh's data shards.
+    c.sampler.slots = 0
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-6
@@ -525,6 +529,21 @@ def _validate_lora(lc, need) -> None:
     )
 
 
+def _validate_slots(c, shape, need):
+    """Continuous batching splits slots and each call's prompts over the data shards."""
+    slots = c.sampler.get("slots", 0)
+    if not slots:
+        return
+    spec = sampler_mesh_spec(c) or list(zip(c.mesh.axes, shape))
+    shards = math.prod(n for axis, n in spec if axis in ("data", "fsdp"))
+    per_call = c.sampler.prompts_per_call or c.prompts_per_step
+    need(
+        slots % shards == 0 and per_call % shards == 0,
+        f"sampler.slots={slots} and the {per_call} prompts per sampler call must be multiples "
+        f"of the sampler mesh's {shards} data shards",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -629,6 +648,11 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         f"sampler.mesh={c.sampler.mesh!r} needs steps_per_jit=1 (the K-step scan samples on "
         "the trainer's mesh)",
     )
+    slots = c.sampler.get("slots", 0)
+    need(
+        isinstance(slots, int) and slots >= 0,
+        f"sampler.slots={slots!r} must be an int >= 0 (0 = the static batch)",
+    )
     _validate_data_and_model(c, need)
     _validate_positions(c)
     _validate_estimator_options(c, need)
@@ -641,3 +665,4 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
             batch % math.prod(shape) == 0,
             f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
         )
+        _validate_slots(c, shape, need)

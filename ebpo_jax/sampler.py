@@ -172,19 +172,25 @@ def _decode(
     logp_B,
     rng,
     eos_E,
+    limit_B=None,
     *,
     config,
     prompt_len,
     max_new_tokens,
     sampling,
     batch_sharding,
+    kv_block=models.decode.BLOCK,
 ):
-    """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t."""
+    """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t.
+
+    limit_B: per-row token limits (<= N; benchmarks impose long-tailed lengths with it).
+    """
     batch = token_B.shape[0]
     rows_B = jnp.arange(batch)
     tokens_BN = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token_B)
     logps_BN = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(logp_B)
-    done_B = jnp.isin(token_B, eos_E)
+    limit_B = jnp.full((batch,), max_new_tokens, jnp.int32) if limit_B is None else limit_B
+    done_B = jnp.isin(token_B, eos_E) | (limit_B <= 1)
     gen_len_B = jnp.ones((batch,), jnp.int32)
     axes = _cache_batch_axes(config, kv_mask_BS.shape[1])
     layers = models.split_layers(config, params) if _on_cpu(batch_sharding) else None
@@ -208,6 +214,7 @@ def _decode(
             start=slot,
             kv_mask_BS=kv_mask_BS,
             layers=layers,
+            kv_block=kv_block,
         )
         cache = _constrain_cache(cache, axes, batch_sharding)
         tok_B, logp_B = select_tokens(
@@ -218,7 +225,7 @@ def _decode(
         tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, tok_B[:, None], (jnp.int32(0), t))
         logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp_B[:, None], (jnp.int32(0), t))
         gen_len_B = gen_len_B + (~done_B).astype(jnp.int32)
-        done_B = done_B | jnp.isin(tok_B, eos_E)
+        done_B = done_B | jnp.isin(tok_B, eos_E) | (t + 1 >= limit_B)
         return t + 1, cache, kv_mask_BS, tok_B, done_B, tokens_BN, logps_BN, gen_len_B
 
     carry = (jnp.int32(1), cache, kv_mask_BS, token_B, done_B, tokens_BN, logps_BN, gen_len_B)
@@ -242,7 +249,14 @@ _prefill_jit = jax.jit(
 # it the cache would live twice, which is what runs out of memory at scale.
 _decode_jit = jax.jit(
     _decode,
-    static_argnames=("config", "prompt_len", "max_new_tokens", "sampling", "batch_sharding"),
+    static_argnames=(
+        "config",
+        "prompt_len",
+        "max_new_tokens",
+        "sampling",
+        "batch_sharding",
+        "kv_block",
+    ),
     donate_argnums=(1,),
 )
 
@@ -255,15 +269,25 @@ class _Sampling(NamedTuple):
     top_p: float
 
 
-def _batch_sharding(mesh, data_axes, num_rows, required, rules=None):
-    """Rows over `data_axes` (default: the rules table's `batch` axes that the mesh has);
-    None when unsharded (or not divisible and optional)."""
-    if mesh is None:
-        return None
+def _data_axes(mesh, data_axes, rules=None):
+    """`data_axes`, or by default the rules table's `batch` axes that the mesh has."""
     if data_axes is None:
         entry = sharding.logical_to_spec(("batch",), rules, mesh)[0]
-        data_axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    size = int(np.prod([mesh.shape[a] for a in data_axes]))
+        return (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return tuple(data_axes)
+
+
+def _data_size(mesh, data_axes, rules=None):
+    return int(np.prod([mesh.shape[a] for a in _data_axes(mesh, data_axes, rules)]))
+
+
+def _batch_sharding(mesh, data_axes, num_rows, required, rules=None):
+    """Rows over the data axes (`_data_axes`); None when unsharded (or not divisible and
+    optional)."""
+    if mesh is None:
+        return None
+    data_axes = _data_axes(mesh, data_axes, rules)
+    size = _data_size(mesh, data_axes)
     if num_rows % size == 0:
         return NamedSharding(mesh, P(tuple(data_axes)))
     if required:
@@ -290,6 +314,8 @@ def generate(
     cache_size=None,
     mesh=None,
     data_axes=None,
+    slots=0,
+    kv_block=models.decode.BLOCK,
 ):
     """Samples `num_samples` completions per right-padded prompt; returns a `Generation`.
 
@@ -299,8 +325,13 @@ def generate(
     temperature=0 is greedy. eos_id: None, an id or a list of ids. cache_size defaults to
     Tp + max_new_tokens. With `mesh`, rows are sharded over `data_axes` (default: the
     mesh's 'data' and 'fsdp' axes); params keep whatever sharding they have.
+    slots=0 decodes all rows as one static batch until the last one ends; 0 < slots < rows
+    decodes that many rows at a time and refills a slot as soon as its row ends (continuous
+    batching, ebpo_jax.slots; same output row for row); slots >= rows is the static batch.
+    kv_block: cache slots per block of the decode attention, which reads only the blocks
+    below the longest valid prefix.
     """
-    return _generate_with_steps(
+    return _generate_with_stats(
         config,
         params,
         prompt_tokens,
@@ -315,10 +346,30 @@ def generate(
         cache_size=cache_size,
         mesh=mesh,
         data_axes=data_axes,
+        slots=slots,
+        kv_block=kv_block,
     )[0]
 
 
-def _generate_with_steps(
+def _check_slots(slots, num_prompts, num_rows, shards, cache_size):
+    """(slots, data shards) for continuous batching, or None for the static batch."""
+    _check_int("slots", slots, 0)
+    # With a slot per row nothing is ever refilled: the static batch is the same schedule.
+    if slots == 0 or slots >= num_rows:
+        return None
+    if cache_size is not None:
+        raise ValueError(
+            f"slots={slots} (continuous batching) sizes its own cache; got cache_size={cache_size}"
+        )
+    if slots % shards or num_prompts % shards:
+        raise ValueError(
+            f"slots={slots} and the {num_prompts} prompts must be multiples of the {shards} "
+            "data shards (each shard refills its slots from its own prompts)"
+        )
+    return slots, shards
+
+
+def _generate_with_stats(
     config,
     params,
     prompt_tokens,
@@ -334,20 +385,44 @@ def _generate_with_steps(
     cache_size=None,
     mesh=None,
     data_axes=None,
+    slots=0,
+    kv_block=models.decode.BLOCK,
+    row_limits=None,
 ):
-    """generate, plus the number of decode steps run (for tests of the early stop)."""
+    """generate, plus the decode steps run (static) or the slots' SlotStats (continuous).
+
+    row_limits: [rows] int, a token limit per row (<= max_new_tokens), as if each row's
+    stop id came at that length: how benchmarks impose a length distribution.
+    """
+    requested = cache_size
     cache_size = _validate(
         config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples, cache_size
     )
+    _check_int("kv_block", kv_block, 1)
     eos = validate_sampling(temperature, top_p, top_k, eos_id, config.vocab_size)
     sampling = _Sampling(float(temperature), int(top_k), float(top_p))
     num_prompts, prompt_len = jnp.shape(prompt_tokens)
     prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
     lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
+    eos_E = jnp.asarray(eos, jnp.int32).reshape(-1)
+    num_rows = num_prompts * num_samples
+    if row_limits is not None and jnp.shape(row_limits) != (num_rows,):
+        raise ValueError(f"row_limits must have shape ({num_rows},), got {jnp.shape(row_limits)}")
+    limit_R = None if row_limits is None else jnp.asarray(row_limits, jnp.int32)
     rules = config.sharding_rules
-    row_sharding = _batch_sharding(mesh, data_axes, num_prompts * num_samples, True, rules)
+    row_sharding = _batch_sharding(mesh, data_axes, num_rows, True, rules)
     # Fewer prompts than data shards is fine: the prefill then runs unconstrained.
     prompt_sharding = _batch_sharding(mesh, data_axes, num_prompts, False, rules)
+    if mesh is not None:
+        data_axes = _data_axes(mesh, data_axes, rules)
+    shards = 1 if row_sharding is None else _data_size(mesh, data_axes)
+    slot_plan = _check_slots(slots, num_prompts, num_rows, shards, requested)
+    if slot_plan is not None:
+        return _generate_slots(
+            config, params, prompt_PT, lengths_P, rng, eos_E, limit_R, slot_plan,
+            num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
+            mesh=mesh, data_axes=data_axes, prompt_sharding=prompt_sharding, kv_block=kv_block,
+        )  # fmt: skip
     cache, kv_mask_BS, lengths_B, token_B, logp_B = _prefill_jit(
         params,
         prompt_PT,
@@ -368,11 +443,34 @@ def _generate_with_steps(
         token_B,
         logp_B,
         rng,
-        jnp.asarray(eos, jnp.int32).reshape(-1),
+        eos_E,
+        limit_R,
         config=config,
         prompt_len=prompt_len,
         max_new_tokens=max_new_tokens,
         sampling=sampling,
         batch_sharding=row_sharding,
+        kv_block=kv_block,
     )
     return generation, steps
+
+
+def _generate_slots(
+    config, params, prompt_PT, lengths_P, rng, eos_E, limit_R, slot_plan, *,
+    num_samples, max_new_tokens, sampling, mesh, data_axes, prompt_sharding, kv_block,
+):  # fmt: skip
+    """The continuous-batching path of generate (ebpo_jax.slots)."""
+    from ebpo_jax import slots as slots_lib  # it imports this module's helpers
+
+    num_slots, shards = slot_plan
+    cache, first_R, first_logp_R = slots_lib.prefill_jit(
+        params, prompt_PT, lengths_P, rng,
+        config=config, num_samples=num_samples, sampling=sampling,
+        prompt_sharding=prompt_sharding,
+    )  # fmt: skip
+    return slots_lib.decode_jit(
+        params, cache, first_R, first_logp_R, lengths_P, rng, eos_E, limit_R,
+        config=config, num_samples=num_samples, slots=num_slots, shards=shards,
+        max_new_tokens=max_new_tokens, sampling=sampling,
+        slot_sharding=_batch_sharding(mesh, data_axes, num_slots, True), kv_block=kv_block,
+    )  # fmt: skip

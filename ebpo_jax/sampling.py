@@ -76,7 +76,8 @@ def select_tokens(keys_B, logits_BV, *, temperature=1.0, top_k=0, top_p=1.0):
 
 
 def row_keys(rng, row_ids_B, step):
-    """Per-row, per-step keys: fold_in(fold_in(rng, row), step)."""
+    """Per-row, per-step keys: fold_in(fold_in(rng, row), step); step is one int or [B]."""
     fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
     row_keys_B = fold(rng, row_ids_B)
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_B, step)
+    step_axis = 0 if jnp.ndim(step) == 1 else None
+    return jax.vmap(jax.random.fold_in, in_axes=(0, step_axis))(row_keys_B, step)

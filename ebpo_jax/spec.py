@@ -34,6 +34,7 @@ class RolloutSpec:
     max_extra_rounds: int
     max_staleness: int = 0  # 1: rollout t+1 sampled with params t while update t runs
     param_dtype: str = ""  # the sampler's copy of the weights; "" = the trainer's dtype
+    slots: int = 0  # decode slots per sampler call (continuous batching); 0 = static batch
 
     @property
     def rounds(self) -> int:
@@ -198,6 +199,7 @@ def rollout_spec(c) -> RolloutSpec:
         max_extra_rounds=c.dapo.max_extra_rounds,
         max_staleness=int(c.rollout.max_staleness),
         param_dtype=c.sampler.param_dtype,
+        slots=int(c.sampler.slots),
     )
 
 

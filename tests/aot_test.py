@@ -158,3 +158,16 @@ def test_splash_attention_compiles_to_the_pallas_kernel_for_tpu():
     assert compiled.as_text().count("tpu_custom_call") >= 2
     # Per device the [T, T] scores never exist: 1024^2 x 4 heads x 4 bytes would be 16 MiB.
     assert compiled.memory_analysis().temp_size_in_bytes < 8 * 2**20
+
+
+def test_slot_schedule_and_step_estimate_by_hand():
+    """Rows of 3, 1, 2 tokens in 2 slots: 2 steps of 3 blocks (slots at 11, then 12)."""
+    from ebpo_jax.aot_report import _slot_schedule
+
+    blocks, refills = _slot_schedule(np.array([[3, 1, 2]]), 2, prompt_tokens=10, block=4)
+    np.testing.assert_array_equal(blocks, [3, 3])
+    np.testing.assert_array_equal(refills, [True, True])
+    # Every row at the limit and a slot per row: the static schedule, N - 1 steps per call.
+    lengths = aot.Lengths(at_limit=1.0)
+    np.testing.assert_array_equal(lengths.draw(8, 16), 16)
+    assert 3.9 < aot.Lengths(response_mean=4.0).draw(4000, 16).mean() < 4.1

@@ -107,3 +107,64 @@ def test_prefill_equals_forward_cached_from_an_empty_cache():
         assert np.abs(np.asarray(got)[:, :, T:]).max() == 0
     with pytest.raises(ValueError, match="4 prompt tokens do not fit a cache of 3 slots"):
         models.prefill(config, params, tokens, mask=kv_mask[:, :T], cache_size=3, logits_at=at)
+
+
+@functools.lru_cache(maxsize=1)
+def _decode_setup():
+    """A float32 cache of 23 slots (not a multiple of the block), ragged valid prefixes."""
+    config = models.get_config("tiny_qwen3")
+    params = models.init_params(config, jax.random.key(2))
+    B, S = 3, 23
+    keys = jax.random.split(jax.random.key(3), 2)
+    shape = (B, config.num_kv_heads, S, config.head_dim)
+    cache = {
+        "k": tuple(jax.random.normal(keys[0], shape) for _ in range(config.num_layers)),
+        "v": tuple(jax.random.normal(keys[1], shape) for _ in range(config.num_layers)),
+    }
+    tokens = jax.random.randint(jax.random.key(4), (B, 1), 1, config.vocab_size)
+    return config, params, cache, tokens
+
+
+FORWARD_CACHED = jax.jit(models.forward_cached, static_argnums=0, static_argnames="kv_block")
+
+
+def test_blocked_decode_equals_full_cache_decode():
+    """Per-row starts read in blocks of 4 == the whole-cache softmax (kv_block >= S) to 1e-5."""
+    config, params, cache, tokens = _decode_setup()
+    start = jnp.array([13, 2, 6], jnp.int32)  # row b writes slot start[b], sees [0, start[b]]
+    positions = start[:, None] + 5
+    full, full_cache = FORWARD_CACHED(
+        config, params, tokens, positions, cache, start=start, kv_len_B=start + 1, kv_block=64
+    )
+    kv_mask = jnp.arange(23)[None] <= start[:, None]
+    for kv in ({"kv_len_B": start + 1}, {"kv_mask_BS": kv_mask}):
+        got, got_cache = FORWARD_CACHED(
+            config, params, tokens, positions, cache, start=start, kv_block=4, **kv
+        )
+        np.testing.assert_allclose(got, full, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(got_cache["k"][1], full_cache["k"][1], rtol=0, atol=1e-5)
+    # The new keys went to each row's own slot.
+    k_new = np.asarray(full_cache["k"][0])
+    for b, s in enumerate(np.asarray(start)):
+        assert not np.array_equal(k_new[b, :, s], np.asarray(cache["k"][0])[b, :, s])
+        np.testing.assert_array_equal(np.delete(k_new[b], s, 1), np.delete(cache["k"][0][b], s, 1))
+
+
+def test_blocked_decode_reads_only_blocks_below_the_longest_prefix():
+    """NaN in slots from block 4 on (>= 16) changes nothing when every row ends below 16."""
+    config, params, cache, tokens = _decode_setup()
+    start = jnp.array([13, 2, 6], jnp.int32)
+    positions = start[:, None]
+    want, _ = FORWARD_CACHED(
+        config, params, tokens, positions, cache, start=start, kv_len_B=start + 1, kv_block=4
+    )
+    poison = lambda x: x.at[:, :, 16:].set(jnp.nan)
+    poisoned = jax.tree.map(poison, cache)
+    got, _ = FORWARD_CACHED(
+        config, params, tokens, positions, poisoned, start=start, kv_len_B=start + 1, kv_block=4
+    )
+    np.testing.assert_array_equal(got, want)
+    full, _ = FORWARD_CACHED(
+        config, params, tokens, positions, poisoned, start=start, kv_len_B=start + 1, kv_block=64
+    )
+    assert np.isnan(np.asarray(full)).all()  # the whole-cache read does see them

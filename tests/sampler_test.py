@@ -196,7 +196,7 @@ def test_eos_stops_rows_and_pads(params):
 def test_early_stop_when_all_rows_finish(params):
     tokens = np.asarray(greedy(params).tokens)
     eos = sorted(set(tokens[:, 1].tolist()))
-    gen, steps = sampler._generate_with_steps(
+    gen, steps = sampler._generate_with_stats(
         CONFIG,
         params,
         PROMPTS,
@@ -307,6 +307,8 @@ def test_generate_inside_jit(params):
         ({"top_p": 1.01}, "top_p"),
         ({"eos_id": "x"}, "eos_id"),
         ({"num_samples": 0}, "num_samples"),
+        ({"slots": -1}, "slots"),
+        ({"slots": 2, "cache_size": 20}, "cache_size"),
     ],
 )
 def test_bad_input_fails_before_compiling(params, monkeypatch, change, match):
@@ -317,3 +319,56 @@ def test_bad_input_fails_before_compiling(params, monkeypatch, change, match):
     args = {"prompt_tokens": PROMPTS, "prompt_lengths": LENGTHS, "max_new_tokens": 4} | change
     with pytest.raises(ValueError, match=match):
         sampler.generate(CONFIG, params, **args, rng=jax.random.key(0))
+
+
+def _static_and_slots(params, slots, mesh=None, **kwargs):
+    """(static Generation, continuous Generation, SlotStats) on PROMPTS x 3 samples."""
+    kwargs = {"max_new_tokens": 12, "num_samples": 3, "kv_block": 8} | kwargs
+    static = sampler.generate(CONFIG, params, PROMPTS, LENGTHS, **kwargs)
+    slotted, stats = sampler._generate_with_stats(
+        CONFIG, params, PROMPTS, LENGTHS, slots=slots, mesh=mesh, **kwargs
+    )
+    return static, slotted, stats
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.0},
+        {"temperature": 1.0, "top_k": 6, "top_p": 0.8},
+    ],
+)
+def test_continuous_batching_equals_static_row_for_row(params, kwargs):
+    """5 slots for 12 rows (not a divisor), stop ids hit mid-row: same tokens and log-probs."""
+    key = jax.random.key(5)
+    free = sampler.generate(
+        CONFIG, params, PROMPTS, LENGTHS, max_new_tokens=12, num_samples=3, rng=key, **kwargs
+    )
+    # Stop ids: tokens the free run draws at step 3 of rows 0 and 7, so rows end at mixed steps.
+    eos = sorted({int(free.tokens[0, 3]), int(free.tokens[7, 3])})
+    static, slotted, stats = _static_and_slots(params, 5, rng=key, eos_id=eos, **kwargs)
+    lengths = np.asarray(static.lengths)
+    assert lengths.min() < lengths.max() == 12, lengths
+    np.testing.assert_array_equal(slotted.tokens, static.tokens)
+    np.testing.assert_array_equal(slotted.lengths, static.lengths)
+    np.testing.assert_allclose(slotted.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    check_against_forward(params, slotted, PROMPTS, LENGTHS, num_samples=3)
+    # Every slot-step that decoded a live row made one of the rows' tokens 1..len-1.
+    assert int(stats.busy) == int((lengths - 1).sum())
+    assert int(stats.steps) * 5 >= int(stats.busy)
+
+
+def test_continuous_batching_sharded_equals_unsharded(params):
+    """Slots and rows split over 2 data shards (each refilling from its own 2 prompts)."""
+    mesh = sharding.make_mesh([("data", 2), ("tp", 4)])
+    placed = jax.device_put(params, NamedSharding(mesh, P()))
+    kw = {"rng": jax.random.key(6), "temperature": 1.0, "eos_id": [3, 9, 20]}
+    static, slotted, _ = _static_and_slots(placed, 4, mesh=mesh, **kw)
+    assert len(slotted.tokens.sharding.device_set) == 8
+    np.testing.assert_array_equal(slotted.tokens, static.tokens)
+    np.testing.assert_array_equal(slotted.lengths, static.lengths)
+    np.testing.assert_allclose(slotted.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="data shards"):
+        sampler.generate(
+            CONFIG, placed, PROMPTS, LENGTHS, max_new_tokens=4, slots=3, mesh=mesh, **kw
+        )

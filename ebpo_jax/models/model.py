@@ -9,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from ebpo_jax import sharding
+from ebpo_jax.models import decode
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.modules import Decoder, rope_cos_sin
 
@@ -365,6 +366,31 @@ def split_layers(config: ModelConfig, params) -> tuple:
     )
 
 
+def _write(cache_BKSd, new_BTKd, start):
+    """The cache with new_BTKd's T slots written at `start` (a scalar, or per row [B])."""
+    new_BKTd = new_BTKd.astype(cache_BKSd.dtype).transpose(0, 2, 1, 3)
+    if jnp.ndim(start) == 0:
+        return jax.lax.dynamic_update_slice(cache_BKSd, new_BKTd, (0, 0, start, 0))
+    write = lambda c_KSd, x_KTd, s: jax.lax.dynamic_update_slice(c_KSd, x_KTd, (0, s, 0))
+    return jax.vmap(write)(cache_BKSd, new_BKTd, start)
+
+
+def _cached_allowed(slot_BT, kv_mask_BS, kv_len_B):
+    """allowed(start, n) -> [B, T, n]: causal by slot, then kv_mask_BS or slots < kv_len_B."""
+
+    def allowed(start, n):
+        slots_N = start + jnp.arange(n)
+        ok_BTN = slots_N[None, None] <= slot_BT[..., None]
+        if kv_mask_BS is not None:
+            mask_BN = jax.lax.dynamic_slice_in_dim(kv_mask_BS.astype(bool), start, n, axis=1)
+            ok_BTN = ok_BTN & mask_BN[:, None]
+        if kv_len_B is not None:
+            ok_BTN = ok_BTN & (slots_N[None] < kv_len_B[:, None])[:, None]
+        return ok_BTN
+
+    return allowed
+
+
 def forward_cached(
     config: ModelConfig,
     params,
@@ -373,42 +399,48 @@ def forward_cached(
     cache,
     *,
     start,
-    kv_mask_BS,
+    kv_mask_BS=None,
+    kv_len_B=None,
     logits_at=None,
     layers=None,
+    kv_block=decode.BLOCK,
 ):
     """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
 
-    Query slot start+t attends cache slots j <= start+t with kv_mask_BS[b, j]; the caller
-    owns kv_mask_BS and must already mark the new slots valid, and keep start+T <= max_len
-    (checked when `start` is a Python int; a traced one can't be, XLA would clamp the write).
-    A Python int `start` also lets attention skip the slots >= start+T (all but the new
-    ones in a prefill at 0). `logits_at` [B] int: return only logits [B, V] at time index
-    logits_at[b] of each row (e.g. a prefill's last prompt token) instead of [B, T, V].
-    `layers`: `split_layers(params)`, computed once outside a decode loop; without it each
-    call slices the stacked weights, which XLA:CPU does not hoist out of a while_loop.
+    `start` is one slot for all rows, or per row ([B] int: row b writes at start[b]).
+    Query slot start+t attends cache slots j <= start+t that are valid: kv_mask_BS[b, j]
+    and/or j < kv_len_B[b] (at least one must be given). The caller marks the new slots
+    valid and keeps start+T <= max_len (checked when `start` is a Python int; a traced one
+    can't be, XLA would clamp the write). A Python int `start` lets attention skip the slots
+    >= start+T (all but the new ones in a prefill at 0); a traced one reads the slots below
+    max(start)+T in blocks of `kv_block` (models.decode), so a decode step costs the valid
+    prefix, not the cache size. `logits_at` [B] int: return only logits [B, V] at time index
+    logits_at[b] of each row instead of [B, T, V]. `layers`: `split_layers(params)`,
+    computed once outside a decode loop; without it each call slices the stacked weights,
+    which XLA:CPU does not hoist out of a while_loop.
     """
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
     S = _check_cache(config, cache, B)
     _check_shape("positions_BT", positions_BT, (B, T))
-    _check_shape("kv_mask_BS", kv_mask_BS, (B, S))
+    if kv_mask_BS is None and kv_len_B is None:
+        raise ValueError("forward_cached needs kv_mask_BS or kv_len_B (which slots are valid)")
+    if kv_mask_BS is not None:
+        _check_shape("kv_mask_BS", kv_mask_BS, (B, S))
+    if kv_len_B is not None:
+        _check_shape("kv_len_B", kv_len_B, (B,))
     if logits_at is not None:
         _check_shape("logits_at", logits_at, (B,))
+    if jnp.ndim(start) not in (0, 1) or (jnp.ndim(start) == 1 and jnp.shape(start) != (B,)):
+        raise ValueError(f"start must be a scalar or [{B}] per row; got shape {jnp.shape(start)}")
     static_start = _static_int(start)
     if static_start is not None and not 0 <= static_start <= S - T:
         raise ValueError(f"start {static_start} + {T} new tokens does not fit a cache of {S} slots")
-    # Slots a query may see: all S for a traced start, only [0, start+T) when known.
-    S_seen = S if static_start is None else static_start + T
     start = jnp.asarray(start, jnp.int32)
-    slot_T = start + jnp.arange(T, dtype=jnp.int32)
-    allowed_BTS = (jnp.arange(S_seen)[None, None, :] <= slot_T[None, :, None]) & kv_mask_BS[
-        :, None, :S_seen
-    ].astype(bool)
+    slot_BT = jnp.broadcast_to(start[..., None] + jnp.arange(T, dtype=jnp.int32), (B, T))
+    allowed = _cached_allowed(slot_BT, kv_mask_BS, kv_len_B)
     cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
     block_def = graphdefs(config)[1]
-    dtype = cache["k"][0].dtype
-    at = (0, 0, start, 0)
     x_BTD = _embed(config, params, tokens_BT)
     new_k, new_v = [], []
     layers = split_layers(config, params) if layers is None else layers
@@ -419,16 +451,18 @@ def forward_cached(
         def attend(attn, q_BTHd, k_BTKd, v_BTKd, layer=layer):
             # Write the new keys first, then read the updated cache: reading the old cache
             # after the write was issued would make XLA copy the layer's whole cache.
-            k_BKSd = jax.lax.dynamic_update_slice(
-                cache["k"][layer], k_BTKd.astype(dtype).transpose(0, 2, 1, 3), at
-            )
-            v_BKSd = jax.lax.dynamic_update_slice(
-                cache["v"][layer], v_BTKd.astype(dtype).transpose(0, 2, 1, 3), at
-            )
+            k_BKSd = _write(cache["k"][layer], k_BTKd, start)
+            v_BKSd = _write(cache["v"][layer], v_BTKd, start)
             new_k.append(k_BKSd)
             new_v.append(v_BKSd)
-            return attn.attend_cached(
-                q_BTHd, k_BKSd[:, :, :S_seen], v_BKSd[:, :, :S_seen], allowed_BTS
+            if static_start is not None:  # slots >= start+T are never seen: slice them off
+                seen = static_start + T
+                return attn.attend_cached(
+                    q_BTHd, k_BKSd[:, :, :seen], v_BKSd[:, :, :seen], allowed(0, seen)
+                )
+            limit = jnp.max(slot_BT) + 1
+            return decode.attend_prefix(
+                attn, q_BTHd, k_BKSd, v_BKSd, allowed, limit, block=kv_block
             )
 
         x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend)

@@ -69,6 +69,7 @@ def _sample(spec: RolloutSpec, model_config, stop_ids, mesh, params, b, rng):
             eos_id=stop_ids,
             num_samples=spec.group_size,
             mesh=mesh,
+            slots=spec.slots,
         )
 
     if chunks == 1:
