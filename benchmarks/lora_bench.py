@@ -19,9 +19,10 @@ import optax
 from ebpo_jax import config as config_lib
 from ebpo_jax import losses, models, sampler
 from ebpo_jax.models import lora
+from ebpo_jax.spec import optim_spec
 from ebpo_jax.trainer import lora_state
 from ebpo_jax.trainer.state import make_optimizer
-from ebpo_jax.trainer.step import completion_logprobs
+from ebpo_jax.trainer.update import completion_logprobs
 
 
 def parse():
@@ -95,8 +96,7 @@ def _update(mc, optimizer, lora_spec, args):
 
 def memory(mc, spec, args):
     """{mode: (optimizer-state bytes, update argument bytes, update temp bytes)}."""
-    config = config_lib.default_config()
-    optimizer = make_optimizer(config)
+    optimizer = make_optimizer(optim_spec(config_lib.default_config()))
     base = models.abstract_params(mc)
     out = {}
     for mode, s in (("full", None), ("lora", spec)):

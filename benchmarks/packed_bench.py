@@ -27,8 +27,9 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 from ebpo_jax import losses, models
 from ebpo_jax.config import default_config
+from ebpo_jax.spec import update_spec
 from ebpo_jax.trainer import packing
-from ebpo_jax.trainer.step import completion_logprobs
+from ebpo_jax.trainer.update import completion_logprobs
 
 
 def long_tail_lengths(rng, n: int, max_new_tokens: int, sigma: float = 1.0, at_limit=0.05):
@@ -105,7 +106,7 @@ def update_throughput(model_config, plen_P, clen_B, *, Tp, N, budget, row_len=0,
     c = default_config()
     c.prompts_per_step, c.group_size, c.sampler.max_new_tokens = P, B // P, N
     c.loss.tokens_per_microbatch, c.loss.pack_row_len = budget, row_len
-    lay = packing.layout(c, model_config, Tp)
+    lay = packing.layout(update_spec(c), model_config, Tp)
     mb = _batch(np.random.default_rng(seed), plen_P, clen_B, Tp, N, model_config.vocab_size)
     params = models.init_params(model_config, jax.random.key(seed))
     optimizer = optax.adamw(1e-5)
@@ -166,10 +167,11 @@ def long_tail_case(runs):
 
 def tiny_default_case(runs, row_len=0, budget=0):
     from configs import tiny
-    from ebpo_jax.trainer import task_setup
+    from ebpo_jax.spec import resolve
+    from ebpo_jax.trainer import task_arithmetic
 
     c = tiny.get_config()
-    _, problems, _ = task_setup.load_tasks(c)
+    _, problems, _ = task_arithmetic.load_problems(resolve(c).task)
     P = c.prompts_per_step // c.loss.num_minibatches
     G, N = c.group_size, c.sampler.max_new_tokens
     rng = np.random.default_rng(0)
