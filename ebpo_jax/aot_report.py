@@ -270,6 +270,29 @@ def format_table(reports: list[ProgramReport]) -> str:
     return "\n".join(lines)
 
 
+def resident_check(reports: list[ProgramReport]) -> tuple[list[str], list[str]]:
+    """(lines, names that do not fit) for the sampler programs with the train state resident.
+
+    The training state (and the rollout) stay in HBM while the sampler runs, so a sampler
+    program fits only if its peak plus the update's arguments fits; each report alone
+    does not say so.
+    """
+    update = next((r for r in reports if r.name == "train update" and not r.error), None)
+    if update is None:
+        return [], []
+    lines, bad = [], []
+    for r in reports:
+        if r.name.startswith("sampler") and not r.error:
+            total = r.peak_bytes + update.argument_bytes + r.code_bytes
+            ok = total <= r.hbm_bytes
+            lines.append(
+                f"{r.name} + resident train state: {total / GiB:.2f} of {r.hbm_bytes / GiB:.2f} "
+                f"GiB, {'fits' if ok else 'does NOT fit'}"
+            )
+            bad += [] if ok else [f"{r.name} (with the train state resident)"]
+    return lines, bad
+
+
 def write_json(path: str, reports: list[ProgramReport], **meta) -> None:
     with open(path, "w") as f:
         json.dump({**meta, "programs": [r.as_dict() for r in reports]}, f, indent=2)

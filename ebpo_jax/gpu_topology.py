@@ -15,7 +15,7 @@ takes its default GEMM configs) and, probably, cuDNN workspace not counted in te
 import dataclasses
 import re
 
-from ebpo_jax.aot_report import GiB, ChipSpec
+from ebpo_jax.aot_report import ChipSpec, GiB
 
 # The fraction of device memory JAX may use: XLA_PYTHON_CLIENT_MEM_FRACTION in the GPU
 # configs' launch line (JAX's default, 0.75, would leave a quarter of every GPU unused).
@@ -45,7 +45,9 @@ class GpuModel:
 # SXM5 parts; both are compute capability 9.0 with 132 SMs. Peaks are NVIDIA's dense bf16
 # figures (989 TFLOP/s; the 1979 in the data sheets assumes 2:4 sparsity).
 GPUS = {
-    "h100": GpuModel("h100", "NVIDIA H100 80GB HBM3", 80 * GiB, 989e12, 3.35e12, 132, 50 * 2**20, 1.98),
+    "h100": GpuModel(
+        "h100", "NVIDIA H100 80GB HBM3", 80 * GiB, 989e12, 3.35e12, 132, 50 * 2**20, 1.98
+    ),
     "h200": GpuModel("h200", "NVIDIA H200", 141 * GiB, 989e12, 4.8e12, 132, 50 * 2**20, 1.98),
 }
 _NAME_RE = re.compile(r"^(?:(\d+)x)?(\d+)x(h100|h200)$")

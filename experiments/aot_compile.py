@@ -20,7 +20,9 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config.", lock_config=True)
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4, 8xH100, 8xH200, 2x8xH100.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4, 8xH100, 8xH200, 2x8xH100."
+)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 4096, "Padded prompt width (max prompt tokens).")
 _SAMPLER_PROMPTS = flags.DEFINE_integer(
     "sampler_prompts",
@@ -63,9 +65,12 @@ def main(argv):
     for r in reports:
         if r.note:
             print(f"  {r.name}: {r.note}")
+    resident_lines, resident_bad = aot_report.resident_check(reports)
+    for line in resident_lines:
+        print(f"  {line}")
     aot_report.write_json(_OUT.value, reports, **meta)
     print(f"report: {_OUT.value}")
-    bad = [r.name for r in reports if not r.fits]
+    bad = [r.name for r in reports if not r.fits] + resident_bad
     if bad:
         sys.exit(
             f"does not fit in {reports[0].hbm_bytes / aot_report.GiB:.0f} GiB HBM: {', '.join(bad)}"

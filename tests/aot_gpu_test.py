@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from ebpo_jax import aot_report, gpu_topology, models
-from ebpo_jax.models import attention
 
 needs_cuda = pytest.mark.skipif(
     gpu_topology.cuda_plugin_available() is not None,
@@ -50,7 +49,7 @@ def test_target_config_carries_the_card():
 @needs_cuda
 @pytest.mark.parametrize("name, devices, processes", [("8xH100", 8, 1), ("2x8xH200", 16, 2)])
 def test_compile_only_gpu_devices(name, devices, processes):
-    spec, chip_name, devs = aot_report.topology_devices(name)
+    _, chip_name, devs = aot_report.topology_devices(name)
     assert len(devs) == devices and len({d.process_index for d in devs}) == processes
     assert devs[0].platform == "gpu" and devs[0].device_kind.startswith("NVIDIA H")
     assert chip_name.endswith(f"{processes}x1x8")

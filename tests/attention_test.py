@@ -104,7 +104,9 @@ def test_cudnn_path_forward_and_prefill_equal_xla(name, cudnn_as_xla):
     def run(attn):
         c = config.replace(attention=attn)
         logits = models.forward(c, params, tokens, mask=mask)
-        last, cache = models.prefill(c, params, tokens, mask=mask, cache_size=12, logits_at=len_B - 1)
+        last, cache = models.prefill(
+            c, params, tokens, mask=mask, cache_size=12, logits_at=len_B - 1
+        )
         return logits, last, cache
 
     (logits, last, cache), (ref, ref_last, ref_cache) = run("cudnn"), run("xla")

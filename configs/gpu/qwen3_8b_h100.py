@@ -16,12 +16,13 @@ tokens, ...) is qwen3_8b.py's, explained there; only the layout differs:
   10 GiB per GPU); saving matmul outputs would hold several times that.
 - logits_chunk 1024: the head's [1024, 152k] float32 logits are 0.6 GiB per completion row at
   a time instead of 4.6 GiB for all 8192 positions.
-- Sampler: 64 prompts x 4 samples per call (8 calls per step) on tp=8: the KV cache is 1.7
-  GiB per 12288-token row (36 layers x 8 kv heads x 128 x 2 x bf16), so 256 rows are 54 GiB
-  per GPU, beside the resident train state (16 GiB). tp=8 puts one kv head per GPU and
-  splits the bf16 weights 8 ways (2 GiB per GPU, read once per decoded token); data=8 would
-  replicate all 16 GiB on every GPU and leave room for fewer rows. The all-reduces of tp
-  stay inside the node's NVLink.
+- Sampler: 32 prompts x 4 samples per call (16 calls per step) on tp=8. The KV cache is 1.7
+  GiB per 12288-token row (36 layers x 8 kv heads x 128 x 2 x bf16): 128 rows are 27 GiB per
+  GPU. The train state (15 GiB per GPU) stays resident while sampling, and prefill holds
+  the new cache plus ~10 GiB of temporaries per 64 prompts: 64 prompts per call would need
+  82 GiB (AOT: prefill 66.4 + state 15.3), over the 76 GiB budget. tp=8 puts one kv head per
+  GPU and splits the bf16 weights 8 ways (2 GiB per GPU, read once per decoded token);
+  data=8 would replicate all 16 GiB on every GPU. tp's all-reduces stay inside NVLink.
 - XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the launch line below; the AOT budget assumes it):
   JAX's default 0.75 would leave 20 GiB of every GPU unused.
 
@@ -54,7 +55,7 @@ def _module(name):
     return module
 
 
-def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=64, microbatches=16):
+def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=32, microbatches=16):
     """qwen3_8b.py's recipe for `preset`, laid out on `nodes` nodes of 8 GPUs (see above)."""
     c = _module("../qwen3_8b.py").recipe(preset, variant)
     c.model.overrides.attention = "cudnn"
@@ -62,7 +63,7 @@ def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=64, microbatc
     c.mesh.axes = ("fsdp",)
     c.loss.num_microbatches = microbatches
     c.sampler.prompts_per_call = prompts_per_call
-    c.sampler.mesh = "data=%d,tp=8" % nodes
+    c.sampler.mesh = f"data={nodes},tp=8"
     return c
 
 

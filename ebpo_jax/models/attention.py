@@ -110,7 +110,7 @@ def _completion_flash(attn, q_BNHd, k_BSKd, v_BSKd, L_B, n_B):
     own causal prefix. The L zero queries in front cost L^2/2 extra scores per row (about 1/8
     of the work at L = Tp = N / 2, little for short prompts); their outputs are dropped.
     """
-    B, N = q_BNHd.shape[:2]
+    N = q_BNHd.shape[1]
     S = k_BSKd.shape[1]  # Tp + N
     slot_S = jnp.arange(S)[None]
     # Key slot s holds prompt key s (s < L), else completion key s - L (prompt slots after).
