@@ -55,18 +55,23 @@ def flash(q_BTHd, k_BSKd, v_BSKd, *, scale, q_len_B, kv_len_B):
     """Causal dot_product_attention over right-padded rows, cast to cuDNN's dtype: [B, T, H, d].
 
     Query t of row b sees keys s <= t with s < kv_len_B[b]; queries t >= q_len_B[b] give 0.
+    Odd lengths T and S are padded by one slot (masked by the lengths): JAX's cuDNN rule
+    refuses odd sequence lengths when differentiating.
     """
     dt = flash_dtype(q_BTHd.dtype)
-    return jax.nn.dot_product_attention(
-        q_BTHd.astype(dt),
-        k_BSKd.astype(dt),
-        v_BSKd.astype(dt),
+    T = q_BTHd.shape[1]
+    even = lambda x: jnp.pad(x, ((0, 0), (0, x.shape[1] % 2), (0, 0), (0, 0))).astype(dt)
+    out_BTHd = jax.nn.dot_product_attention(
+        even(q_BTHd),
+        even(k_BSKd),
+        even(v_BSKd),
         scale=scale,
         is_causal=True,
         query_seq_lengths=q_len_B.astype(jnp.int32),
         key_value_seq_lengths=kv_len_B.astype(jnp.int32),
         implementation=FLASH_IMPLEMENTATION,
     )
+    return out_BTHd[:, :T]
 
 
 def _causal_allowed(T):
