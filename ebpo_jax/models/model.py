@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from ebpo_jax import sharding
-from ebpo_jax.models import decode
+from ebpo_jax.models import attention, decode
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.modules import Decoder, rope_cos_sin
 
@@ -114,43 +114,6 @@ def _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend):
     return _residual(config, x_BTD + block.mlp(block.mlp_norm(x_BTD)))
 
 
-def _self_attention(config, mask_BT, segment_ids_BT=None, prefix_ids_BT=None):
-    """attend(attn, q, k, v) for a whole sequence: XLA einsums, or the splash kernel.
-
-    With segment ids (packed rows) a query sees the keys of its own segment and, XLA only,
-    those of segment prefix_ids[q] (its group's shared prompt); causal by slot either way.
-    """
-    if config.attention == "splash":
-        from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
-
-        if prefix_ids_BT is not None:
-            raise ValueError("splash attention masks by segment only: prefix_ids needs 'xla'")
-        seg_BT = mask_BT if segment_ids_BT is None else segment_ids_BT
-
-        # splash picks interpret mode itself: off when compiling for TPU (AOT from a CPU host
-        # included), on otherwise so CPU tests run the kernel interpreted.
-        def attend(attn, q_BTHd, k_BTKd, v_BTKd):
-            out_BTHd = splash.attention(q_BTHd, k_BTKd, v_BTKd, seg_BT, scale=attn.scale)
-            return attn.output(out_BTHd.astype(attn.dtype))
-
-        return attend
-    T = mask_BT.shape[1]
-    causal_TS = jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
-    allowed_BTS = causal_TS[None] & mask_BT[:, None, :]
-    if segment_ids_BT is not None:
-        allowed_BTS = causal_TS[None] & segment_mask(segment_ids_BT, prefix_ids_BT)
-    return lambda attn, q, k, v: attn.attend(q, k, v, allowed_BTS)
-
-
-def segment_mask(segment_ids_BT, prefix_ids_BT=None):
-    """[B, T, S] bool: key s has query t's segment id, or its prefix id (before causality)."""
-    seg_k_B1S = segment_ids_BT[:, None, :]
-    allowed_BTS = segment_ids_BT[:, :, None] == seg_k_B1S
-    if prefix_ids_BT is not None:
-        allowed_BTS |= prefix_ids_BT[:, :, None] == seg_k_B1S
-    return allowed_BTS
-
-
 def _layer_scan(
     config, params, tokens_BT, positions, mask, *, with_kv=False, segment_ids=None, prefix_ids=None
 ):
@@ -171,7 +134,7 @@ def _layer_scan(
     _check_shape("positions", positions_BT, (B, T))
     _check_shape("mask", mask_BT, (B, T))
     cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
-    attend = _self_attention(config, mask_BT, segment_ids, prefix_ids)
+    attend = attention.make_attend(config, mask_BT, segment_ids, prefix_ids)
     block_def = graphdefs(config)[1]
 
     def layer(x_BTD, layer_params):
@@ -260,7 +223,7 @@ def forward_grouped(
     prompt_PTp[p, :len] + comp_BN[b] (completion token n at position len + n), but the
     prompt's layers run once per group instead of G times. Out: [P, Tp, V] and [B, N, V]
     logits float32, or final-normed hidden [.., D]. comp_len_B masks completion keys.
-    Always the XLA attention: the splash kernel only does self-attention.
+    Attention is cuDNN's where configured, else XLA's (splash only does self-attention).
     """
     _check_tokens(config, prompt_PTp, "prompt_PTp")
     _check_tokens(config, comp_BN, "comp_BN")
@@ -271,19 +234,12 @@ def forward_grouped(
     _check_shape("prompt_len_P", prompt_len_P, (P,))
     if comp_len_B is not None:
         _check_shape("comp_len_B", comp_len_B, (B,))
-    prompt_mask_PT = jnp.arange(Tp)[None] < prompt_len_P[:, None]
-    comp_mask_BN = (
-        jnp.ones((B, N), bool) if comp_len_B is None else jnp.arange(N)[None] < comp_len_B[:, None]
-    )
     pos_PT = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
     pos_BN = jnp.repeat(prompt_len_P, G)[:, None] + jnp.arange(N)[None]
     rope_p, rope_c = rope_cos_sin(config, pos_PT), rope_cos_sin(config, pos_BN)
-    causal = lambda n: jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
-    allowed_PTS = causal(Tp)[None] & prompt_mask_PT[:, None]
-    # Completion queries see their prompt's valid slots, then their own causal prefix.
-    sees_prompt_BNT = jnp.broadcast_to(jnp.repeat(prompt_mask_PT, G, 0)[:, None], (B, N, Tp))
-    causal_BNN = causal(N)[None] & comp_mask_BN[:, None]
-    allowed_BNS = jnp.concatenate([sees_prompt_BNT, causal_BNN], axis=-1)
+    attend_p, attend_c = attention.make_grouped_attend(
+        config, prompt_len_P, comp_len_B, Tp=Tp, N=N, G=G
+    )
     block_def = graphdefs(config)[1]
 
     def layer(carry, layer_params):
@@ -293,12 +249,12 @@ def forward_grouped(
 
         def attend_prompt(attn, q_PTHd, k_PTKd, v_PTKd):
             prompt_kv.extend([jnp.repeat(k_PTKd, G, 0), jnp.repeat(v_PTKd, G, 0)])
-            return attn.attend(q_PTHd, k_PTKd, v_PTKd, allowed_PTS)
+            return attend_p(attn, q_PTHd, k_PTKd, v_PTKd)
 
         def attend_comp(attn, q_BNHd, k_BNKd, v_BNKd):
             k_BSKd = jnp.concatenate([prompt_kv[0], k_BNKd], axis=1)
             v_BSKd = jnp.concatenate([prompt_kv[1], v_BNKd], axis=1)
-            return attn.attend(q_BNHd, k_BSKd, v_BSKd, allowed_BNS)
+            return attend_c(attn, q_BNHd, k_BSKd, v_BSKd)
 
         xp_PTD = _block_step(config, block, xp_PTD, *rope_p, attend_prompt)
         xc_BND = _block_step(config, block, xc_BND, *rope_c, attend_comp)

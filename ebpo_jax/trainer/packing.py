@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from ebpo_jax import losses, models
 from ebpo_jax.config import ConfigError
+from ebpo_jax.models import attention
 from ebpo_jax.spec import UpdateSpec
 
 
@@ -68,7 +69,7 @@ def layout(spec: UpdateSpec, model_config, prompt_width: int, *, batch_shards: i
             f"loss.pack_row_len={L} is shorter than the longest sequence "
             f"(prompt width {prompt_width} + sampler.max_new_tokens {N} - 1)"
         )
-    splash = model_config.attention == "splash"
+    splash = attention.resolve(model_config.attention) == "splash"
     if splash:
         from ebpo_jax.models.splash import BLOCK
 

@@ -17,6 +17,7 @@ from ebpo_jax.data import (
     render_prompt,
 )
 from ebpo_jax.data.config import eval_sets, source_from_config
+from ebpo_jax.models import attention
 from ebpo_jax.models.hf import config_from_hf_dict
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
@@ -67,7 +68,7 @@ def check_model(spec: TaskSpec, model_config, tokenizer) -> None:
             f"data.max_prompt_len + sampler.max_new_tokens = {need_pos} exceeds the model's "
             f"max_position_embeddings={model_config.max_position_embeddings}"
         )
-    if model_config.attention == "splash":
+    if attention.resolve(model_config.attention) == "splash":
         from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
 
         # The sampler's prefill runs the kernel over the prompt width, the update over rows.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 
 from ebpo_jax import advantages, importance, losses, models, sharding
-from ebpo_jax.models import lora
+from ebpo_jax.models import attention, lora
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer import packing
 from ebpo_jax.trainer.rollout import Rollout
@@ -51,7 +51,7 @@ def completion_logprobs(
     """
     P, B = prompt_PTp.shape[0], comp_BN.shape[0]
     G, N = B // P, comp_BN.shape[1]
-    if model_config.attention == "splash":
+    if attention.resolve(model_config.attention) == "splash":
         prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
         tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
         hidden_BTD = models.forward(

@@ -1,0 +1,24 @@
+"""The paper's EBPO recipe on LLaMA-3.1-8B for one 8xH200 node; see qwen3_8b_h200.py.
+
+qwen3_8b_h200.py's layout (128 prompts x 4 samples per sampler call on tp=8, the H100
+update), explained there and in qwen3_8b_h100.py.
+"""
+
+import importlib.util
+import os
+
+from ebpo_jax.config import finalize
+
+
+def _node():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_h100.py")
+    spec = importlib.util.spec_from_file_location("qwen3_8b_h100_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def get_config(variant=None):
+    return finalize(
+        _node().node_recipe("llama3_1_8b", variant, nodes=1, prompts_per_call=64, microbatches=16)
+    )

@@ -1,0 +1,71 @@
+"""The paper's EBPO recipe on Qwen3-8B for one 8xH100-80GB node (configs/qwen3_8b.py's recipe).
+
+The recipe (G=4, 512 prompts per step, mini-batch 128, lr 1e-6, KL 0.001 k3, 4096 + 8192
+tokens, ...) is qwen3_8b.py's, explained there; only the layout differs:
+- attention "cudnn": cuDNN flash attention through jax.nn.dot_product_attention (never the
+  [T, T] scores; 18 GiB per row and layer with the XLA path). Unlike splash it also runs
+  forward_grouped, so the update runs each prompt once per group of 4, not 4 times.
+  bfloat16 compute, as cuDNN requires.
+- Mesh: pure FSDP over the 8 GPUs (NVLink). float32 params, Adam moments and the reference
+  are ~130 GB for 8B, 16 GiB per GPU; tensor parallelism would split activations too, but
+  costs an all-reduce per layer and buys nothing while rows fit.
+- Micro-batches 16: a 128-prompt mini-batch in micro-batches of 8 prompts (one prompt and its
+  4 completions, 4096 + 4 x 8192 tokens, per GPU). Prompts per micro-batch must divide over
+  the 8 GPUs, so 16 is the most; fewer, larger micro-batches only add activation memory.
+- Remat "full": each layer keeps only its input (36 layers x 36864 tokens x 4096 x bf16 =
+  10 GiB per GPU); saving matmul outputs would hold several times that.
+- logits_chunk 1024: the head's [1024, 152k] float32 logits are 0.6 GiB per completion row at
+  a time instead of 4.6 GiB for all 8192 positions.
+- Sampler: 32 prompts x 4 samples per call (16 calls per step) on tp=8. The KV cache is 1.7
+  GiB per 12288-token row (36 layers x 8 kv heads x 128 x 2 x bf16): 128 rows are 27 GiB per
+  GPU. The train state (15 GiB per GPU) stays resident while sampling, and prefill holds
+  the new cache plus ~10 GiB of temporaries per 64 prompts: 64 prompts per call would need
+  82 GiB (AOT: prefill 66.4 + state 15.3), over the 76 GiB budget. tp=8 puts one kv head per
+  GPU and splits the bf16 weights 8 ways (2 GiB per GPU, read once per decoded token);
+  data=8 would replicate all 16 GiB on every GPU. tp's all-reduces stay inside NVLink.
+- XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the launch line below; the AOT budget assumes it):
+  JAX's default 0.75 would leave 20 GiB of every GPU unused.
+
+Launch, one process per GPU (`ebpo_jax.distributed.initialize()` reads these), on the node:
+  for i in $(seq 0 7); do
+    CUDA_VISIBLE_DEVICES=$i XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+    JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=8 JAX_PROCESS_ID=$i \
+      python experiments/train.py --config=configs/gpu/qwen3_8b_h100.py &
+  done; wait
+or one process that sees all 8 GPUs (no JAX_* variables):
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python experiments/train.py --config=configs/gpu/qwen3_8b_h100.py
+Check the fit from a CPU host first (`pip install -e '.[gpu-aot]'` in a venv of its own):
+  python experiments/aot_compile.py --config=configs/gpu/qwen3_8b_h100.py:aot --topology=8xH100
+"""
+
+import importlib.util
+import os
+
+from ebpo_jax.config import finalize
+
+PRESET = "qwen3_8b"
+
+
+def _module(name):
+    """A sibling config file as a module (config files are not a package)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+    spec = importlib.util.spec_from_file_location(f"_cfg_{os.path.basename(name)[:-3]}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=32, microbatches=16):
+    """qwen3_8b.py's recipe for `preset`, laid out on `nodes` nodes of 8 GPUs (see above)."""
+    c = _module("../qwen3_8b.py").recipe(preset, variant)
+    c.model.overrides.attention = "cudnn"
+    c.mesh.shape = (-1,)
+    c.mesh.axes = ("fsdp",)
+    c.loss.num_microbatches = microbatches
+    c.sampler.prompts_per_call = prompts_per_call
+    c.sampler.mesh = f"data={nodes},tp=8"
+    return c
+
+
+def get_config(variant=None):
+    return finalize(node_recipe(PRESET, variant))
