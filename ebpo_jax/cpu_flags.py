@@ -2,6 +2,7 @@
 
 import importlib.metadata
 import os
+import sys
 
 # YNNPACK dot fusions absorb the operand transposes that XLA otherwise materialises before
 # every weight-gradient dot of the backward pass: 1.1-1.25x on the CPU update step of
@@ -24,7 +25,10 @@ def add_cpu_flags(environ=os.environ) -> None:
     """
     from ebpo_jax.platforms import skip_absent_tpu
 
-    skip_absent_tpu(environ)  # no libtpu error lines on a CPU machine
+    if skip_absent_tpu(environ) and environ is os.environ and "jax" in sys.modules:
+        # jax read JAX_PLATFORMS when it was imported (importing ebpo_jax imports it): set the
+        # option itself too, which counts as long as no backend has started.
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
     if environ.get(OPT_OUT, "1") == "0":
         return
     try:

@@ -9,7 +9,6 @@ Padding convention of the returned `Generation` (rows = prompts x samples, promp
   Mask of real tokens: jnp.arange(N) < lengths[:, None].
 """
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -19,17 +18,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import models, sharding
+from ebpo_jax.generation import (
+    PAD_ID,
+    Generation,
+    _cache_batch_axes,
+    _constrain,
+    _constrain_cache,
+    _on_cpu,
+)
 from ebpo_jax.sampling import row_keys, select_tokens, validate_sampling
-
-PAD_ID = 0
-
-
-class Generation(NamedTuple):
-    """Sampled completions; see the module docstring for the padding convention."""
-
-    tokens: jax.Array  # [B * num_samples, N] int32
-    logprobs: jax.Array  # [B * num_samples, N] float32
-    lengths: jax.Array  # [B * num_samples] int32, generated tokens including EOS
 
 
 def _check_int(name, value, minimum):
@@ -79,45 +76,6 @@ def _validate(config, prompt_tokens, prompt_lengths, max_new_tokens, num_samples
     if np.any(real & ((tokens < 0) | (tokens >= config.vocab_size))):
         raise ValueError(f"prompt_tokens hold ids outside the vocabulary [0, {config.vocab_size})")
     return cache_size
-
-
-@functools.lru_cache(maxsize=64)
-def _cache_batch_axes(config, cache_size):
-    """Per cache leaf, the axis that indexes the batch (found by shape, not assumed)."""
-    one = jax.eval_shape(lambda: models.init_cache(config, 1, cache_size))
-    two = jax.eval_shape(lambda: models.init_cache(config, 2, cache_size))
-
-    def axis(a, b):
-        diff = [i for i, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
-        assert len(diff) == 1, f"cannot find the batch axis of cache leaf {a.shape}"
-        return diff[0]
-
-    return jax.tree.map(axis, one, two)
-
-
-def _constrain(x, batch_sharding, axis=0):
-    """Shards dim `axis` of x over the data axes; other dims left to the compiler."""
-    if batch_sharding is None:
-        return x
-    spec = [P.UNCONSTRAINED] * x.ndim
-    spec[axis] = batch_sharding.spec[0]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(batch_sharding.mesh, P(*spec)))
-
-
-def _constrain_cache(cache, axes, batch_sharding):
-    return jax.tree.map(lambda x, a: _constrain(x, batch_sharding, a), cache, axes)
-
-
-def _on_cpu(sharding) -> bool:
-    """Whether the program runs on CPU: its mesh's devices, else the default backend.
-
-    There the sampler slices the layer-stacked weights once, before the decode loop: XLA:CPU
-    copied every layer's weights on every step (decode 4-7% slower at batch 64-256). XLA:TPU
-    hoists the slices itself, and slicing first held 2.8 GiB more per chip for Qwen3-8B.
-    """
-    if sharding is not None:
-        return sharding.mesh.devices.flat[0].platform == "cpu"
-    return jax.default_backend() == "cpu"
 
 
 def _prefill(
@@ -460,7 +418,7 @@ def _generate_slots(
     num_samples, max_new_tokens, sampling, mesh, data_axes, prompt_sharding, kv_block,
 ):  # fmt: skip
     """The continuous-batching path of generate (ebpo_jax.slots)."""
-    from ebpo_jax import slots as slots_lib  # it imports this module's helpers
+    from ebpo_jax import slots as slots_lib  # late: only continuous batching needs it
 
     num_slots, shards = slot_plan
     cache, first_R, first_logp_R = slots_lib.prefill_jit(

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax import models
-from ebpo_jax.sampler import (
+from ebpo_jax.generation import (
     PAD_ID,
     Generation,
     _cache_batch_axes,
