@@ -12,21 +12,10 @@ import math
 import os
 import re
 
-GiB = 2**30
+from ebpo_jax.hardware import ChipSpec, GiB
+
 # libtpu takes a machine-wide lock file; compiling for a topology here needs no exclusive TPU.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
-@dataclasses.dataclass(frozen=True)
-class ChipSpec:
-    """Per-chip facts: HBM, bf16 peak, HBM bandwidth, and how names count it."""
-
-    generation: str
-    hbm_bytes: int
-    peak_flops: float  # bf16 dense FLOP/s
-    hbm_bandwidth: float  # bytes/s
-    cores_in_name: int  # `v5p-64` counts TensorCores: 2 per chip on v4/v5p
-    torus_dims: int  # 3 for v4/v5p, 2 for v5e/v6e
 
 
 CHIPS = {

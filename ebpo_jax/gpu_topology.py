@@ -15,7 +15,7 @@ takes its default GEMM configs) and, probably, cuDNN workspace not counted in te
 import dataclasses
 import re
 
-from ebpo_jax.aot_report import ChipSpec, GiB
+from ebpo_jax.hardware import ChipSpec, GiB
 
 # The fraction of device memory JAX may use: XLA_PYTHON_CLIENT_MEM_FRACTION in the GPU
 # configs' launch line (JAX's default, 0.75, would leave a quarter of every GPU unused).

@@ -27,8 +27,9 @@ def test_static_start_and_logits_at_match_traced_full_logits():
     ref_logits, ref_cache = traced(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
     )
-    # Un-jitted: start stays a Python int, so attention reads only the 4 new slots.
-    logits, cache_out = models.forward_cached(
+    # A static start (a Python int inside the trace): attention reads only the 4 new slots.
+    static = jax.jit(models.forward_cached, static_argnums=0, static_argnames=("start",))
+    logits, cache_out = static(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
     )
     np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
@@ -36,7 +37,7 @@ def test_static_start_and_logits_at_match_traced_full_logits():
         np.testing.assert_allclose(cache_out[name], ref_cache[name], atol=1e-6)
         assert np.abs(np.asarray(cache_out[name])[:, :, :, 4:]).max() == 0
     at = jnp.array([3, 1])
-    last, _ = models.forward_cached(
+    last, _ = static(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask, logits_at=at
     )
     assert last.shape == (2, config.vocab_size)
@@ -48,9 +49,7 @@ def test_static_start_and_logits_at_match_traced_full_logits():
     want, want_cache = traced(
         config, params, step_tok, step_pos, ref_cache, start=jnp.int32(4), kv_mask_BS=mask
     )
-    got, got_cache = models.forward_cached(
-        config, params, step_tok, step_pos, ref_cache, start=4, kv_mask_BS=mask
-    )
+    got, got_cache = static(config, params, step_tok, step_pos, ref_cache, start=4, kv_mask_BS=mask)
     np.testing.assert_allclose(got, want, atol=1e-5)
     np.testing.assert_allclose(got_cache["k"], want_cache["k"], atol=1e-6)
 

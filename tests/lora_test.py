@@ -182,7 +182,11 @@ def test_adapters_shard_by_the_rules_table():
 
 
 @pytest.mark.parametrize(
-    "base_dtype,tol", [("int8", 0.03), pytest.param("nf4", 0.3, marks=pytest.mark.slow)]
+    "base_dtype,tol",
+    [
+        pytest.param("int8", 0.03, marks=pytest.mark.slow),
+        pytest.param("nf4", 0.3, marks=pytest.mark.slow),
+    ],
 )
 def test_qlora_base(base_dtype, tol):
     pytest.importorskip("qwix")

@@ -476,6 +476,7 @@ def test_no_checkpoint_is_saved_inside_a_nonfinite_streak(tmp_path):
     assert bad and saved and max(saved) < min(bad), (saved, bad)
 
 
+@pytest.mark.slow  # packing_test checks packed == padded; this is the update's branch
 def test_packed_update_equals_padded_update(setup):
     """loss.tokens_per_microbatch > 0 (trainer/packing.py) gives the padded update's step."""
     c, mc, params, batches = setup
