@@ -50,7 +50,10 @@ def test_zero_initialised_adapter_is_exactly_the_base():
     np.testing.assert_array_equal(FORWARD(CFG, lora.merge(params, adapters, ALL), tok), base)
 
 
-@pytest.mark.parametrize("targets", [tuple(lora.TARGETS), ("q", "v"), ("o", "down")])
+@pytest.mark.parametrize(
+    "targets",
+    [pytest.param(tuple(lora.TARGETS), marks=pytest.mark.slow), ("q", "v"), ("o", "down")],
+)
 def test_merged_forward_equals_adapter_forward(targets):
     spec = lora.LoraSpec(4, 16.0, targets)
     params, tok = _params(), _tokens()
@@ -280,7 +283,9 @@ def test_sampler_paths_agree():
     np.testing.assert_allclose(gens[0].logprobs, gens[1].logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=pytest.mark.slow) for k in ("llama", "qwen3")]
+)
 def test_peft_loads_the_adapter_export(kind, tmp_path):
     torch = pytest.importorskip("torch")
     peft = pytest.importorskip("peft")

@@ -490,3 +490,14 @@ def test_packed_update_equals_padded_update(setup):
     for k in ("actor/pg_loss", "actor/grad_norm", "actor/kl", "actor/entropy"):
         np.testing.assert_allclose(m1[k], m0[k], rtol=1e-5, atol=1e-6, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s1.params, s0.params)
+
+
+def test_sample_completions_are_logged_every_n_steps(tmp_path):
+    c = _config(workdir=str(tmp_path), total_steps=2, checkpoint_every=2, eval_every=2)
+    c.log_samples_every, c.mesh.devices = 1, 1
+    loop.train(c, log=lambda *_: None)
+    lines = (tmp_path / "samples.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    assert sorted({r["step"] for r in rows}) == [1, 2]
+    assert all(r["prompt"] and isinstance(r["completion"], str) for r in rows)
+    assert all(r["reward"] in (0.0, 1.0) for r in rows)
