@@ -9,18 +9,11 @@ produced the paper's numbers; `:aot`) and `loss.dual_clip = 3.0` (the authors' r
 qwen3_8b.py's.
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _qwen3_8b():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b.py")
 
 
 def get_config(variant=None):

@@ -5,18 +5,11 @@ FSDP over 8, one 12288-token row per chip per micro-batch (64 micro-batches of 2
 and the sampler at 32 prompts x 4 samples per call on data=2 x tp=4.
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _lora_8b():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_lora_v5p8.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_lora_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b_lora_v5p8.py")
 
 
 def get_config(variant=None):

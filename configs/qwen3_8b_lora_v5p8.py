@@ -13,18 +13,11 @@ Everything not listed here is configs/qwen3_8b.py's recipe (its comment block ex
 `:aot` is the same without data or checkpoint paths (experiments/aot_compile.py).
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _qwen3_8b():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b.py")
 
 
 def lora_recipe(preset, variant, *, chips: int, prompts_per_call: int, sampler_mesh: str):

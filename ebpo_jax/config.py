@@ -188,6 +188,20 @@ def default_config() -> ml_collections.ConfigDict:
     return c
 
 
+def load_sibling(config_file: str, name: str):
+    """The config module `name` next to `config_file` (config files are loaded by path, so a
+    config that builds on another cannot import it as a package module)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(config_file)), name)
+    spec = importlib.util.spec_from_file_location(
+        f"ebpo_config_{os.path.basename(name)[:-3]}", path
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """Lock a config so that assigning a misspelt field raises."""
     config.lock()

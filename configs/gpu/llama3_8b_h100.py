@@ -6,18 +6,11 @@ samples per sampler call on tp=8. LLaMA-3.1-8B has 32 layers (Qwen3-8B 36) and a
 vocabulary, so its KV cache (1.5 GiB per 12288-token row) and activations are a little smaller.
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _node():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_h100.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_h100_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b_h100.py")
 
 
 def get_config(variant=None):

@@ -4,18 +4,11 @@ qwen3_8b_h200.py's layout (128 prompts x 4 samples per sampler call on tp=8, the
 update), explained there and in qwen3_8b_h100.py.
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _node():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_h100.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_h100_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b_h100.py")
 
 
 def get_config(variant=None):

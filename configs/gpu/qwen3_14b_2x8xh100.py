@@ -17,18 +17,11 @@ Launch: one process per GPU on both nodes (16 processes), node 0's address as co
 (or one process per node seeing its 8 GPUs: JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=n).
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _node():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_h100.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_h100_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b_h100.py")
 
 
 def get_config(variant=None):

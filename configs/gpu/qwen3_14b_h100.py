@@ -9,18 +9,11 @@ is 1.9 GiB per 12288-token row and the resident train state is 27.5 GiB per GPU 
 configs/gpu/qwen3_14b_2x8xh100.py spreads the same run over two nodes for twice the FLOP/s.
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _node():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_h100.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_h100_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b_h100.py")
 
 
 def get_config(variant=None):

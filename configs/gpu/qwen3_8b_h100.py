@@ -38,26 +38,14 @@ Check the fit from a CPU host first (`pip install -e '.[gpu-aot]'` in a venv of 
   python experiments/aot_compile.py --config=configs/gpu/qwen3_8b_h100.py:aot --topology=8xH100
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 PRESET = "qwen3_8b"
 
 
-def _module(name):
-    """A sibling config file as a module (config files are not a package)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-    spec = importlib.util.spec_from_file_location(f"_cfg_{os.path.basename(name)[:-3]}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=32, microbatches=16):
     """qwen3_8b.py's recipe for `preset`, laid out on `nodes` nodes of 8 GPUs (see above)."""
-    c = _module("../qwen3_8b.py").recipe(preset, variant)
+    c = load_sibling(__file__, "../qwen3_8b.py").recipe(preset, variant)
     c.model.overrides.attention = "cudnn"
     c.mesh.shape = (-1,)
     c.mesh.axes = ("fsdp",)

@@ -6,18 +6,11 @@ the H200's 141 GiB holds beside the resident train state. The update is the H100
 micro-batches of 8 prompts, one per GPU): it is bound by FLOPs, which the H200 does not add.
 """
 
-import importlib.util
-import os
-
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def _node():
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_8b_h100.py")
-    spec = importlib.util.spec_from_file_location("qwen3_8b_h100_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_sibling(__file__, "qwen3_8b_h100.py")
 
 
 def get_config(variant=None):
