@@ -1,6 +1,6 @@
 """Rollout speed on long-tailed lengths: static vs continuous batching, decode vs cache size.
 
-Run: .venv/bin/python benchmarks/rollout_bench.py [--runs 2]
+Run: .venv/bin/python benchmarks/rollout_bench.py [--runs 2] [--parts tail,cache,tiny,update]
 Prints, in one process (ratios, since this CPU's speed drifts):
 1. Useful tokens/s of `generate` with one static batch vs `sampler.slots` continuous
    batching, on response lengths drawn from a lognormal with mean max_new_tokens / 4 and
@@ -17,7 +17,9 @@ Compile time is excluded (one warm-up call each).
 
 import argparse
 import itertools
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -26,6 +28,8 @@ import numpy as np
 
 from ebpo_jax import models, sampler
 from ebpo_jax.aot_report import Lengths
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
 BENCH_MODEL = {
     "vocab_size": 512,
@@ -167,11 +171,30 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--tiny-runs", type=int, default=15)
+    ap.add_argument("--parts", default="tail,cache,tiny,update", help="which of the five lines")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     config = models.get_config("tiny", **BENCH_MODEL)
     params = models.init_params(config, jax.random.key(0))
     print(f"backend {jax.default_backend()}, {jax.device_count()} device(s); model {BENCH_MODEL}")
 
+    if "tail" in parts:
+        print_long_tail(config, params, args)
+    if "cache" in parts:
+        print_cache_scaling(config, params)
+    if "tiny" in parts:
+        static_s, cont_s, rows = tiny_default(args.tiny_runs)
+        print(
+            f"tiny default shapes ({rows} rows, uniform short lengths): static "
+            f"{1e3 * static_s:.1f} ms, continuous ({rows} slots) {1e3 * cont_s:.1f} ms: "
+            f"{cont_s / static_s:.3f}x the time (target <= 1.05x)"
+        )
+    if "update" in parts:
+        print(update_line())
+
+
+def print_long_tail(config, params, args):
+    """Lines 1-2: useful tokens/s static vs continuous, and slot utilisation."""
     r = static_vs_continuous(
         config, params, prompts=args.prompts, group=args.group, width=32,
         new_tokens=args.new_tokens, slots=args.slots, runs=args.runs,
@@ -186,6 +209,9 @@ def main():
     )
     print(f"slot utilisation {100 * r['util']:.1f}% over {r['steps']} steps (target >= 90%)")
 
+
+def print_cache_scaling(config, params):
+    """Line 3: one decode step vs cache_size at a fixed valid length."""
     t = cache_size_scaling(config, params)
     sizes = sorted({size for _, size in t})
     for kind in ("prefix", "whole"):
@@ -196,14 +222,6 @@ def main():
             f"doubling cache_size: {', '.join(f'{d:.2f}x' for d in doubling)}"
             + (" (target <= 1.15x)" if kind == "prefix" else " (before this change)")
         )
-
-    static_s, cont_s, rows = tiny_default(args.tiny_runs)
-    print(
-        f"tiny default shapes ({rows} rows, uniform short lengths): static {1e3 * static_s:.1f} ms, "
-        f"continuous ({rows} slots) {1e3 * cont_s:.1f} ms: {cont_s / static_s:.3f}x the time "
-        "(target <= 1.05x)"
-    )
-    print(update_line())
 
 
 if __name__ == "__main__":

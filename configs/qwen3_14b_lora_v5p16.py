@@ -2,7 +2,8 @@
 
 As configs/qwen3_8b_lora_v5p8.py (whose comment block explains every choice), on 8 chips:
 FSDP over 8, one 12288-token row per chip per micro-batch (64 micro-batches of 2 prompts),
-and the sampler at 32 prompts x 4 samples per call on data=2 x tp=4.
+and the sampler at 128 prompts x 4 samples per call (4 calls per step) through 64 slots on
+data=2 x tp=4.
 """
 
 from ebpo_jax.config import finalize, load_sibling
@@ -13,7 +14,4 @@ def _lora_8b():
 
 
 def get_config(variant=None):
-    c = _lora_8b().lora_recipe(
-        "qwen3_14b", variant, chips=8, prompts_per_call=32, sampler_mesh="data=2,tp=4"
-    )
-    return finalize(c)
+    return finalize(_lora_8b().lora_recipe("qwen3_14b", variant, chips=8, data_shards=2))

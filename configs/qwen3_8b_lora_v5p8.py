@@ -8,8 +8,10 @@ Everything not listed here is configs/qwen3_8b.py's recipe (its comment block ex
   Adam moments in float32. The KL reference is the base with the adapters off.
 - Mesh: FSDP over the 4 chips. One 12288-token row per chip per micro-batch: a mini-batch
   of 128 prompts x 4 samples is 128 micro-batches of one prompt's 4 rows.
-- Sampler: 16 prompts x 4 samples per call (32 calls per step) on tp=4: the merged bf16
-  weights split over the 4 chips, the KV cache of 64 rows x 12288 tokens (~27 GiB per chip).
+- Sampler: 64 prompts x 4 samples per call (8 calls per step) through 32 continuous-batching
+  slots on tp=4: the merged bf16 weights split over the 4 chips, and per chip the same cache
+  shapes as one data shard of configs/qwen3_8b.py's v5p-64 sampler (64 prompts of 4096
+  tokens, 32 slots of 12288), which fits there.
 `:aot` is the same without data or checkpoint paths (experiments/aot_compile.py).
 """
 
@@ -20,8 +22,9 @@ def _qwen3_8b():
     return load_sibling(__file__, "qwen3_8b.py")
 
 
-def lora_recipe(preset, variant, *, chips: int, prompts_per_call: int, sampler_mesh: str):
-    """The paper's recipe with LoRA rank 32 on `chips` chips (shared with the 14B config)."""
+def lora_recipe(preset, variant, *, chips: int, data_shards: int):
+    """The paper's recipe with LoRA rank 32 on `chips` chips (shared with the 14B config);
+    the sampler on data=`data_shards` x tp=4, 64 prompts and 32 slots per data shard."""
     c = _qwen3_8b().recipe(preset, variant)
     c.workdir = f"/tmp/ebpo_jax/{preset}_lora"
     c.model.overrides.param_dtype = "bfloat16"  # the frozen base; adapters are float32
@@ -32,12 +35,11 @@ def lora_recipe(preset, variant, *, chips: int, prompts_per_call: int, sampler_m
     c.optimizer.learning_rate = 1e-5
     # One prompt's G=4 rows per micro-batch row-group: rows / chips = 1 row per chip.
     c.loss.num_microbatches = c.prompts_per_step // c.loss.num_minibatches * 4 // chips
-    c.sampler.prompts_per_call = prompts_per_call
-    c.sampler.mesh = sampler_mesh
+    c.sampler.prompts_per_call = 64 * data_shards
+    c.sampler.slots = 32 * data_shards
+    c.sampler.mesh = f"data={data_shards},tp=4"
     return c
 
 
 def get_config(variant=None):
-    return finalize(
-        lora_recipe("qwen3_8b", variant, chips=4, prompts_per_call=16, sampler_mesh="data=1,tp=4")
-    )
+    return finalize(lora_recipe("qwen3_8b", variant, chips=4, data_shards=1))

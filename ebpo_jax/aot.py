@@ -235,9 +235,11 @@ def run(
     sampler_prompts=None,
     sampler_mesh="",
     trainer_devices: int = 0,
+    update_only: bool = False,
     log=print,
 ):
-    """Compile update, weight reshard (with `sampler_mesh`) and sampler prefill/decode.
+    """Compile update, weight reshard (with `sampler_mesh`) and sampler prefill/decode
+    (`update_only`: the update alone, e.g. for a full vs LoRA memory comparison).
 
     `trainer_devices=n` splits the topology as rollout.max_staleness=1 does: the trainer's
     mesh on the first n devices, `sampler_mesh` on the ones after them; the weight move is then
@@ -294,7 +296,8 @@ def run(
     )
     params = state.params
     l_spec = spec.update.lora
-    if l_spec is not None:  # the sampler runs merged weights in the compute dtype
+    # The sampler runs LoRA's merged weights in the compute dtype.
+    if l_spec is not None and not update_only:
         merged = models.abstract_params(mc)
         merged_sh = step.sh.sampler_params
         attempt(
@@ -305,7 +308,7 @@ def run(
             lambda: compile_lora_merge(state, step.sh.state, merged_sh, s_mesh, l_spec, mc.dtype),
         )
         params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), merged)
-    elif s_mesh is not mesh:
+    elif s_mesh is not mesh and not update_only:
         split = spec.mesh.disjoint  # cast where the weights are; the copy is a transfer
         dst, on = (train_sh, mesh) if split else (samp_sh, s_mesh)
         attempt(
@@ -327,7 +330,9 @@ def run(
         )
         return compiled["prefill"]
 
-    if attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is not None:
+    if update_only:
+        log("update_only: no weight move or sampler programs compiled")
+    elif attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is not None:
         attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
         # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
         r = reports[-1]

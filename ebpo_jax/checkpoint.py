@@ -248,6 +248,12 @@ class Checkpointer:
         tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
         return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
 
+    def saved_extra(self, step: int | None = None) -> dict:
+        """The `extra` JSON saved at `step` (default: the latest); reads no arrays."""
+        step = self.latest_step() if step is None else step
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as reader:
+            return dict(reader.restore(os.path.join(self.directory, str(step), "extra")) or {})
+
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
         return self._manager.latest_step()

@@ -41,6 +41,9 @@ _TRAINER_DEVICES = flags.DEFINE_integer(
     "Split the topology as rollout.max_staleness=1 does: the trainer's mesh on the first n "
     "devices, --sampler_mesh on the rest (0 = colocated, both on every device).",
 )
+_UPDATE_ONLY = flags.DEFINE_bool(
+    "update_only", False, "Compile the train update alone (no weight move, no sampler)."
+)
 _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON report.")
 
 
@@ -63,6 +66,7 @@ def main(argv):
             sampler_prompts=prompts or None,
             sampler_mesh=s_mesh,
             trainer_devices=_TRAINER_DEVICES.value,
+            update_only=_UPDATE_ONLY.value,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
         if aot_report.is_resource_exhausted(e):

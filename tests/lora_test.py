@@ -2,6 +2,8 @@
 every estimator and loss, sharding, checkpoints, PEFT export, optimizer-state memory."""
 
 import functools
+import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -229,19 +231,19 @@ def test_checkpoint_round_trip_of_adapters_is_exact(tmp_path):
     state = state._replace(params=_trained(state.params))
     tree = lora_state.checkpoint_tree(state)
     assert "base" not in tree and "ref_params" not in tree
-    ref = lora_state.base_reference(config, "/ckpt/base")
+    ref = lora_state.base_reference(config.model, "/ckpt/base")
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:
         ckpt.save(7, tree, {"lora_base": ref})
     with Checkpointer(str(tmp_path)) as ckpt:
         restored, extra = ckpt.restore(target=jax.tree.map(jnp.zeros_like, tree))
     for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    lora_state.check_base_reference(extra["lora_base"], config, "/ckpt/base")
+    lora_state.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
     with pytest.raises(config_lib.ConfigError, match="source"):
-        lora_state.check_base_reference(extra["lora_base"], config, "/ckpt/other")
+        lora_state.check_base_reference(extra["lora_base"], config.model, "/ckpt/other")
     config.model.lora.rank = 8
     with pytest.raises(config_lib.ConfigError, match="rank"):
-        lora_state.check_base_reference(extra["lora_base"], config, "/ckpt/base")
+        lora_state.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
 
 
 @pytest.mark.parametrize(
@@ -343,6 +345,21 @@ def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
     names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]}
     assert names and all("'a'" in n or "'b'" in n for n in names), sorted(names)[:4]
     assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(adapters))  # B moved
+    with Checkpointer(str(tmp_path / "full" / "checkpoints")) as ckpt:
+        ref = ckpt.saved_extra()["lora_base"]
+    assert ref["rank"] == 4 and ref["source"].startswith(("init(", "/")), ref
+    # Checkpoints carried to another workdir (no config.json to compare) with another adapter
+    # spec, or without LoRA, are refused before restoring: nothing is set aside as corrupt.
+    shutil.copytree(tmp_path / "full" / "checkpoints", tmp_path / "moved" / "checkpoints")
+    other = _lora_run(tmp_path, "moved", 3)
+    other.model.lora.rank = 8
+    with pytest.raises(config_lib.ConfigError, match="rank: checkpoint 4 vs config 8"):
+        loop.train(other, log=lambda *_: None)
+    os.remove(tmp_path / "moved" / "config.json")
+    other.model.lora.rank = 0
+    with pytest.raises(config_lib.ConfigError, match="holds LoRA adapters"):
+        loop.train(other, log=lambda *_: None)
+    assert not os.path.exists(tmp_path / "moved" / "checkpoints.corrupt")
 
 
 @pytest.mark.slow  # three short runs

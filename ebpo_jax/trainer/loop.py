@@ -16,7 +16,7 @@ from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
-from ebpo_jax.trainer.lora_state import init_lora_state
+from ebpo_jax.trainer import lora_state
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.shardings import make_mesh, make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
@@ -47,6 +47,7 @@ def _to_host(metrics) -> list[dict]:
 
 
 _INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update consumes
+_LORA_BASE = "lora_base"  # checkpoint extra: the base the adapters were trained on (LoRA)
 
 
 def _checkpointable(state: TrainState, inflight: Rollout | None = None) -> dict:
@@ -105,7 +106,7 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
 
     def init(params):
         if spec.update.lora is not None:  # adapters trained; the base frozen, the KL reference
-            return init_lora_state(
+            return lora_state.init_lora_state(
                 params,
                 optimizer,
                 spec.update.lora,
@@ -199,17 +200,20 @@ class _Log:
         rewards = [float(r) for r in ro.rewards[0, :n]]
         self.writer.write_samples(step, [prompt] * n, texts, rewards)
 
-    def extra(self, source) -> dict:
+    def extra(self, task: Task) -> dict:
         """What a checkpoint saves besides the state (JSON has no NaN: no eval stores None)."""
         start = None if math.isnan(self.start) else self.start
-        return {"data": source.state(), "pass@1_start": start, "generated_tokens": self.tokens}
+        out = {"data": task.source.state(), "pass@1_start": start, "generated_tokens": self.tokens}
+        if self.spec.update.lora is not None:  # adapters only: name the base they belong to
+            out[_LORA_BASE] = lora_state.base_reference(self.spec.task.model, task.base_source)
+        return out
 
     def close(self):
         self.writer.close()
         self.bar.close()
 
 
-def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, source, log):
+def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, task: Task, log):
     """The newest intact checkpoint's state, extra (the data position) and in-flight rollout
     (staleness 1; None if it holds none), else (state, {}, None).
 
@@ -220,8 +224,11 @@ def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, source, l
     target = _checkpointable(state)
     try:
         saved = ckpt.saved_tree()
+        saved_extra = ckpt.saved_extra()
     except Exception:  # noqa: BLE001  unreadable metadata: restore_intact names the fault
-        saved = {}
+        saved, saved_extra = {}, None
+    if saved_extra is not None:  # before restoring: adapters of another rank would look corrupt
+        _check_lora_base(spec, task, saved_extra)
     if _INFLIGHT in saved:
         if spec.rollout.max_staleness == 0:
             raise ConfigError(
@@ -235,11 +242,25 @@ def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, source, l
     if got is None:
         return state, {}, None
     _, restored, extra = got
+    _check_lora_base(spec, task, extra)
     inflight = restored.pop(_INFLIGHT, None)
     state = state._replace(**restored)
-    source.restore(extra["data"])
+    task.source.restore(extra["data"])
     log(f"resumed from step {int(state.step)} in {ckpt.directory}")
     return state, extra, None if inflight is None else Rollout(**inflight)
+
+
+def _check_lora_base(spec: RunSpec, task: Task, extra: dict) -> None:
+    """ConfigError when a checkpoint's adapters belong to another base or adapter spec, or
+    when LoRA is on for a full checkpoint or off for a LoRA one (either would look corrupt)."""
+    saved = extra.get(_LORA_BASE)
+    if spec.update.lora is not None:
+        lora_state.check_base_reference(saved or {}, spec.task.model, task.base_source)
+    elif saved is not None:
+        raise ConfigError(
+            f"the checkpoint holds LoRA adapters (model.lora.rank={saved.get('rank')}); "
+            "resume with the same model.lora settings"
+        )
 
 
 def _check_finite(spec: RunSpec, last: dict, step: int, ckpt) -> None:
@@ -263,7 +284,7 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
     )
     out = None
     try:  # a save in flight is always committed (or named as failed), whatever happens
-        state, extra, inflight = _restore(ckpt, state, sh, spec, task.source, log)
+        state, extra, inflight = _restore(ckpt, state, sh, spec, task, log)
         resumed_from = int(state.step) if extra else None
         step_fn = Step(spec, task, optimizer, sh)
         first_eval = task.evaluate is not None and "pass@1_start" not in extra
@@ -320,7 +341,7 @@ def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, s
             rows = out.rows(step, m, times, dt, lambda state=state: step_fn.policy(state))
             step += len(rows)
             out.samples(step, task.tokenizer, step_fn.last_rollout)
-            extra = out.extra(task.source)  # the position counts the in-flight rollout's batch
+            extra = out.extra(task)  # the position counts the in-flight rollout's batch
             saved = _checkpointable(state, inflight)
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:

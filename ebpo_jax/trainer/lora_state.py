@@ -62,13 +62,14 @@ def checkpoint_tree(state: TrainState) -> dict:
     return {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
 
 
-def base_reference(config, source: str) -> dict:
-    """The checkpoint's `extra` entry naming the base: `source` (an HF folder or the SFT
-    warm-start cache file) and the adapter hyper-parameters that must match on resume."""
-    lc = config.model.lora
+def base_reference(model, source: str) -> dict:
+    """The checkpoint's `extra` entry naming the base: `source` (an HF folder, the SFT
+    warm-start cache file or the seeded init) and the adapter hyper-parameters of the
+    `model` config section that must match on resume."""
+    lc = model.lora
     return {
         "source": source,
-        "preset": config.model.preset,
+        "preset": model.preset,
         "base_dtype": lc.base_dtype,
         "rank": int(lc.rank),
         "alpha": float(lc.alpha),
@@ -76,9 +77,9 @@ def base_reference(config, source: str) -> dict:
     }
 
 
-def check_base_reference(saved: dict, config, source: str) -> None:
+def check_base_reference(saved: dict, model, source: str) -> None:
     """Raise ConfigError when a checkpoint's adapters were trained on another base or spec."""
-    want = base_reference(config, source)
+    want = base_reference(model, source)
     diff = sorted(k for k in want if saved.get(k) != want[k])
     if diff:
         pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {want[k]!r}" for k in diff)

@@ -79,6 +79,13 @@ def _load(path, like):
     return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
 
 
+def base_source(spec: TaskSpec, model_config, num_problems: int) -> str:
+    """What the initial policy is: the SFT cache file, or the seeded init when SFT is off."""
+    if spec.sft.steps == 0:
+        return f"init(seed={spec.seed})"
+    return cache_path(spec, model_config, num_problems)
+
+
 def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log=print):
     """Params after `spec.sft.steps` supervised steps on `problems` (loaded if cached)."""
     if spec.sft.steps == 0:

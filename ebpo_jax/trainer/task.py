@@ -36,6 +36,7 @@ class Task(NamedTuple):
     stop_ids: int | tuple[int, ...]  # the sampler stops on any of these; they end a response
     evaluate: Callable[[Any], dict[str, float]] | None  # params -> {set name: pass@1}
     close: Callable[[], None] = lambda: None  # stops reward worker processes
+    base_source: str = ""  # what `params` came from (HF folder, SFT cache file, seeded init)
 
 
 # Built-in families, imported on first use: "module:function".

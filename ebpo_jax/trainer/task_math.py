@@ -164,4 +164,5 @@ def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
         stop_ids=stops,
         evaluate=make_evaluator(spec.eval, model_config, sets, stops, mesh),
         close=rewards.close_pools,  # the host reward and the eval score share its pools
+        base_source=m.hf_path or f"init(seed={spec.seed})",
     )
