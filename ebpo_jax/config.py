@@ -178,6 +178,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.sft.learning_rate = 3e-3
     c.sft.warmup_steps = 20
     c.sft.cache_dir = ""  # "" = <workdir>/sft_cache
+    # Seed of the initial policy (init + SFT); -1 = the run's seed. A fixed seed gives every
+    # RL seed the same warm start, as a pretrained base does (and one SFT per grid).
+    c.sft.seed = -1
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1,)  # -1 = the remaining devices
@@ -273,6 +276,11 @@ def _validate_values(c, need) -> None:
     need(c.sft.batch_size >= 1, f"sft.batch_size must be >= 1, got {c.sft.batch_size}")
     need(c.sft.warmup_steps >= 0, f"sft.warmup_steps must be >= 0, got {c.sft.warmup_steps}")
     need(c.sft.learning_rate > 0, f"sft.learning_rate must be > 0, got {c.sft.learning_rate}")
+    sft_seed = c.sft.get("seed", -1)
+    need(
+        isinstance(sft_seed, int) and sft_seed >= -1,
+        f"sft.seed must be an int >= -1 (-1 = the run's seed), got {sft_seed!r}",
+    )
     need(c.wandb.mode in WANDB_MODES, f"wandb.mode={c.wandb.mode!r} is not one of {WANDB_MODES}")
 
 

@@ -1,6 +1,6 @@
 """The paper's EBPO recipe on LLaMA-3.1-8B for one 8xH200 node; see qwen3_8b_h200.py.
 
-qwen3_8b_h200.py's layout (128 prompts x 4 samples per sampler call on tp=8, the H100
+qwen3_8b_h200.py's layout (64 prompts x 4 samples per sampler call on tp=8, the H100
 update), explained there and in qwen3_8b_h100.py.
 """
 

@@ -47,9 +47,10 @@ def cache_path(spec: TaskSpec, model_config, num_problems: int) -> str:
     key = json.dumps(
         [
             repr(model_config),
-            spec.sft.to_dict(),
+            # The seed enters as init_seed below: sft.seed = -1 and = the run's seed share a file.
+            {k: v for k, v in spec.sft.to_dict().items() if k != "seed"},
             _task_key(spec.task),
-            spec.seed,
+            init_seed(spec),
             num_problems,
         ],
         sort_keys=True,
@@ -79,10 +80,16 @@ def _load(path, like):
     return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
 
 
+def init_seed(spec: TaskSpec) -> int:
+    """The initial policy's seed (init and SFT batches): `sft.seed`, or the run's when -1."""
+    seed = spec.sft.get("seed", -1)
+    return spec.seed if seed < 0 else seed
+
+
 def base_source(spec: TaskSpec, model_config, num_problems: int) -> str:
     """What the initial policy is: the SFT cache file, or the seeded init when SFT is off."""
     if spec.sft.steps == 0:
-        return f"init(seed={spec.seed})"
+        return f"init(seed={init_seed(spec)})"
     return cache_path(spec, model_config, num_problems)
 
 
@@ -107,7 +114,7 @@ def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log
     )
     step = jax.jit(make_sft_step(model_config, optimizer), donate_argnums=(0, 1))
     examples = tasks.sft_examples(problems, tokenizer)
-    rng = np.random.default_rng(spec.seed)
+    rng = np.random.default_rng(init_seed(spec))
     opt_state = optimizer.init(params)
     params = jax.tree.map(jnp.copy, params)  # the caller's params are donated otherwise
     loss = float("nan")

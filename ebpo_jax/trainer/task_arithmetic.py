@@ -83,7 +83,7 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
             f"tokens + completions need {need} positions, the model has "
             f"{model_config.max_position_embeddings} (model max_position_embeddings)"
         )
-    params = models.init_params(model_config, jax.random.key(spec.seed))
+    params = models.init_params(model_config, jax.random.key(sft.init_seed(spec)))
     params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
     eos = tokenizer.eos_id
     sets = [eval_set(test_problems, tokenizer, reward_fn)]
