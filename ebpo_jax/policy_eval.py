@@ -49,16 +49,17 @@ def check_policy_paths(model_path: str, checkpoint: str | None = None) -> None:
 
 def load_policy(model_path: str, *, checkpoint: str | None = None, dtype=None):
     """(model_config, params, tokenizer) of a local HF folder; params from a trainer workdir's
-    latest checkpoint instead when `checkpoint` is given (same architecture and tokenizer)."""
+    latest checkpoint instead when `checkpoint` is given (same architecture and tokenizer; a
+    LoRA run's adapters merged into the folder's weights)."""
     from ebpo_jax import models
     from ebpo_jax.data import load_tokenizer
 
     check_policy_paths(model_path, checkpoint)
     model_config, params = models.from_hf(model_path, dtype=dtype)
-    if checkpoint:
-        from ebpo_jax.checkpoint import load_params
+    if checkpoint:  # a LoRA run's adapters are merged into the model_path base
+        from ebpo_jax.trainer.lora_state import policy_of_run
 
-        params = load_params(checkpoint)
+        params = policy_of_run(checkpoint, params, model_config)
     return model_config, params, load_tokenizer(model_path)
 
 

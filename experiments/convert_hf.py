@@ -1,8 +1,12 @@
-"""Convert checkpoints: HF folder -> params (orbax dir or .npz) and back.
+"""Convert checkpoints: HF folder -> params (orbax dir or .npz) and back; export a LoRA run.
 
   python experiments/convert_hf.py --src=/ckpt/Qwen3-0.6B --dst=/tmp/qwen.npz [--dtype=float32]
   python experiments/convert_hf.py --src=/tmp/qwen.npz --dst=/tmp/qwen_hf --tokenizer_from=/ckpt/Qwen3-0.6B
+  python experiments/convert_hf.py --src=/ckpt/Qwen3-8B --lora_run=/runs/lora --dst=/out/merged \
+      --peft_dst=/out/adapter
 A source folder with config.json is read as HF; anything else as our params (orbax dir or .npz).
+With --lora_run, --src is the run's HF base: --dst gets the merged model as an HF folder
+(tokenizer copied from --src), --peft_dst the adapters in PEFT's format.
 """
 
 import dataclasses
@@ -21,6 +25,11 @@ _SHARD_GB = flags.DEFINE_float("max_shard_gb", 5.0, "HF output shard size in GiB
 _TOKENIZER = flags.DEFINE_string(
     "tokenizer_from", None, "HF folder to copy tokenizer files and bos/eos/pad ids from."
 )
+
+_LORA_RUN = flags.DEFINE_string(
+    "lora_run", None, "Trainer workdir of a LoRA run on the --src base: export its adapters."
+)
+_PEFT_DST = flags.DEFINE_string("peft_dst", None, "With --lora_run: also write a PEFT adapter.")
 
 _CONFIG_KEY = "__model_config__"
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -107,6 +116,25 @@ def load_params(src):
     return config, abstract
 
 
+def export_lora(src, run, dst, peft_dst=None, *, dtype=None, max_shard_gb=5.0):
+    """A LoRA run on the HF base `src`: merged HF model to `dst`, PEFT adapter to `peft_dst`."""
+    from ebpo_jax import models
+    from ebpo_jax.models import lora, peft_export
+    from ebpo_jax.trainer import lora_state
+
+    if not os.path.exists(os.path.join(src, "config.json")):
+        raise FileNotFoundError(f"--src={src}: no config.json (--lora_run needs the HF base)")
+    config, base = models.from_hf(src, dtype="float32")
+    spec, adapters = lora_state.restore_adapters(run, config)
+    if spec is None:
+        raise ValueError(f"--lora_run={run}: its checkpoint holds full params, not adapters")
+    if peft_dst:
+        peft_export.to_peft(config, spec, adapters, peft_dst, base_model_name_or_path=src)
+    merged = lora.merge(base, adapters, spec)
+    _write_hf(config, merged, dst, dtype=dtype, max_shard_gb=max_shard_gb, tokenizer_from=src)
+    return config
+
+
 def convert(src, dst, *, dtype=None, max_shard_gb=5.0, tokenizer_from=None):
     """One conversion; the direction follows from whether `src` holds an HF config.json."""
     from ebpo_jax import models
@@ -116,32 +144,44 @@ def convert(src, dst, *, dtype=None, max_shard_gb=5.0, tokenizer_from=None):
         save_params(config, params, dst)
     else:
         config, params = load_params(src)
-        extra = {}
-        source_config = os.path.join(tokenizer_from or "", "config.json")
-        if tokenizer_from and os.path.exists(source_config):
-            with open(source_config) as f:
-                hf = json.load(f)
-            extra = {k: hf[k] for k in _SPECIAL_IDS if k in hf}
-        max_bytes = int(max_shard_gb * 2**30)
-        models.to_hf(
-            config, params, dst, dtype=dtype, max_shard_bytes=max_bytes, extra_config=extra
-        )
-        if tokenizer_from:
-            for name in os.listdir(tokenizer_from):
-                if name.startswith(_TOKENIZER_FILES):
-                    shutil.copy(os.path.join(tokenizer_from, name), dst)
+        _write_hf(config, params, dst, dtype=dtype, max_shard_gb=max_shard_gb,
+                  tokenizer_from=tokenizer_from)  # fmt: skip
     return config
+
+
+def _write_hf(config, params, dst, *, dtype, max_shard_gb, tokenizer_from):
+    """models.to_hf, with the special token ids and tokenizer files of `tokenizer_from`."""
+    from ebpo_jax import models
+
+    extra = {}
+    source_config = os.path.join(tokenizer_from or "", "config.json")
+    if tokenizer_from and os.path.exists(source_config):
+        with open(source_config) as f:
+            hf = json.load(f)
+        extra = {k: hf[k] for k in _SPECIAL_IDS if k in hf}
+    max_bytes = int(max_shard_gb * 2**30)
+    models.to_hf(config, params, dst, dtype=dtype, max_shard_bytes=max_bytes, extra_config=extra)
+    if tokenizer_from:
+        for name in os.listdir(tokenizer_from):
+            if name.startswith(_TOKENIZER_FILES):
+                shutil.copy(os.path.join(tokenizer_from, name), dst)
 
 
 def main(argv):
     del argv
-    config = convert(
-        _SRC.value,
-        _DST.value,
-        dtype=_DTYPE.value,
-        max_shard_gb=_SHARD_GB.value,
-        tokenizer_from=_TOKENIZER.value,
-    )
+    if _LORA_RUN.value:
+        config = export_lora(
+            _SRC.value, _LORA_RUN.value, _DST.value, _PEFT_DST.value,
+            dtype=_DTYPE.value, max_shard_gb=_SHARD_GB.value,
+        )  # fmt: skip
+    else:
+        config = convert(
+            _SRC.value,
+            _DST.value,
+            dtype=_DTYPE.value,
+            max_shard_gb=_SHARD_GB.value,
+            tokenizer_from=_TOKENIZER.value,
+        )
     print(
         f"wrote {_DST.value} ({config.model_type}, {config.num_layers} layers, {config.param_dtype})"
     )

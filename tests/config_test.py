@@ -1,6 +1,9 @@
 """Config validation (issue 22): each impossible value is one ConfigError naming its field,
 before anything compiles; the CLI prints it as one `error:` line with exit status 2."""
 
+import glob
+import importlib.util
+import inspect
 import os
 import subprocess
 import sys
@@ -157,3 +160,20 @@ def test_cli_prints_one_line_and_exits_2(args, message):
     assert "Traceback" not in out.stderr
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(message), out.stderr[-2000:]
+
+
+_CONFIG_FILES = sorted(
+    glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.py"))
+    + glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "gpu", "*.py"))
+)
+
+
+@pytest.mark.parametrize("path", _CONFIG_FILES, ids=os.path.basename)
+def test_every_shipped_config_validates(path):
+    """Each run config in configs/ and configs/gpu/ (its `:aot` variant where it has one)."""
+    module_spec = importlib.util.spec_from_file_location("shipped_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    takes_variant = bool(inspect.signature(module.get_config).parameters)
+    config = module.get_config("aot") if takes_variant else module.get_config()
+    validate(config)

@@ -362,6 +362,41 @@ def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
     assert not os.path.exists(tmp_path / "moved" / "checkpoints.corrupt")
 
 
+def test_lora_run_exports_merged_hf_and_peft(tmp_path):
+    """convert_hf.py --lora_run: the run's adapters merged into its HF base equal the policy
+    the run holds, and the PEFT folder holds every adapter."""
+    import importlib.util
+
+    from ebpo_jax.spec import resolve
+    from ebpo_jax.trainer import loop
+    from ebpo_jax.trainer.task import build_task
+
+    c = _lora_run(tmp_path, "run", 4)  # B is still 0 after the first steps' all-zero advantages
+    loop.train(c, log=lambda *_: None)
+    task = build_task(resolve(c, 1).task, log=lambda *_: None)
+    models.to_hf(task.model_config, task.params, str(tmp_path / "base"))
+    file = os.path.join(os.path.dirname(__file__), "..", "experiments", "convert_hf.py")
+    module_spec = importlib.util.spec_from_file_location("convert_hf", file)
+    convert_hf = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(convert_hf)
+    run, merged_dir = str(tmp_path / "run"), str(tmp_path / "merged")
+    convert_hf.export_lora(str(tmp_path / "base"), run, merged_dir, str(tmp_path / "adapter"))
+    _, merged = models.from_hf(merged_dir, dtype="float32")
+    _, base = models.from_hf(str(tmp_path / "base"), dtype="float32")
+    spec, _ = lora_state.restore_adapters(run, task.model_config)
+    assert spec.rank == 4 and spec.targets == tuple(c.model.lora.targets.split(","))
+    want = lora_state.policy_of_run(run, base, task.model_config)
+    moved = 0.0
+    for x, y, b in zip(jax.tree.leaves(merged), jax.tree.leaves(want), jax.tree.leaves(base)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
+        moved = max(moved, float(np.abs(np.asarray(y) - np.asarray(b)).max()))
+    assert moved > 0  # the adapters changed the weights
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(tensors) == 2 * len(spec.targets) * task.model_config.num_layers
+
+
 @pytest.mark.slow  # three short runs
 def test_resumed_lora_run_equals_uninterrupted(tmp_path):
     """The base is not checkpointed: a resume rebuilds it and continues exactly."""

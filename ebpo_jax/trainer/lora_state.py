@@ -6,8 +6,13 @@ QLoRA), `TrainState.ref_params` = None (the reference policy is `base` with the 
 no second copy of the weights).
 """
 
-import jax
+import os
+import types
 
+import jax
+from flax import nnx
+
+from ebpo_jax.checkpoint import Checkpointer, load_params
 from ebpo_jax.config import ConfigError
 from ebpo_jax.models import lora
 from ebpo_jax.trainer.state import TrainState, init_train_state
@@ -84,3 +89,35 @@ def check_base_reference(saved: dict, model, source: str) -> None:
     if diff:
         pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {want[k]!r}" for k in diff)
         raise ConfigError(f"LoRA checkpoint does not match this run's base ({pairs})")
+
+
+def restore_adapters(workdir: str, model_config):
+    """(LoraSpec, adapters) of a trainer workdir's latest checkpoint; (None, None) when the
+    run trained the full model (its checkpoint names no LoRA base)."""
+    with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
+        ref = ckpt.saved_extra().get("lora_base")
+        if ref is None:
+            return None, None
+        spec = lora.spec_from_config(types.SimpleNamespace(**ref))
+        state, _ = ckpt.restore()
+    adapters = lora.abstract_adapters(model_config, spec)
+    nnx.replace_by_pure_dict(adapters, _pure(state["params"]))
+    return spec, adapters
+
+
+def _pure(tree):
+    """A restored nnx.State (each variable a {"value": array} dict) as a pure dict."""
+    if not isinstance(tree, dict):
+        return tree
+    if set(tree) == {"value"}:
+        return tree["value"]
+    return {k: _pure(v) for k, v in tree.items()}
+
+
+def policy_of_run(workdir: str, base_params, model_config):
+    """The policy a trainer workdir's latest checkpoint holds: its params, or for a LoRA run
+    `base_params` with the adapters merged in (float32 weights)."""
+    spec, adapters = restore_adapters(workdir, model_config)
+    if spec is None:
+        return load_params(workdir)
+    return lora.merge(base_params, adapters, spec)
