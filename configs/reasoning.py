@@ -6,9 +6,12 @@ Measured (seed 0, 2-core CPU under heavy load from other jobs): supervised respo
 16-64 tokens (median 33, p90 45, p99 60, skew 0.54); after the 300-step SFT warm start
 held-out pass@1 is 13.2% (T=1, 4 samples x 180 problems), sampled lengths median 33,
 p90 48, 2.2% truncated at 64, and 69-86% of training groups are all-equal at G = 4-8.
-NOT TUNED: at this learning rate (2e-4, the tiny default's) a 50-step G=4 pilot lost
-held-out pass@1 (13.2% -> 1.0% GRPO, 7.6% EBPO) and training reward fell; sweep the
-learning rate (e.g. 2e-5 - 1e-4) before running the grids.
+Learning rate 3e-5, from a sweep of 100-step EBPO runs at G=8 (seed 0, one shared warm
+start): held-out pass@1 13.2% -> 16.0% at 1e-5, 16.9% at 3e-5, 15.0% at 1e-4; at 2e-4 (the
+tiny default's) a 50-step run fell to 7.6%.
+`python experiments/train.py --config=configs/reasoning.py --config.optimizer.learning_rate=3e-5
+--config.total_steps=100` reproduces a point. sft.seed = 0: every RL seed starts from the
+same warm start (one SFT for a whole grid), as every seed of the paper starts from one base.
 """
 
 from ebpo_jax.config import default_config, finalize
@@ -49,7 +52,7 @@ def get_config():
     c.sampler.max_new_tokens = 64
     c.sampler.temperature = 1.0
 
-    c.optimizer.learning_rate = 2e-4
+    c.optimizer.learning_rate = 3e-5
     c.optimizer.weight_decay = 0.0
     c.optimizer.warmup_steps = 5
     c.optimizer.clip_norm = 1.0
@@ -58,4 +61,5 @@ def get_config():
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
     c.sft.cache_dir = "/tmp/ebpo_runs/sft_cache"
+    c.sft.seed = 0
     return finalize(c)
