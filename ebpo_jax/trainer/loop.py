@@ -47,7 +47,6 @@ def _to_host(metrics) -> list[dict]:
 
 
 _INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update consumes
-_LORA_BASE = "lora_base"  # checkpoint extra: the base the adapters were trained on (LoRA)
 
 
 def _checkpointable(state: TrainState, inflight: Rollout | None = None) -> dict:
@@ -205,7 +204,9 @@ class _Log:
         start = None if math.isnan(self.start) else self.start
         out = {"data": task.source.state(), "pass@1_start": start, "generated_tokens": self.tokens}
         if self.spec.update.lora is not None:  # adapters only: name the base they belong to
-            out[_LORA_BASE] = lora_state.base_reference(self.spec.task.model, task.base_source)
+            out[lora_state.EXTRA_KEY] = lora_state.base_reference(
+                self.spec.task.model, task.base_source
+            )
         return out
 
     def close(self):
@@ -253,7 +254,7 @@ def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, task: Tas
 def _check_lora_base(spec: RunSpec, task: Task, extra: dict) -> None:
     """ConfigError when a checkpoint's adapters belong to another base or adapter spec, or
     when LoRA is on for a full checkpoint or off for a LoRA one (either would look corrupt)."""
-    saved = extra.get(_LORA_BASE)
+    saved = extra.get(lora_state.EXTRA_KEY)
     if spec.update.lora is not None:
         lora_state.check_base_reference(saved or {}, spec.task.model, task.base_source)
     elif saved is not None:

@@ -19,6 +19,7 @@ from ebpo_jax.trainer.state import TrainState, init_train_state
 
 _ADAPTER_STREAM = 19  # fold_in(key(seed), ·) for the adapters' init: apart from the step rngs
 SAMPLER_PATHS = ("merged", "adapter")
+EXTRA_KEY = "lora_base"  # the checkpoint's extra entry that names the base (base_reference)
 
 
 def spec_from(config) -> lora.LoraSpec | None:
@@ -95,7 +96,7 @@ def restore_adapters(workdir: str, model_config):
     """(LoraSpec, adapters) of a trainer workdir's latest checkpoint; (None, None) when the
     run trained the full model (its checkpoint names no LoRA base)."""
     with Checkpointer(os.path.join(workdir, "checkpoints")) as ckpt:
-        ref = ckpt.saved_extra().get("lora_base")
+        ref = ckpt.saved_extra().get(EXTRA_KEY)
         if ref is None:
             return None, None
         spec = lora.spec_from_config(types.SimpleNamespace(**ref))
