@@ -2,6 +2,7 @@
 
 `--config=configs/ablations/reasoning.py:<part>`, part one of
   pilot        EBPO vs GRPO at G=4: the pilot whose paired-difference std sizes the others;
+  small_g      EBPO vs GRPO at G=2, the same budget: where the paper expects EBPO's largest gain;
   group_size   method x G at an equal budget of 128 responses per step (EBPO, GRPO,
                Dr. GRPO, RLOO, REINFORCE++-baseline) plus one DAPO row at G=4;
   variants     the EBPO priors (carried, per-batch, per (topic, difficulty) cell,
@@ -24,7 +25,7 @@ FIXED = {
     "keep_checkpoints": 1,
 }
 SEEDS = [0, 1, 2, 3]
-PARTS = ("pilot", "group_size", "variants", "curriculum")
+PARTS = ("pilot", "small_g", "group_size", "variants", "curriculum")
 
 
 def _blocks(part: str) -> list[dict]:
@@ -33,6 +34,14 @@ def _blocks(part: str) -> list[dict]:
             {
                 "name": "pilot",
                 "axes": {"method": ["grpo", "ebpo"], "group_size": [4], "seed": SEEDS},
+                "rollouts_per_step": BUDGET,
+            }
+        ]
+    if part == "small_g":  # seed-major, so a grid cut short still holds whole pairs
+        return [
+            {
+                "name": "small_g",
+                "axes": {"seed": SEEDS, "method": ["grpo", "ebpo"], "group_size": [2]},
                 "rollouts_per_step": BUDGET,
             }
         ]
