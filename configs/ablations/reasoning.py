@@ -3,6 +3,8 @@
 `--config=configs/ablations/reasoning.py:<part>`, part one of
   pilot        EBPO vs GRPO at G=4: the pilot whose paired-difference std sizes the others;
   small_g      EBPO vs GRPO at G=2, the same budget: where the paper expects EBPO's largest gain;
+  g8           EBPO vs GRPO at G=8, the same budget (with pilot and small_g: G <= 8 at full
+               power, the seeds the pilot's power analysis chose);
   group_size   method x G at an equal budget of 128 responses per step (EBPO, GRPO,
                Dr. GRPO, RLOO, REINFORCE++-baseline) plus one DAPO row at G=4;
   variants     the EBPO priors (carried, per-batch, per (topic, difficulty) cell,
@@ -25,7 +27,7 @@ FIXED = {
     "keep_checkpoints": 1,
 }
 SEEDS = [0, 1, 2, 3]
-PARTS = ("pilot", "small_g", "group_size", "variants", "curriculum")
+PARTS = ("pilot", "small_g", "g8", "group_size", "variants", "curriculum")
 
 
 def _blocks(part: str) -> list[dict]:
@@ -37,11 +39,15 @@ def _blocks(part: str) -> list[dict]:
                 "rollouts_per_step": BUDGET,
             }
         ]
-    if part == "small_g":  # seed-major, so a grid cut short still holds whole pairs
+    if part in ("small_g", "g8"):  # seed-major, so a grid cut short still holds whole pairs
         return [
             {
-                "name": "small_g",
-                "axes": {"seed": SEEDS, "method": ["grpo", "ebpo"], "group_size": [2]},
+                "name": part,
+                "axes": {
+                    "seed": SEEDS,
+                    "method": ["grpo", "ebpo"],
+                    "group_size": [2 if part == "small_g" else 8],
+                },
                 "rollouts_per_step": BUDGET,
             }
         ]

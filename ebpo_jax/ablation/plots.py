@@ -16,6 +16,7 @@ TRAIN_PANELS = (
     ("actor/entropy", "entropy"),
     ("actor/kl", "KL to reference"),
     ("adv/zero_frac", "zero-advantage fraction"),
+    ("response_length/mean", "response length (tokens)"),
     ("eb/shrinkage_mean", "EB shrinkage S"),
 )
 
