@@ -89,14 +89,7 @@ def make_splits(
     to train (fewer if the cell is exhausted, e.g. 1-digit addition has only 100 prompts).
     The test split therefore does not depend on `train_per_cell`.
     """
-    for t in topics:
-        if t not in TOPICS:
-            raise ValueError(f"unknown topic {t!r}; known: {TOPICS}")
-    for d in difficulties:
-        if d not in DIFFICULTIES:
-            raise ValueError(f"unknown difficulty {d!r}; known: {DIFFICULTIES}")
-    if train_per_cell < 0 or test_per_cell < 0:
-        raise ValueError(f"per-cell counts must be >= 0, got {train_per_cell}, {test_per_cell}")
+    check_grid(topics, difficulties, train_per_cell, test_per_cell, TOPICS, DIFFICULTIES)
     train, test = [], []
     for topic in topics:
         topic_id = TOPICS.index(topic)
@@ -119,3 +112,15 @@ def max_lengths(problems: Sequence[Problem]) -> tuple[int, int]:
     if not problems:
         raise ValueError("empty problem list")
     return max(len(p.prompt) for p in problems), max(len(p.answer) for p in problems)
+
+
+def check_grid(topics, difficulties, train_per_cell, test_per_cell, known_topics, known_levels):
+    """ValueError naming the first unknown topic or difficulty, or a negative per-cell count."""
+    for t in topics:
+        if t not in known_topics:
+            raise ValueError(f"unknown topic {t!r}; known: {known_topics}")
+    for d in difficulties:
+        if d not in known_levels:
+            raise ValueError(f"unknown difficulty {d!r}; known: {known_levels}")
+    if train_per_cell < 0 or test_per_cell < 0:
+        raise ValueError(f"per-cell counts must be >= 0, got {train_per_cell}, {test_per_cell}")

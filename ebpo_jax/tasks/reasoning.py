@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from ebpo_jax.tasks.arithmetic import check_grid
+from ebpo_jax.tasks.reward import reward_inputs
 from ebpo_jax.tasks.tokenizer import DEFAULT_ALPHABET, EOS_ID, NUM_SPECIAL, CharTokenizer
 
 TOPICS = ("carry_add", "carry_mul", "chain")
@@ -149,17 +151,6 @@ def solve(topic: str, prompt: str) -> tuple[str, str]:
     return STEP_SEP.join(steps) + STEP_SEP + MARKER + str(answer), str(answer)
 
 
-def _check_args(topics, difficulties, train_per_cell, test_per_cell) -> None:
-    for t in topics:
-        if t not in TOPICS:
-            raise ValueError(f"unknown topic {t!r}; known: {TOPICS}")
-    for d in difficulties:
-        if d not in DIFFICULTIES:
-            raise ValueError(f"unknown difficulty {d!r}; known: {DIFFICULTIES}")
-    if train_per_cell < 0 or test_per_cell < 0:
-        raise ValueError(f"per-cell counts must be >= 0, got {train_per_cell}, {test_per_cell}")
-
-
 def _cell_prompts(topic: str, d: int, n: int, rng: np.random.Generator) -> list[tuple]:
     """Up to n distinct (prompt, completion, answer) of one cell whose completion + EOS has
     MIN_RESPONSE_TOKENS..MAX_RESPONSE_TOKENS tokens."""
@@ -191,7 +182,7 @@ def make_splits(
     `test_per_cell` go to test, the next `train_per_cell` to train, so the test split does
     not depend on `train_per_cell`.
     """
-    _check_args(topics, difficulties, train_per_cell, test_per_cell)
+    check_grid(topics, difficulties, train_per_cell, test_per_cell, TOPICS, DIFFICULTIES)
     train, test = [], []
     for topic in topics:
         topic_id = TOPICS.index(topic)
@@ -227,15 +218,10 @@ def reward_fn(
 ):
     """Rewards [B] float32: 1.0 where the tokens between the last MARKER and the first EOS
     (within the completion's length) spell the answer exactly; no EOS or no MARKER is 0."""
-    tok_BN = jnp.asarray(completion_tokens_BN)
-    ans_BA = jnp.asarray(answer_tokens_BA)
-    if tok_BN.ndim != 2 or ans_BA.ndim != 2 or tok_BN.shape[0] != ans_BA.shape[0]:
-        raise ValueError(
-            f"expected completion [B, N] and answer [B, A] tokens, got {tok_BN.shape}, {ans_BA.shape}"
-        )
+    tok_BN, len_B, ans_BA, ans_len_B = reward_inputs(
+        completion_tokens_BN, completion_lengths_B, answer_tokens_BA, answer_lengths_B
+    )
     N, A = tok_BN.shape[1], ans_BA.shape[1]
-    len_B = jnp.clip(jnp.asarray(completion_lengths_B, jnp.int32), 0, N)
-    ans_len_B = jnp.asarray(answer_lengths_B, jnp.int32)
     pos_N = jnp.arange(N)
     is_eos_BN = (tok_BN == eos_id) & (pos_N[None, :] < len_B[:, None])
     has_eos_B = is_eos_BN.any(-1)

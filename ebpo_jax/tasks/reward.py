@@ -13,6 +13,18 @@ import jax.numpy as jnp
 from ebpo_jax.tasks.tokenizer import EOS_ID, NUM_SPECIAL, CharTokenizer
 
 
+def reward_inputs(completion_tokens_BN, completion_lengths_B, answer_tokens_BA, answer_lengths_B):
+    """(tokens [B, N], lengths clipped to [0, N], answer [B, A], answer lengths) as int arrays."""
+    tok_BN = jnp.asarray(completion_tokens_BN)
+    ans_BA = jnp.asarray(answer_tokens_BA)
+    if tok_BN.ndim != 2 or ans_BA.ndim != 2 or tok_BN.shape[0] != ans_BA.shape[0]:
+        raise ValueError(
+            f"expected completion [B, N] and answer [B, A] tokens, got {tok_BN.shape}, {ans_BA.shape}"
+        )
+    len_B = jnp.clip(jnp.asarray(completion_lengths_B, jnp.int32), 0, tok_BN.shape[1])
+    return tok_BN, len_B, ans_BA, jnp.asarray(answer_lengths_B, jnp.int32)
+
+
 def reward_fn(
     completion_tokens_BN,
     completion_lengths_B,
@@ -23,15 +35,10 @@ def reward_fn(
     require_eos: bool = True,
 ):
     """Rewards [B] float32: 1.0 where the completion before its first EOS equals the answer."""
-    tok_BN = jnp.asarray(completion_tokens_BN)
-    ans_BA = jnp.asarray(answer_tokens_BA)
-    if tok_BN.ndim != 2 or ans_BA.ndim != 2 or tok_BN.shape[0] != ans_BA.shape[0]:
-        raise ValueError(
-            f"expected completion [B, N] and answer [B, A] tokens, got {tok_BN.shape}, {ans_BA.shape}"
-        )
+    tok_BN, len_B, ans_BA, ans_len_B = reward_inputs(
+        completion_tokens_BN, completion_lengths_B, answer_tokens_BA, answer_lengths_B
+    )
     N, A = tok_BN.shape[1], ans_BA.shape[1]
-    len_B = jnp.clip(jnp.asarray(completion_lengths_B, jnp.int32), 0, N)
-    ans_len_B = jnp.asarray(answer_lengths_B, jnp.int32)
     # Pad so that position A (where the EOS must sit for the longest answer) always exists.
     W = max(N, A + 1)
     tok_BW = jnp.pad(tok_BN, ((0, 0), (0, W - N)))
