@@ -285,7 +285,7 @@ def run(
         return compiled
 
     step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
-    train_sh, samp_sh = step.sh.state.params, step.sh.sampler_params
+    samp_sh = step.sh.sampler_params
     epochs = f"{config.loss.ppo_epochs} epoch(s) x {config.loss.num_minibatches} mini-batches"
     attempt(
         "train update",
@@ -295,30 +295,8 @@ def run(
         lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
     )
     params = state.params
-    l_spec = spec.update.lora
-    # The sampler runs LoRA's merged weights in the compute dtype.
-    if l_spec is not None and not update_only:
-        merged = models.abstract_params(mc)
-        merged_sh = step.sh.sampler_params
-        attempt(
-            "lora merge",
-            s_mesh,
-            0,
-            f"base + A B to {mc.dtype}",
-            lambda: compile_lora_merge(state, step.sh.state, merged_sh, s_mesh, l_spec, mc.dtype),
-        )
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), merged)
-    elif s_mesh is not mesh and not update_only:
-        split = spec.mesh.disjoint  # cast where the weights are; the copy is a transfer
-        dst, on = (train_sh, mesh) if split else (samp_sh, s_mesh)
-        attempt(
-            "cast weights" if split else "reshard weights",
-            on,
-            0,
-            f"to {mc.dtype}" + (", then copied to the sampler's slice" if split else ""),
-            lambda: compile_reshard(params, train_sh, dst, on, mc.dtype),
-        )
-        params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), params)
+    if not update_only:
+        params = _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh)
     sflops = sampler_flops(mc, prompts, G, prompt_len, N)
     calls = math.ceil(config.prompts_per_step / prompts)
     note = f"{prompts} prompts x {G} per call, {calls} call(s) per step"
@@ -337,13 +315,51 @@ def run(
         # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
         r = reports[-1]
         r.note += f"; >= {(N - 1) * r.argument_bytes * per_chip / hw.hbm_bandwidth:.0f} s at HBM bandwidth"
+    meta = _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh,
+                        prompt_len=prompt_len)  # fmt: skip
+    return reports, meta
+
+
+def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
+    """Compile the sampler's weights from the train state (LoRA merge, or reshard / cast when
+    the sampler has its own mesh); returns the sampler's abstract params."""
+    params = state.params
+    train_sh, samp_sh = step.sh.state.params, step.sh.sampler_params
+    l_spec = spec.update.lora
+    if l_spec is not None:  # the sampler runs LoRA's merged weights in the compute dtype
+        merged = models.abstract_params(mc)
+        attempt(
+            "lora merge",
+            s_mesh,
+            0,
+            f"base + A B to {mc.dtype}",
+            lambda: compile_lora_merge(state, step.sh.state, samp_sh, s_mesh, l_spec, mc.dtype),
+        )
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), merged)
+    if s_mesh is mesh:
+        return params
+    split = spec.mesh.disjoint  # cast where the weights are; the copy is a transfer
+    dst, on = (train_sh, mesh) if split else (samp_sh, s_mesh)
+    attempt(
+        "cast weights" if split else "reshard weights",
+        on,
+        0,
+        f"to {mc.dtype}" + (", then copied to the sampler's slice" if split else ""),
+        lambda: compile_reshard(params, train_sh, dst, on, mc.dtype),
+    )
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), params)
+
+
+def _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh, *, prompt_len):
+    """The report's JSON fields besides the programs: the step estimate and the layout."""
     from ebpo_jax.sampler import _data_size
 
     shards = _data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
-    estimate = step_time_estimate(config, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp)
-    meta = {
-        "step_estimate": estimate,
+    return {
+        "step_estimate": step_time_estimate(
+            config, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp
+        ),
         "topology": topology,
         "chip_topology": chip_name,
         "devices": len(devices),
@@ -351,12 +367,11 @@ def run(
         "model": dataclasses.asdict(mc),
         "params": total_params(mc),
         "prompt_len": prompt_len,
-        "max_new_tokens": N,
-        "sequences_per_step": config.prompts_per_step * G,
+        "max_new_tokens": config.sampler.max_new_tokens,
+        "sequences_per_step": config.prompts_per_step * config.group_size,
         "train_mesh": dict(mesh.shape),
         "sampler_mesh": dict(s_mesh.shape),
         "split": bool(spec.mesh.disjoint),
         "flops_note": "analytic model FLOPs (6NT + causal attention); cost_analysis() counts a "
         "scanned layer once; remat recompute not included",
     }
-    return reports, meta
