@@ -13,8 +13,11 @@ first trains seeds 0..3 of every run, estimates the std of each claim's paired d
 (EBPO variants minus the reference method, per setting), prints how many paired seeds a
 two-sided paired t-test at `--alpha` needs to detect `--power_effect` with that power, and
 trains that many (the largest over the claims, capped at --max_seeds); `power.json` records it.
+Shared runs: a grid's `reuse` (a list of other grids' out_dirs) adopts their finished runs
+whose training config equals a run's but for `workdir` (ebpo_jax/ablation/reuse.py).
 Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv in
-`<out_dir>/rerun/` and reports whether its rows match (|a - b| <= --rerun_atol).
+`<out_dir>/rerun/` and reports whether its rows match (|a - b| <= --rerun_atol), also in
+`<out_dir>/rerun/<run_id>.json`.
 """
 
 import json
@@ -169,11 +172,15 @@ def _train_all(todo, configs, cache_dir, workers, bar) -> list[str]:
 
 
 def _train_grid(grid, runs, out, workers, log) -> list[str]:
-    """Train the unfinished `runs` of `grid` (seed-major); returns the ids trained."""
+    """Train the unfinished `runs` of `grid` (seed-major) after adopting the same runs of
+    the grids in its `reuse` list; returns the ids trained."""
     from tqdm.auto import tqdm
+
+    from ebpo_jax.ablation import reuse
 
     runs_dir, cache_dir = os.path.join(out, "runs"), os.path.join(out, "jax_cache")
     configs = _configs(grid, runs, runs_dir)
+    reuse.adopt(configs, runs_dir, grid.get("reuse", ()), log=log)
     done = {
         r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
     }
@@ -400,6 +407,8 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
         now=prov,
     )
     log(json.dumps(report, indent=2, default=str))
+    with open(os.path.join(rerun_dir, f"{run_id}.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)  # the record; the run's folder is not kept
     verdict = "MATCH" if report["match"] else "MISMATCH"
     log(f"rerun {run_id}: {verdict} (max |diff| {report.get('max_abs_diff')}, atol {atol})")
     return report

@@ -2,6 +2,7 @@
 
 import functools
 import importlib.util
+import json
 import os
 
 import ml_collections
@@ -144,6 +145,38 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     again = ablate.run_grid(grid, log=lambda *_: None)
     assert again["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), evals)
+    # Another grid with the same runs adopts them instead of training, with the same rows.
+    other = ml_collections.ConfigDict(grid.to_dict())
+    other.out_dir, other.reuse = str(tmp_path / "other"), [grid.out_dir]
+    adopted = ablate.run_grid(other, log=lambda *_: None)
+    assert adopted["trained"] == []
+    pd.testing.assert_frame_equal(pd.read_csv(adopted["results"]), evals)
+
+
+def test_reuse_adopts_only_the_same_config(tmp_path):
+    from ebpo_jax.ablation import reuse
+
+    src = tmp_path / "a" / "runs" / "r0"
+    src.mkdir(parents=True)
+    saved = {"seed": 0, "workdir": str(src), "optimizer": {"learning_rate": 1e-3}}
+    (src / "config.json").write_text(json.dumps(saved))
+    (src / "summary.json").write_text("{}")
+    (src / "metrics.jsonl").write_text('{"step": 1}\n')
+    runs_dir = tmp_path / "b" / "runs"
+    configs = {
+        "same": {**saved, "workdir": str(runs_dir / "same")},  # only the workdir differs
+        "other_seed": {**saved, "seed": 1},
+        "other_lr": {**saved, "optimizer": {"learning_rate": 2e-3}},
+    }
+    assert reuse.adopt(configs, str(runs_dir), [str(tmp_path / "a")], log=lambda *_: None) == [
+        "same"
+    ]
+    assert (runs_dir / "same" / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (runs_dir / "same" / reuse.MARKER).read_text().strip() == str(src)
+    assert not (runs_dir / "other_seed").exists() and not (runs_dir / "other_lr").exists()
+    # A source without a summary (unfinished) is never adopted.
+    (src / "summary.json").unlink()
+    assert reuse.adopt({"x": saved}, str(runs_dir), [str(tmp_path / "a")]) == []
 
 
 def _pilot_evals(diffs_by_setting, base=0.3):
@@ -237,9 +270,11 @@ def test_power_pilot_then_rerun_micro(tmp_path):
     assert "ebpo - grpo" in text and "verdict_holm" in text
     report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
     assert report["match"], report
+    with open(os.path.join(grid.out_dir, "rerun", out["runs"][1] + ".json")) as f:
+        assert json.load(f)["match"]
 
 
-@pytest.mark.parametrize("part", ["pilot", "group_size", "variants", "curriculum"])
+@pytest.mark.parametrize("part", ["pilot", "group_size", "g16", "variants", "curriculum"])
 def test_reasoning_grids_expand_to_valid_configs(part):
     from ebpo_jax.config import validate
 
@@ -256,6 +291,8 @@ def test_reasoning_grids_expand_to_valid_configs(part):
         validate(cfg)
         assert cfg.task.family == "reasoning" and cfg.total_steps == 200
         assert cfg.prompts_per_step * cfg.group_size == 128
+    assert all(os.path.basename(r).startswith("reasoning_") for r in grid.reuse)
+    assert grid.out_dir not in grid.reuse
     with pytest.raises(ValueError, match="part must be one of"):
         module.get_config("nope")
 

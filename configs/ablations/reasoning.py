@@ -5,8 +5,9 @@
   small_g      EBPO vs GRPO at G=2, the same budget: where the paper expects EBPO's largest gain;
   g8           EBPO vs GRPO at G=8, the same budget (with pilot and small_g: G <= 8 at full
                power, the seeds the pilot's power analysis chose);
-  group_size   method x G at an equal budget of 128 responses per step (EBPO, GRPO,
-               Dr. GRPO, RLOO, REINFORCE++-baseline) plus one DAPO row at G=4;
+  group_size   method x G in {2, 4, 8} at an equal budget of 128 responses per step (EBPO,
+               GRPO, Dr. GRPO, RLOO, REINFORCE++-baseline) plus one DAPO row at G=4;
+  g16          the same five methods at G=16 (8 prompts per step), run last;
   variants     the EBPO priors (carried, per-batch, per (topic, difficulty) cell,
                forgetting) against GRPO at G=4;
   curriculum   naive, topic and easy-to-hard orders for GRPO and EBPO at G=4.
@@ -14,6 +15,8 @@ Seeds: give them by power analysis, e.g.
   python experiments/ablate.py --config=configs/ablations/reasoning.py:group_size \\
       --power_effect=0.02 --power=0.8 --pilot_seeds=4 --max_seeds=20
 (the seed lists below are the pilot's default and are replaced by --power_effect).
+Every part reuses the finished runs of the parts before it that have the same training
+config (`reuse`: the G=4 GRPO and EBPO runs are the pilot's, G=2 and G=8 small_g's and g8's).
 """
 
 import ml_collections
@@ -27,7 +30,8 @@ FIXED = {
     "keep_checkpoints": 1,
 }
 SEEDS = [0, 1, 2, 3]
-PARTS = ("pilot", "small_g", "g8", "group_size", "variants", "curriculum")
+PARTS = ("pilot", "small_g", "g8", "group_size", "g16", "variants", "curriculum")
+BASELINES = ["grpo", "dr_grpo", "rloo", "rpp", "ebpo"]
 
 
 def _blocks(part: str) -> list[dict]:
@@ -51,17 +55,17 @@ def _blocks(part: str) -> list[dict]:
                 "rollouts_per_step": BUDGET,
             }
         ]
-    if part == "group_size":
+    if part in ("group_size", "g16"):
+        sizes = [2, 4, 8] if part == "group_size" else [16]
+        budget = {
+            "name": "budget",
+            "axes": {"method": BASELINES, "group_size": sizes, "seed": SEEDS},
+            "rollouts_per_step": BUDGET,
+        }
+        if part == "g16":
+            return [budget]
         return [
-            {
-                "name": "budget",
-                "axes": {
-                    "method": ["grpo", "dr_grpo", "rloo", "rpp", "ebpo"],
-                    "group_size": [2, 4, 8, 16],
-                    "seed": SEEDS,
-                },
-                "rollouts_per_step": BUDGET,
-            },
+            budget,
             {
                 "name": "dapo",
                 "axes": {"method": ["grpo", "dapo"], "group_size": [4], "seed": SEEDS},
@@ -99,4 +103,5 @@ def get_config(part: str = "group_size"):
     c.out_dir = f"results/ablations/reasoning_{part}"
     c.fixed = dict(FIXED)
     c.blocks = _blocks(part)
+    c.reuse = [f"results/ablations/reasoning_{p}" for p in PARTS[: PARTS.index(part)]]
     return c
