@@ -22,6 +22,7 @@ config (`reuse`: the G=4 GRPO and EBPO runs are the pilot's, G=2 and G=8 small_g
 import ml_collections
 
 BUDGET = 128  # responses per step, every G
+CLAIMS_OUT = "results/ablations/reasoning_claims.md"  # experiments/claims.py writes it
 FIXED = {
     "total_steps": 200,
     "eval_every": 50,
@@ -30,6 +31,65 @@ FIXED = {
     "keep_checkpoints": 1,
 }
 SEEDS = [0, 1, 2, 3]
+
+
+def _vs(claim, part, a, b, direction=1, column="method", **where):
+    """`a` minus `b` (values of `column`) in `part`, rows where `where` holds, by seed."""
+    return {
+        "claim": claim,
+        "direction": direction,
+        "plus": [(part, {column: a, **where})],
+        "minus": [(part, {column: b, **where})],
+    }
+
+
+# The claims `experiments/claims.py` tests, stated before the runs they read. Each is the
+# seed-paired difference sum(plus) - sum(minus) of final held-out pass@1; direction +1 is
+# the paper's (or, marked, this project's) prediction, 0 a reference with no prediction.
+_EBPO4 = ("group_size", {"block": "budget", "method": "ebpo", "group_size": 4})
+_DAPO4 = ("group_size", {"block": "dapo", "method": "dapo"})
+CLAIMS = [
+    _vs("EBPO beats GRPO at G=2", "small_g", "ebpo", "grpo"),
+    _vs("EBPO beats GRPO at G=4", "pilot", "ebpo", "grpo"),
+    _vs("EBPO beats GRPO at G=8", "g8", "ebpo", "grpo"),
+    _vs("EBPO beats GRPO at G=16", "g16", "ebpo", "grpo"),
+    {
+        "claim": "the gain shrinks with G: (EBPO - GRPO at G=2) - (at G=16)",
+        "direction": 1,
+        "plus": [("small_g", {"method": "ebpo"}), ("g16", {"method": "grpo"})],
+        "minus": [("small_g", {"method": "grpo"}), ("g16", {"method": "ebpo"})],
+    },
+    _vs("EBPO beats Dr. GRPO at G=4", "group_size", "ebpo", "dr_grpo", group_size=4),
+    {"claim": "EBPO beats DAPO at G=4", "direction": 1, "plus": [_EBPO4], "minus": [_DAPO4]},
+    _vs("EBPO-topic beats EBPO-naive", "curriculum", "topic", "naive", 1, "order", method="ebpo"),
+    _vs(
+        "EBPO-diff beats EBPO-naive", "curriculum", "difficulty", "naive", 1, "order", method="ebpo"
+    ),
+    _vs(
+        "(project) the gain is the shrunk baseline: EBPO beats RPP at G=2",
+        "group_size",
+        "ebpo",
+        "rpp",
+        group_size=2,
+    ),
+    _vs("(project) EBPO beats RPP at G=4", "group_size", "ebpo", "rpp", group_size=4),
+    _vs("reference: RLOO - GRPO at G=4", "group_size", "rloo", "grpo", 0, group_size=4),
+    _vs("reference: Dr. GRPO - GRPO at G=4", "group_size", "dr_grpo", "grpo", 0, group_size=4),
+    _vs("reference: DAPO - GRPO at G=4", "group_size", "dapo", "grpo", 0, block="dapo"),
+    _vs("reference: GRPO topic - naive", "curriculum", "topic", "naive", 0, "order", method="grpo"),
+    _vs(
+        "reference: GRPO difficulty - naive",
+        "curriculum",
+        "difficulty",
+        "naive",
+        0,
+        "order",
+        method="grpo",
+    ),
+    _vs("variant: per-batch statistics - paper EBPO", "variants", "ebpo_per_batch", "ebpo", 0),
+    _vs("variant: per-cell priors - paper EBPO", "variants", "ebpo_cluster", "ebpo", 0),
+    _vs("variant: forgetting 0.95 - paper EBPO", "variants", "ebpo_forget", "ebpo", 0),
+]
 PARTS = ("pilot", "small_g", "g8", "group_size", "g16", "variants", "curriculum")
 BASELINES = ["grpo", "dr_grpo", "rloo", "rpp", "ebpo"]
 

@@ -74,6 +74,7 @@ _LAST_WINDOW = (
     ("entropy", "actor/entropy"),
     ("zero_adv", "adv/zero_frac"),
     ("grad_norm", "actor/grad_norm"),
+    ("length", "response_length/mean"),
 )
 
 
@@ -100,7 +101,8 @@ def final_rows(evals: pd.DataFrame) -> pd.DataFrame:
 
 def summarize(evals: pd.DataFrame, by: Sequence[str]) -> pd.DataFrame:
     """Final pass@1 per setting `by`: seeds, mean, 95% interval, gain over the start, tokens,
-    and the last eval window's entropy, zero-advantage share and grad norm (seed means)."""
+    and the last eval window's entropy, zero-advantage share, grad norm and response length
+    (seed means)."""
     final = final_rows(evals)
     start = evals[evals.step == 0].set_index("run_id")["pass@1"]
     out = []

@@ -1,0 +1,123 @@
+"""The claims table of a family of grids: `python experiments/claims.py --grids=configs/ablations/reasoning.py`.
+
+The grid file's CLAIMS (stated before the runs) each name seed-paired terms over the
+results.csv of its parts; every claim gets its effect, 95% t-interval, paired p-value,
+Holm-adjusted p-value across the claims with a direction, and the verdict rule of
+`ablate.py`. A claim whose runs are missing says "not run". Writes the grid file's
+CLAIMS_OUT (markdown) and prints it.
+"""
+
+import importlib.util
+import os
+
+import pandas as pd
+from absl import app, flags
+
+from ebpo_jax import ablation
+from ebpo_jax.ablation import power
+from ebpo_jax.ablation.results import final_rows
+
+_GRIDS = flags.DEFINE_string("grids", "configs/ablations/reasoning.py", "Grid family file.")
+RULE = (
+    "Verdict rule, stated before the runs: `reproduced` when the 95% interval excludes 0 in "
+    "the predicted direction, `opposite` when it excludes 0 the other way, `inconclusive` "
+    "otherwise; the Holm column adjusts across every claim with a direction. `n/a`: a "
+    "reference with no prediction.\n"
+)
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_module(path: str):
+    """The grid family's module (CLAIMS, CLAIMS_OUT, get_config(part))."""
+    full = path if os.path.isabs(path) else os.path.join(_REPO, path)
+    spec = importlib.util.spec_from_file_location("grid_family", full)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def term(finals: pd.DataFrame, where: dict) -> pd.Series:
+    """Final pass@1 by seed of the rows of `finals` where every `where` column has its value."""
+    rows = finals
+    for column, value in where.items():
+        if column not in rows:
+            return pd.Series(dtype=float)
+        rows = rows[rows[column].astype(str) == str(value)]
+    return rows.set_index("seed")["pass@1"]
+
+
+def side(terms, finals_of) -> pd.Series:
+    """The seed-aligned sum of `terms` ((part, where) pairs); empty when any is missing."""
+    series = [term(finals_of(part), where) for part, where in terms]
+    if any(s.empty for s in series):
+        return pd.Series(dtype=float)
+    both = pd.concat(series, axis=1, join="inner").dropna()
+    return both.sum(axis=1)
+
+
+def claims_table(claims, finals_of, alpha: float = 0.05) -> pd.DataFrame:
+    """One row per claim: its paired test, and the verdicts (ablation.claims)."""
+    rows = []
+    for c in claims:
+        plus, minus = side(c["plus"], finals_of), side(c["minus"], finals_of)
+        both = pd.concat([plus, minus], axis=1, join="inner").dropna()
+        test = power.paired_test(both.iloc[:, 0], both.iloc[:, 1]) if len(both) else {}
+        rows.append({"claim": c["claim"], **power.paired_test([], []), **test})
+    table = ablation.claims(pd.DataFrame(rows), [c["direction"] for c in claims], alpha)
+    missing = table.seeds == 0
+    table.loc[missing, ["verdict", "verdict_holm"]] = "not run"
+    return table
+
+
+def results_loader(module):
+    """part -> its final eval rows (empty when the part has no results.csv yet)."""
+    cache = {}
+
+    def finals_of(part: str) -> pd.DataFrame:
+        if part not in cache:
+            path = os.path.join(_REPO, module.get_config(part).out_dir, "results.csv")
+            cache[part] = final_rows(pd.read_csv(path)) if os.path.exists(path) else pd.DataFrame()
+        return cache[part]
+
+    return finals_of
+
+
+def render(table: pd.DataFrame) -> str:
+    """The markdown claims table: effect [interval], seeds, p, Holm p, verdicts."""
+    out = pd.DataFrame(
+        {
+            "claim": table.claim,
+            "effect [95% interval]": [
+                f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" if n else "-"
+                for d, lo, hi, n in zip(table["diff"], table.ci_low, table.ci_high, table.seeds)
+            ],
+            "seeds": table.seeds,
+            "p": table.p,
+            "Holm p": table.p_holm,
+            "verdict": table.verdict,
+            "verdict (Holm)": table.verdict_holm,
+        }
+    )
+    return ablation.to_markdown(out)
+
+
+def main(argv):
+    del argv
+    module = load_module(_GRIDS.value)
+    table = claims_table(module.CLAIMS, results_loader(module))
+    text = "\n".join(
+        [
+            f"# Claims over {_GRIDS.value}'s grids (final held-out pass@1, paired by seed)\n",
+            RULE,
+            render(table),
+            "",
+        ]
+    )
+    out = os.path.join(_REPO, module.CLAIMS_OUT)
+    with open(out, "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    app.run(main)
