@@ -305,3 +305,19 @@ def test_provenance_reads_the_cpu_model(tmp_path):
     assert provenance.cpu_model(str(info)) == "Fancy CPU @ 3GHz"
     prov = provenance.provenance()
     assert set(prov) == set(provenance.FIELDS) and prov["jaxlib"] and prov["machine"]
+
+
+def test_plot_axes_ignore_provenance():
+    from ebpo_jax.ablation import plots
+
+    df = pd.DataFrame(
+        {
+            "block": "b",
+            "method": ["grpo", "ebpo", "grpo", "ebpo"],
+            "group_size": [4, 4, 8, 8],
+            "seed": [0, 0, 0, 0],
+            "xla_flags": ["", "--a", "", "--a"],  # adopted runs may differ here
+            "jaxlib": "0.10.2",
+        }
+    )
+    assert plots._axes_of(df) == (["method"], "group_size")

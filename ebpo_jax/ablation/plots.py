@@ -9,6 +9,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
 from ebpo_jax.ablation.results import CURVES, summarize
 
 TRAIN_PANELS = (
@@ -24,6 +25,7 @@ TRAIN_PANELS = (
 def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> tuple[list[str], str | None]:
     """(series axes, facet axis): axes that vary in this block; group_size facets."""
     fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "prompts_per_step", *CURVES}
+    fixed |= set(PROVENANCE_FIELDS)  # runs adopted from other grids may differ in XLA flags
     axes = [c for c in df.columns if c not in fixed]
     varying = [a for a in axes if a not in ignore and df[a].nunique(dropna=True) > 1]
     facet = "group_size" if "group_size" in varying else None
