@@ -5,7 +5,9 @@ grid's runs under another name. A grid config's `reuse` lists other grids' out_d
 finished run there whose saved config.json equals this run's config in every field but
 `workdir` is copied in (summary, metrics, config; not its checkpoints) with a
 `reused_from.txt` naming the source, instead of being trained again. Training is
-deterministic on one machine (`ablate.py --rerun` checks it), so the copy is the run.
+deterministic for a given config, code, jaxlib and XLA flags (`ablate.py --rerun` checks
+it), so the copy is the run; it keeps the provenance it was trained with, and its XLA flags
+may differ from the adopting grid's (one XLA thread per worker with --workers > 1).
 """
 
 import json
