@@ -1,7 +1,10 @@
 """Run an ablation grid: `python experiments/ablate.py --config=configs/ablations/<grid>.py`.
 
 Each run trains in `<out_dir>/runs/<run_id>`; a run with a `summary.json` is finished and
-skipped, an interrupted one resumes from its checkpoint. Then `<out_dir>/results.csv` (one
+skipped, an interrupted one resumes from its checkpoint. runs/ is scratch: a run without a
+folder there that the committed results.csv holds to its last step is finished too, and
+keeps its recorded rows (ebpo_jax/ablation/record.py), so more seeds on a fresh clone train
+only the new runs. Then `<out_dir>/results.csv` (one
 row per run and eval step, with the run's jax/jaxlib versions, machine, CPU and XLA flags),
 `steps.csv` (per-step training curves), `summary.md` (final pass@1 per setting, 95%
 intervals over seeds, and each paired comparison with its p-value, Holm correction and
@@ -171,6 +174,23 @@ def _train_all(todo, configs, cache_dir, workers, bar) -> list[str]:
     return trained
 
 
+def _finished(runs, configs, out) -> set[str]:
+    """Run ids with a summary.json under runs/, or with no folder there that the committed
+    results.csv holds to their last step."""
+    from ebpo_jax.ablation import record
+
+    runs_dir = os.path.join(out, "runs")
+    done = {
+        r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
+    }
+    gone = {
+        r.run_id: configs[r.run_id].total_steps
+        for r in runs
+        if not os.path.isdir(os.path.join(runs_dir, r.run_id))
+    }
+    return done | record.finished(out, gone)
+
+
 def _train_grid(grid, runs, out, workers, log) -> list[str]:
     """Train the unfinished `runs` of `grid` (seed-major) after adopting the same runs of
     the grids in its `reuse` list; returns the ids trained."""
@@ -181,9 +201,7 @@ def _train_grid(grid, runs, out, workers, log) -> list[str]:
     runs_dir, cache_dir = os.path.join(out, "runs"), os.path.join(out, "jax_cache")
     configs = _configs(grid, runs, runs_dir)
     reuse.adopt(configs, runs_dir, grid.get("reuse", ()), log=log)
-    done = {
-        r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
-    }
+    done = _finished(runs, configs, out)
     todo = [r for r in runs if r.run_id not in done]
     # Seed-major: one seed of every setting first (an early full picture), and the later
     # seeds reuse the first seed's compiled programs from the persistent cache.
@@ -280,10 +298,9 @@ def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=pri
 def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
     """results.csv, steps.csv, summary.md (settings, comparisons, verdicts) and plots."""
     from ebpo_jax import ablation
-    from ebpo_jax.ablation import plots
+    from ebpo_jax.ablation import plots, record
 
-    runs_dir = os.path.join(out, "runs")
-    evals, steps = ablation.collect(runs_dir, runs)
+    evals, steps = record.collect(out, runs)
     paths = {"results": os.path.join(out, "results.csv"), "steps": os.path.join(out, "steps.csv")}
     evals.to_csv(paths["results"], index=False)
     steps.to_csv(paths["steps"], index=False)
@@ -430,6 +447,7 @@ def run_grid(
     """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0),
     then write the tables and plots; returns paths, the run ids and those trained."""
     from ebpo_jax import ablation
+    from ebpo_jax.ablation import record
 
     out = os.path.abspath(grid.out_dir)
     runs_dir = os.path.join(out, "runs")
@@ -444,7 +462,7 @@ def run_grid(
             grid = pilot
         else:
             trained = _train_grid(pilot, pilot_runs, out, workers, log)
-            evals, _ = ablation.collect(runs_dir, pilot_runs)
+            evals, _ = record.collect(out, pilot_runs)
             power_report = choose_seeds(
                 evals,
                 pilot_runs,
@@ -460,14 +478,9 @@ def run_grid(
                 json.dump(power_report, f, indent=2, default=str)
     runs = ablation.expand(grid)
     if dry_run:
-        _configs(grid, runs, runs_dir)
+        done = _finished(runs, _configs(grid, runs, runs_dir), out)
         for r in runs:
-            state = (
-                "done"
-                if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
-                else "todo"
-            )
-            log(f"  {state}  {r.run_id}")
+            log(f"  {'done' if r.run_id in done else 'todo'}  {r.run_id}")
         return {"runs": [r.run_id for r in runs], "trained": []}
     t0 = time.time()
     trained = [] if power_report is None else trained

@@ -48,7 +48,15 @@ def term(finals: pd.DataFrame, where: dict) -> pd.Series:
 
 def side(terms, finals_of) -> pd.Series:
     """The seed-aligned sum of `terms` ((part, where) pairs); empty when any is missing."""
-    series = [term(finals_of(part), where) for part, where in terms]
+    series = []
+    for part, where in terms:
+        s = term(finals_of(part), where)
+        if s.index.duplicated().any():  # e.g. GRPO G=4 sits in two blocks of one grid
+            raise ValueError(
+                f"claim term ({part!r}, {where}) matches {len(s)} runs for "
+                f"{s.index.nunique()} seeds: name a block or more columns"
+            )
+        series.append(s)
     if any(s.empty for s in series):
         return pd.Series(dtype=float)
     both = pd.concat(series, axis=1, join="inner").dropna()

@@ -4,6 +4,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 
 import ml_collections
 import numpy as np
@@ -151,6 +152,19 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     adopted = ablate.run_grid(other, log=lambda *_: None)
     assert adopted["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(adopted["results"]), evals)
+    # A fresh clone has the committed tables but no runs/: recorded runs stay finished.
+    steps = pd.read_csv(out["steps"])
+    shutil.rmtree(os.path.join(grid.out_dir, "runs"))
+    recorded = ablate.run_grid(grid, log=lambda *_: None)
+    assert recorded["trained"] == []
+    pd.testing.assert_frame_equal(pd.read_csv(recorded["results"]), evals)
+    pd.testing.assert_frame_equal(pd.read_csv(recorded["steps"]), steps)
+    # A run recorded short of its last step trains again; the other keeps its rows.
+    evals[(evals.method == "ebpo") | (evals.step == 0)].to_csv(out["results"], index=False)
+    partial = ablate.run_grid(grid, log=lambda *_: None)
+    grpo = [r for r in out["runs"] if "grpo" in r]
+    assert partial["trained"] == grpo
+    pd.testing.assert_frame_equal(pd.read_csv(partial["results"]), evals)
 
 
 def test_reuse_adopts_only_the_same_config(tmp_path):

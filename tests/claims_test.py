@@ -79,3 +79,15 @@ def test_reasoning_claims_name_existing_parts_and_columns():
         assert claim["direction"] in (0, 1)
         for part, where in claim["plus"] + claim["minus"]:
             assert part in module.PARTS and set(where) <= columns, claim["claim"]
+
+
+def test_a_term_with_two_runs_per_seed_is_an_error():
+    c = _claims()
+    finals = _finals({("grpo", 4): [0.1, 0.2], ("ebpo", 4): [0.2, 0.3]})
+    twice = pd.concat([finals, finals.assign(block="dapo")], ignore_index=True)
+    claim = {"claim": "x", "direction": 1, "plus": [("a", {"method": "ebpo"})],
+             "minus": [("a", {"method": "grpo"})]}  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"\('a', \{'method': 'ebpo'\}\) matches 4 runs for 2 seeds"
+    ):
+        c.claims_table([claim], lambda p: twice)

@@ -48,6 +48,7 @@ def _vs(claim, part, a, b, direction=1, column="method", **where):
 # the paper's (or, marked, this project's) prediction, 0 a reference with no prediction.
 _EBPO4 = ("group_size", {"block": "budget", "method": "ebpo", "group_size": 4})
 _DAPO4 = ("group_size", {"block": "dapo", "method": "dapo"})
+_BUDGET4 = {"block": "budget", "group_size": 4}  # GRPO G=4 also sits in the dapo block
 CLAIMS = [
     _vs("EBPO beats GRPO at G=2", "small_g", "ebpo", "grpo"),
     _vs("EBPO beats GRPO at G=4", "pilot", "ebpo", "grpo"),
@@ -59,7 +60,7 @@ CLAIMS = [
         "plus": [("small_g", {"method": "ebpo"}), ("g16", {"method": "grpo"})],
         "minus": [("small_g", {"method": "grpo"}), ("g16", {"method": "ebpo"})],
     },
-    _vs("EBPO beats Dr. GRPO at G=4", "group_size", "ebpo", "dr_grpo", group_size=4),
+    _vs("EBPO beats Dr. GRPO at G=4", "group_size", "ebpo", "dr_grpo", **_BUDGET4),
     {"claim": "EBPO beats DAPO at G=4", "direction": 1, "plus": [_EBPO4], "minus": [_DAPO4]},
     _vs("EBPO-topic beats EBPO-naive", "curriculum", "topic", "naive", 1, "order", method="ebpo"),
     _vs(
@@ -70,11 +71,12 @@ CLAIMS = [
         "group_size",
         "ebpo",
         "rpp",
+        block="budget",
         group_size=2,
     ),
-    _vs("(project) EBPO beats RPP at G=4", "group_size", "ebpo", "rpp", group_size=4),
-    _vs("reference: RLOO - GRPO at G=4", "group_size", "rloo", "grpo", 0, group_size=4),
-    _vs("reference: Dr. GRPO - GRPO at G=4", "group_size", "dr_grpo", "grpo", 0, group_size=4),
+    _vs("(project) EBPO beats RPP at G=4", "group_size", "ebpo", "rpp", **_BUDGET4),
+    _vs("reference: RLOO - GRPO at G=4", "group_size", "rloo", "grpo", 0, **_BUDGET4),
+    _vs("reference: Dr. GRPO - GRPO at G=4", "group_size", "dr_grpo", "grpo", 0, **_BUDGET4),
     _vs("reference: DAPO - GRPO at G=4", "group_size", "dapo", "grpo", 0, block="dapo"),
     _vs("reference: GRPO topic - naive", "curriculum", "topic", "naive", 0, "order", method="grpo"),
     _vs(

@@ -1,0 +1,58 @@
+"""A grid's committed results.csv and steps.csv as the record of runs whose folders are gone.
+
+`<out_dir>/runs/` is scratch (ignored by git, lost with the machine); the committed tables
+hold every finished run's eval and training rows. A run with no folder under runs/ whose
+recorded eval rows reach its last step counts as finished: extending a grid with more
+seeds on a fresh clone trains only the new runs, and its tables keep the recorded rows.
+"""
+
+import os
+from collections.abc import Mapping, Sequence
+
+import pandas as pd
+
+from ebpo_jax.ablation import results
+from ebpo_jax.ablation.grid import Run
+
+TABLES = ("results.csv", "steps.csv")
+
+
+def read(out: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(eval rows, step rows) of `out`'s committed tables; empty frames where absent."""
+    frames = []
+    for name in TABLES:
+        path = os.path.join(out, name)
+        frames.append(
+            pd.read_csv(path, keep_default_na=False, na_values=[""])
+            if os.path.exists(path)
+            else pd.DataFrame()
+        )
+    return frames[0], frames[1]
+
+
+def finished(out: str, last_step: Mapping[str, int]) -> set[str]:
+    """Run ids (keys of `last_step`: run id -> its total_steps) recorded up to their last step."""
+    evals, _ = read(out)
+    if evals.empty:
+        return set()
+    reached = evals.groupby("run_id")["step"].max()
+    return {r for r, last in last_step.items() if r in reached.index and reached[r] >= last}
+
+
+def collect(out: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """results.collect over `out`/runs, plus the recorded rows of the runs it has none of."""
+    evals, steps = results.collect(os.path.join(out, "runs"), runs)
+    old_evals, old_steps = read(out)
+    fresh = set(evals.run_id) if not evals.empty else set()
+    keep = {r.run_id for r in runs} - fresh
+    order = {r.run_id: i for i, r in enumerate(runs)}
+
+    def merged(new: pd.DataFrame, old: pd.DataFrame) -> pd.DataFrame:
+        if not old.empty:
+            new = pd.concat([new, old[old.run_id.isin(keep)]], ignore_index=True)
+        if new.empty:
+            return new
+        rank = new.run_id.map(order)
+        return new.iloc[rank.argsort(kind="stable")].reset_index(drop=True)
+
+    return merged(evals, old_evals), merged(steps, old_steps)
