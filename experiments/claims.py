@@ -3,8 +3,10 @@
 The grid file's CLAIMS (stated before the runs) each name seed-paired terms over the
 results.csv of its parts; every claim gets its effect, 95% t-interval, paired p-value,
 Holm-adjusted p-value across the claims with a direction, and the verdict rule of
-`ablate.py`. A claim whose runs are missing says "not run". Writes the grid file's
-CLAIMS_OUT (markdown) and prints it.
+`ablate.py`. A claim whose runs are missing says "not run". A family file's COMPARE names
+another family (e.g. the same claims over the arithmetic grids) whose effects and verdicts
+join as extra columns, by claim text. Writes the grid file's CLAIMS_OUT (markdown) and
+prints it.
 """
 
 import importlib.util
@@ -90,15 +92,20 @@ def results_loader(module):
     return finals_of
 
 
-def render(table: pd.DataFrame) -> str:
-    """The markdown claims table: effect [interval], seeds, p, Holm p, verdicts."""
+def _effects(table: pd.DataFrame) -> list[str]:
+    return [
+        f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" if n else "-"
+        for d, lo, hi, n in zip(table["diff"], table.ci_low, table.ci_high, table.seeds)
+    ]
+
+
+def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str = "") -> str:
+    """The markdown claims table: effect [interval], seeds, p, Holm p, verdicts; with
+    `compare` (another family's claims_table) its effect, seeds and verdict by claim."""
     out = pd.DataFrame(
         {
             "claim": table.claim,
-            "effect [95% interval]": [
-                f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" if n else "-"
-                for d, lo, hi, n in zip(table["diff"], table.ci_low, table.ci_high, table.seeds)
-            ],
+            "effect [95% interval]": _effects(table),
             "seeds": table.seeds,
             "p": table.p,
             "Holm p": table.p_holm,
@@ -106,6 +113,12 @@ def render(table: pd.DataFrame) -> str:
             "verdict (Holm)": table.verdict_holm,
         }
     )
+    if compare is not None:
+        other = compare.assign(effect=_effects(compare)).set_index("claim")
+        other = other.reindex(table.claim)
+        out[f"{name}: effect"] = other.effect.fillna("-").to_numpy()
+        out[f"{name}: seeds"] = other.seeds.fillna(0).astype(int).to_numpy()
+        out[f"{name}: verdict"] = other.verdict.fillna("not run").to_numpy()
     return ablation.to_markdown(out)
 
 
@@ -113,11 +126,15 @@ def main(argv):
     del argv
     module = load_module(_GRIDS.value)
     table = claims_table(module.CLAIMS, results_loader(module))
+    compare, name = None, ""
+    if getattr(module, "COMPARE", None):  # a second family's effects, as extra columns
+        other = load_module(module.COMPARE)
+        compare, name = claims_table(other.CLAIMS, results_loader(other)), other.NAME
     text = "\n".join(
         [
             f"# Claims over {_GRIDS.value}'s grids (final held-out pass@1, paired by seed)\n",
             RULE,
-            render(table),
+            render(table, compare, name),
             "",
         ]
     )

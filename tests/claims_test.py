@@ -69,6 +69,9 @@ def test_claims_pair_by_seed_across_parts_and_apply_holm():
     assert np.isnan(row.loc["ref", "p_holm"]) and row.loc["ref", "verdict"] == "n/a"
     assert row.loc["absent", "verdict"] == "not run" and row.loc["absent", "seeds"] == 0
     assert "| g2 |" in c.render(table)
+    both = c.render(table, table[table.claim == "g2"], "other")
+    assert "other: effect | other: seeds | other: verdict |" in both
+    assert both.splitlines()[-1].endswith("| - | 0 | not run |")  # "absent" is not in `other`
 
 
 def test_reasoning_claims_name_existing_parts_and_columns():
@@ -91,3 +94,14 @@ def test_a_term_with_two_runs_per_seed_is_an_error():
         ValueError, match=r"\('a', \{'method': 'ebpo'\}\) matches 4 runs for 2 seeds"
     ):
         c.claims_table([claim], lambda p: twice)
+
+
+def test_arithmetic_claims_read_the_committed_grids():
+    """Each claim of the arithmetic column finds the 3 paired seeds of the committed grids."""
+    c = _claims()
+    module = c.load_module("configs/ablations/arithmetic_claims.py")
+    table = c.claims_table(module.CLAIMS, c.results_loader(module)).set_index("claim")
+    assert (table.seeds == 3).all(), table.seeds
+    reasoning = c.load_module("configs/ablations/reasoning.py")
+    assert set(table.index) <= {claim["claim"] for claim in reasoning.CLAIMS}
+    assert table.loc["EBPO beats GRPO at G=4", "diff"] == pytest.approx(0.026, abs=5e-4)

@@ -22,7 +22,9 @@ config (`reuse`: the G=4 GRPO and EBPO runs are the pilot's, G=2 and G=8 small_g
 import ml_collections
 
 BUDGET = 128  # responses per step, every G
+NAME = "reasoning task"
 CLAIMS_OUT = "results/ablations/reasoning_claims.md"  # experiments/claims.py writes it
+COMPARE = "configs/ablations/arithmetic_claims.py"  # the same claims on the arithmetic task
 FIXED = {
     "total_steps": 200,
     "eval_every": 50,
