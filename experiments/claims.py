@@ -6,7 +6,8 @@ Holm-adjusted p-value across the claims with a direction, and the verdict rule o
 `ablate.py`. A claim whose runs are missing says "not run". A family file's COMPARE names
 another family (e.g. the same claims over the arithmetic grids) whose effects and verdicts
 join as extra columns, by claim text. Writes the grid file's CLAIMS_OUT (markdown) and
-prints it.
+prints it; its `seeds for +0.02` column is the paired seeds each claim would need for 80%
+power at a 2-point effect, at the std it shows.
 """
 
 import importlib.util
@@ -26,6 +27,7 @@ RULE = (
     "otherwise; the Holm column adjusts across every claim with a direction. `n/a`: a "
     "reference with no prediction.\n"
 )
+EFFECT = 0.02  # the smallest difference the seed counts are sized for (ablate.py's pilot)
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -79,6 +81,14 @@ def claims_table(claims, finals_of, alpha: float = 0.05) -> pd.DataFrame:
     return table
 
 
+def seeds_for(table: pd.DataFrame, effect: float, power_: float = 0.8, alpha: float = 0.05):
+    """Paired seeds each claim needs to detect `effect` at `power_`, at its observed std."""
+    return [
+        power.seeds_needed(effect, sd, power=power_, alpha=alpha) if n >= 2 else -1
+        for sd, n in zip(table.sd, table.seeds)
+    ]
+
+
 def results_loader(module):
     """part -> its final eval rows (empty when the part has no results.csv yet)."""
     cache = {}
@@ -111,6 +121,7 @@ def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str =
             "Holm p": table.p_holm,
             "verdict": table.verdict,
             "verdict (Holm)": table.verdict_holm,
+            f"seeds for {EFFECT:+.2f}": seeds_for(table, EFFECT),
         }
     )
     if compare is not None:

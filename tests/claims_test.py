@@ -69,6 +69,8 @@ def test_claims_pair_by_seed_across_parts_and_apply_holm():
     assert np.isnan(row.loc["ref", "p_holm"]) and row.loc["ref", "verdict"] == "n/a"
     assert row.loc["absent", "verdict"] == "not run" and row.loc["absent", "seeds"] == 0
     assert "| g2 |" in c.render(table)
+    needed = dict(zip(table.claim, c.seeds_for(table, 0.02)))
+    assert needed["g2"] == power.seeds_needed(0.02, d_g2.std(ddof=1)) and needed["absent"] == -1
     both = c.render(table, table[table.claim == "g2"], "other")
     assert "other: effect | other: seeds | other: verdict |" in both
     assert both.splitlines()[-1].endswith("| - | 0 | not run |")  # "absent" is not in `other`
