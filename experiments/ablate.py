@@ -4,8 +4,8 @@ Each run trains in `<out_dir>/runs/<run_id>`; a run with a `summary.json` is fin
 skipped, an interrupted one resumes from its checkpoint. runs/ is scratch: a run without a
 folder there that the committed results.csv holds to its last step is finished too, and
 keeps its recorded rows (ebpo_jax/ablation/record.py), so more seeds on a fresh clone train
-only the new runs. Then `<out_dir>/results.csv` (one
-row per run and eval step, with the run's jax/jaxlib versions, machine, CPU and XLA flags),
+only the new runs. Then `<out_dir>/results.csv` (one row per run and eval step, with the
+run's jax/jaxlib versions, machine, CPU and XLA flags),
 `steps.csv` (per-step training curves), `summary.md` (final pass@1 per setting, 95%
 intervals over seeds, and each paired comparison with its p-value, Holm correction and
 verdict) and PNG plots under `<out_dir>/plots/`.

@@ -121,7 +121,7 @@ def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str =
             "Holm p": table.p_holm,
             "verdict": table.verdict,
             "verdict (Holm)": table.verdict_holm,
-            f"seeds for {EFFECT:+.2f}": seeds_for(table, EFFECT),
+            f"seeds for {EFFECT:+.2f}": [n if n > 0 else "-" for n in seeds_for(table, EFFECT)],
         }
     )
     if compare is not None:

@@ -14,6 +14,7 @@ CLAIMS_OUT = "results/ablations/arithmetic_claims.md"
 
 
 def get_config(part: str):
+    """The arithmetic grid `part` (its out_dir holds the committed results.csv)."""
     if part not in PARTS:
         raise ValueError(f"configs/ablations/arithmetic_claims.py:{part}: one of {PARTS}")
     return grid_lib.load_config_file(f"configs/ablations/{part}.py")
@@ -30,14 +31,17 @@ def _vs(claim, part, a, b, direction=1, column="method", **where):
 
 
 def _budget(claim, a, b, g, direction=1):
+    """`a` minus `b` at G=g in group_size.py's equal-budget block."""
     return _vs(claim, "group_size", a, b, direction, block="budget", group_size=g)
 
 
 def _order(claim, order, method, direction=1):
+    """`order` minus the naive order for `method` in curriculum.py."""
     return _vs(claim, "curriculum", order, "naive", direction, "order", method=method)
 
 
 def _variant(claim, method):
+    """An estimator variant minus paper EBPO in estimator_variants.py (no prediction)."""
     return _vs(claim, "estimator_variants", method, "ebpo", 0)
 
 

@@ -4,6 +4,8 @@
 hold every finished run's eval and training rows. A run with no folder under runs/ whose
 recorded eval rows reach its last step counts as finished: extending a grid with more
 seeds on a fresh clone trains only the new runs, and its tables keep the recorded rows.
+Rows match runs by run id, which names a run's axes, not the grid's fixed settings or base
+config: as with runs/, a grid whose fixed settings change needs a new out_dir.
 """
 
 import os
