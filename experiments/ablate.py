@@ -16,6 +16,8 @@ first trains seeds 0..3 of every run, estimates the std of each claim's paired d
 (EBPO variants minus the reference method, per setting), prints how many paired seeds a
 two-sided paired t-test at `--alpha` needs to detect `--power_effect` with that power, and
 trains that many (the largest over the claims, capped at --max_seeds); `power.json` records it.
+`--seeds=N` trains seeds 0..N-1 instead, e.g. the count a cross-grid claim needs
+(`experiments/claims.py`'s `seeds for` column).
 Shared runs: a grid's `reuse` (a list of other grids' out_dirs) adopts their finished runs
 whose training config equals a run's but for `workdir` (ebpo_jax/ablation/reuse.py).
 Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv in
@@ -45,6 +47,9 @@ _POWER = flags.DEFINE_float("power", 0.8, "Target power of the paired t-test.")
 _ALPHA = flags.DEFINE_float("alpha", 0.05, "Two-sided level of the paired tests and Holm.")
 _PILOT = flags.DEFINE_integer("pilot_seeds", 4, "Seeds of the pilot that estimates the std.")
 _MAX_SEEDS = flags.DEFINE_integer("max_seeds", 20, "Cap on the seeds the power analysis picks.")
+_SEEDS = flags.DEFINE_integer(
+    "seeds", 0, "Train seeds 0..N-1 of every run instead of the grid's (0: the grid's)."
+)
 _RERUN = flags.DEFINE_string("rerun", "", "Retrain this run id and compare with results.csv.")
 _RERUN_ATOL = flags.DEFINE_float("rerun_atol", 0.0, "Tolerance of --rerun (0 = bitwise).")
 
@@ -442,6 +447,7 @@ def run_grid(
     alpha: float = 0.05,
     pilot_seeds: int = 4,
     max_seeds: int = 20,
+    seeds: int = 0,
     log=print,
 ) -> dict:
     """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0),
@@ -452,6 +458,10 @@ def run_grid(
     out = os.path.abspath(grid.out_dir)
     runs_dir = os.path.join(out, "runs")
     power_report = None
+    if seeds:
+        if power_effect > 0 or seeds < 1:
+            raise ValueError(f"--seeds={seeds}: give N >= 1, and not with --power_effect")
+        grid = ablation.with_seeds(grid, range(seeds))
     if power_effect > 0 and not plots_only:
         if pilot_seeds < 2:
             raise ValueError(f"--pilot_seeds={pilot_seeds}: a std needs >= 2 paired seeds")
@@ -511,6 +521,7 @@ def main(argv):
         alpha=_ALPHA.value,
         pilot_seeds=_PILOT.value,
         max_seeds=_MAX_SEEDS.value,
+        seeds=_SEEDS.value,
     )
 
 

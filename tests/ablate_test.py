@@ -335,3 +335,26 @@ def test_plot_axes_ignore_provenance():
         }
     )
     assert plots._axes_of(df) == (["method"], "group_size")
+
+
+def test_committed_results_count_as_finished_runs():
+    """A fresh clone (no runs/) sees the committed reasoning group-size runs as done; --seeds
+    lists more seeds to train."""
+    ablate = _load_ablate()
+    spec = importlib.util.spec_from_file_location(
+        "reasoning_grid", os.path.join(REPO, "configs", "ablations", "reasoning.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    grid = module.get_config("group_size")
+    grid.out_dir = os.path.join(REPO, grid.out_dir)
+    grid.blocks = [  # one of the test process's 8 fake devices
+        {**b, "fixed": {**b.get("fixed", {}), "mesh.devices": 1}} for b in grid.blocks
+    ]
+    lines = []
+    out = ablate.run_grid(grid, seeds=6, dry_run=True, log=lines.append)
+    assert len(out["runs"]) == 6 * (15 + 2)  # 5 methods x 3 G + the dapo block's 2, 6 seeds
+    done = {line.split()[1] for line in lines if line.strip().startswith("done")}
+    assert {r for r in out["runs"] if int(r.rsplit("-", 1)[1]) < 4} <= done
+    with pytest.raises(ValueError, match="--seeds=3: .* not with --power_effect"):
+        ablate.run_grid(grid, seeds=3, power_effect=0.02, dry_run=True, log=lines.append)
