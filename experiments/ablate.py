@@ -17,7 +17,8 @@ first trains seeds 0..3 of every run, estimates the std of each claim's paired d
 two-sided paired t-test at `--alpha` needs to detect `--power_effect` with that power, and
 trains that many (the largest over the claims, capped at --max_seeds); `power.json` records it.
 `--seeds=N` trains seeds 0..N-1 instead, e.g. the count a cross-grid claim needs
-(`experiments/claims.py`'s `seeds for` column).
+(`experiments/claims.py`'s `seeds for` column), and `--only=REGEX` trains only the matching
+run ids (the cells that claim reads); the tables list every run with rows.
 Shared runs: a grid's `reuse` (a list of other grids' out_dirs) adopts their finished runs
 whose training config equals a run's but for `workdir` (ebpo_jax/ablation/reuse.py).
 Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv in
@@ -27,6 +28,7 @@ Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv 
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -49,6 +51,9 @@ _PILOT = flags.DEFINE_integer("pilot_seeds", 4, "Seeds of the pilot that estimat
 _MAX_SEEDS = flags.DEFINE_integer("max_seeds", 20, "Cap on the seeds the power analysis picks.")
 _SEEDS = flags.DEFINE_integer(
     "seeds", 0, "Train seeds 0..N-1 of every run instead of the grid's (0: the grid's)."
+)
+_ONLY = flags.DEFINE_string(
+    "only", "", "Train only the runs whose id matches this regex; the tables keep every run."
 )
 _RERUN = flags.DEFINE_string("rerun", "", "Retrain this run id and compare with results.csv.")
 _RERUN_ATOL = flags.DEFINE_float("rerun_atol", 0.0, "Tolerance of --rerun (0 = bitwise).")
@@ -448,6 +453,7 @@ def run_grid(
     pilot_seeds: int = 4,
     max_seeds: int = 20,
     seeds: int = 0,
+    only: str = "",
     log=print,
 ) -> dict:
     """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0),
@@ -495,7 +501,8 @@ def run_grid(
     t0 = time.time()
     trained = [] if power_report is None else trained
     if not plots_only:
-        trained += _train_grid(grid, runs, out, workers, log)
+        chosen = [r for r in runs if re.search(only, r.run_id)] if only else runs
+        trained += _train_grid(grid, chosen, out, workers, log)
     paths = write_results(grid, runs, out, alpha=alpha, log=log)
     log(f"{len(trained)} runs trained in {time.time() - t0:.0f} s; results: {paths['results']}")
     return {**paths, "runs": [r.run_id for r in runs], "trained": trained, "power": power_report}
@@ -522,6 +529,7 @@ def main(argv):
         pilot_seeds=_PILOT.value,
         max_seeds=_MAX_SEEDS.value,
         seeds=_SEEDS.value,
+        only=_ONLY.value,
     )
 
 

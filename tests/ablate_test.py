@@ -159,12 +159,13 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     assert recorded["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(recorded["results"]), evals)
     pd.testing.assert_frame_equal(pd.read_csv(recorded["steps"]), steps)
-    # A run recorded short of its last step trains again; the other keeps its rows.
-    evals[(evals.method == "ebpo") | (evals.step == 0)].to_csv(out["results"], index=False)
-    partial = ablate.run_grid(grid, log=lambda *_: None)
-    grpo = [r for r in out["runs"] if "grpo" in r]
-    assert partial["trained"] == grpo
-    pd.testing.assert_frame_equal(pd.read_csv(partial["results"]), evals)
+    # Runs recorded short of their last step train again, here only those --only matches;
+    # the other keeps its recorded rows.
+    evals[evals.step == 0].to_csv(out["results"], index=False)
+    partial = ablate.run_grid(grid, only="grpo", log=lambda *_: None)
+    assert partial["trained"] == [r for r in out["runs"] if "grpo" in r]
+    expected = evals[(evals.method == "grpo") | (evals.step == 0)].reset_index(drop=True)
+    pd.testing.assert_frame_equal(pd.read_csv(partial["results"]), expected)
 
 
 def test_reuse_adopts_only_the_same_config(tmp_path):
