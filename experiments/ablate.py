@@ -441,6 +441,20 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     return report
 
 
+def _matching(runs, only: str):
+    """The runs whose id matches the regex `only` (every run when it is empty)."""
+    if not only:
+        return runs
+    try:
+        pattern = re.compile(only)
+    except re.error as e:
+        raise ValueError(f"--only={only!r}: not a regex ({e})") from None
+    chosen = [r for r in runs if pattern.search(r.run_id)]
+    if not chosen:
+        raise ValueError(f"--only={only!r}: matches none of the grid's {len(runs)} run ids")
+    return chosen
+
+
 def run_grid(
     grid,
     *,
@@ -456,8 +470,9 @@ def run_grid(
     only: str = "",
     log=print,
 ) -> dict:
-    """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0),
-    then write the tables and plots; returns paths, the run ids and those trained."""
+    """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0, or
+    0..seeds-1; only the ids matching `only`), then write the tables and plots; returns
+    paths, the run ids and those trained."""
     from ebpo_jax import ablation
     from ebpo_jax.ablation import record
 
@@ -501,8 +516,7 @@ def run_grid(
     t0 = time.time()
     trained = [] if power_report is None else trained
     if not plots_only:
-        chosen = [r for r in runs if re.search(only, r.run_id)] if only else runs
-        trained += _train_grid(grid, chosen, out, workers, log)
+        trained += _train_grid(grid, _matching(runs, only), out, workers, log)
     paths = write_results(grid, runs, out, alpha=alpha, log=log)
     log(f"{len(trained)} runs trained in {time.time() - t0:.0f} s; results: {paths['results']}")
     return {**paths, "runs": [r.run_id for r in runs], "trained": trained, "power": power_report}

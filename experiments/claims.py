@@ -103,6 +103,7 @@ def results_loader(module):
 
 
 def _effects(table: pd.DataFrame) -> list[str]:
+    """Each claim's "+d [low, high]", or "-" when it has no paired seeds."""
     return [
         f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]" if n else "-"
         for d, lo, hi, n in zip(table["diff"], table.ci_low, table.ci_high, table.seeds)

@@ -357,5 +357,9 @@ def test_committed_results_count_as_finished_runs():
     assert len(out["runs"]) == 6 * (15 + 2)  # 5 methods x 3 G + the dapo block's 2, 6 seeds
     done = {line.split()[1] for line in lines if line.strip().startswith("done")}
     assert {r for r in out["runs"] if int(r.rsplit("-", 1)[1]) < 4} <= done
+    with pytest.raises(ValueError, match="--only='nope': matches none of the grid's 102"):
+        ablate.run_grid(grid, seeds=6, only="nope", log=lines.append)
+    with pytest.raises(ValueError, match=r"--only='\(': not a regex"):
+        ablate.run_grid(grid, seeds=6, only="(", log=lines.append)
     with pytest.raises(ValueError, match="--seeds=3: .* not with --power_effect"):
         ablate.run_grid(grid, seeds=3, power_effect=0.02, dry_run=True, log=lines.append)
