@@ -14,7 +14,9 @@
 Seeds: give them by power analysis, e.g.
   python experiments/ablate.py --config=configs/ablations/reasoning.py:group_size \\
       --power_effect=0.02 --power=0.8 --pilot_seeds=4 --max_seeds=20
-(the seed lists below are the pilot's default and are replaced by --power_effect).
+(the seed lists below are the pilot's default and are replaced by --power_effect; a
+cross-grid claim's cells get more with --seeds=N --only=REGEX, N from claims.py's
+`seeds for` column).
 Every part reuses the finished runs of the parts before it that have the same training
 config (`reuse`: the G=4 GRPO and EBPO runs are the pilot's, G=2 and G=8 small_g's and g8's).
 """
