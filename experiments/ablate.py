@@ -6,7 +6,7 @@ folder there that the committed results.csv holds to its last step is finished t
 keeps its recorded rows (ebpo_jax/ablation/record.py), so more seeds on a fresh clone train
 only the new runs. Then `<out_dir>/results.csv` (one row per run and eval step, with the
 run's jax/jaxlib versions, machine, CPU and XLA flags),
-`steps.csv` (per-step training curves), `summary.md` (final pass@1 per setting, 95%
+`steps.csv.gz` (per-step training curves), `summary.md` (final pass@1 per setting, 95%
 intervals over seeds, and each paired comparison with its p-value, Holm correction and
 verdict) and PNG plots under `<out_dir>/plots/`.
 `--config=...py:paper` selects a grid's paper-scale variant (pod configs).
@@ -306,14 +306,12 @@ def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=pri
 
 
 def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
-    """results.csv, steps.csv, summary.md (settings, comparisons, verdicts) and plots."""
+    """results.csv, steps.csv.gz, summary.md (settings, comparisons, verdicts) and plots."""
     from ebpo_jax import ablation
     from ebpo_jax.ablation import plots, record
 
     evals, steps = record.collect(out, runs)
-    paths = {"results": os.path.join(out, "results.csv"), "steps": os.path.join(out, "steps.csv")}
-    evals.to_csv(paths["results"], index=False)
-    steps.to_csv(paths["steps"], index=False)
+    paths = record.write(out, evals, steps)
     plot_dir = os.path.join(out, "plots")
     os.makedirs(plot_dir, exist_ok=True)
     paths["plots"] = []

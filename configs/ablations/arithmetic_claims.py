@@ -7,6 +7,7 @@ start): group_size.py (block `budget`, G in {2, 4, 8, 16}, no RLOO), estimator_v
 """
 
 from ebpo_jax.ablation import grid as grid_lib
+from ebpo_jax.ablation.results import contrast as _vs  # `a` minus `b` in a part, by seed
 
 NAME = "arithmetic task"
 PARTS = ("group_size", "estimator_variants", "curriculum")
@@ -18,16 +19,6 @@ def get_config(part: str):
     if part not in PARTS:
         raise ValueError(f"configs/ablations/arithmetic_claims.py:{part}: one of {PARTS}")
     return grid_lib.load_config_file(f"configs/ablations/{part}.py")
-
-
-def _vs(claim, part, a, b, direction=1, column="method", **where):
-    """`a` minus `b` (values of `column`) in `part`, rows where `where` holds, by seed."""
-    return {
-        "claim": claim,
-        "direction": direction,
-        "plus": [(part, {column: a, **where})],
-        "minus": [(part, {column: b, **where})],
-    }
 
 
 def _budget(claim, a, b, g, direction=1):

@@ -23,6 +23,8 @@ config (`reuse`: the G=4 GRPO and EBPO runs are the pilot's, G=2 and G=8 small_g
 
 import ml_collections
 
+from ebpo_jax.ablation.results import contrast as _vs  # `a` minus `b` in a part, by seed
+
 BUDGET = 128  # responses per step, every G
 NAME = "reasoning task"
 CLAIMS_OUT = "results/ablations/reasoning_claims.md"  # experiments/claims.py writes it
@@ -35,16 +37,6 @@ FIXED = {
     "keep_checkpoints": 1,
 }
 SEEDS = [0, 1, 2, 3]
-
-
-def _vs(claim, part, a, b, direction=1, column="method", **where):
-    """`a` minus `b` (values of `column`) in `part`, rows where `where` holds, by seed."""
-    return {
-        "claim": claim,
-        "direction": direction,
-        "plus": [(part, {column: a, **where})],
-        "minus": [(part, {column: b, **where})],
-    }
 
 
 # The claims `experiments/claims.py` tests, stated before the runs they read. Each is the

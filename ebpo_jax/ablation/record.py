@@ -1,4 +1,4 @@
-"""A grid's committed results.csv and steps.csv as the record of runs whose folders are gone.
+"""A grid's committed results.csv and steps.csv.gz as the record of runs whose folders are gone.
 
 `<out_dir>/runs/` is scratch (ignored by git, lost with the machine); the committed tables
 hold every finished run's eval and training rows. A run with no folder under runs/ whose
@@ -16,7 +16,18 @@ import pandas as pd
 from ebpo_jax.ablation import results
 from ebpo_jax.ablation.grid import Run
 
-TABLES = ("results.csv", "steps.csv")
+RESULTS, STEPS = "results.csv", "steps.csv.gz"  # per-step curves: gzip keeps them small in git
+TABLES = (RESULTS, STEPS)
+# Deterministic gzip (no timestamp), so an unchanged table rewrites to the same bytes.
+GZIP = {"method": "gzip", "mtime": 0}
+
+
+def write(out: str, evals: pd.DataFrame, steps: pd.DataFrame) -> dict:
+    """Write the two tables into `out`; returns their paths ("results", "steps")."""
+    paths = {"results": os.path.join(out, RESULTS), "steps": os.path.join(out, STEPS)}
+    evals.to_csv(paths["results"], index=False)
+    steps.to_csv(paths["steps"], index=False, compression=GZIP)
+    return paths
 
 
 def read(out: str) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -159,6 +159,17 @@ def claims(table: pd.DataFrame, direction: Sequence[int], alpha: float = 0.05) -
     return out
 
 
+def contrast(claim: str, part: str, a, b, direction: int = 1, column: str = "method", **where):
+    """A claim of experiments/claims.py: `a` minus `b` (values of `column`) in grid `part`,
+    on the rows where every `where` column has its value, paired by seed."""
+    return {
+        "claim": claim,
+        "direction": direction,
+        "plus": [(part, {column: a, **where})],
+        "minus": [(part, {column: b, **where})],
+    }
+
+
 def to_markdown(df: pd.DataFrame, digits: int = 3) -> str:
     """A GitHub markdown table of `df`: floats to `digits` places, tiny ones (learning
     rates) in 2 significant digits, large ones (token counts) as integers."""
