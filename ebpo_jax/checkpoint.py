@@ -13,6 +13,7 @@ newest step past unreadable or corrupt ones (naming each), moving them to
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +25,27 @@ from typing import Any, Self
 import orbax.checkpoint as ocp
 
 MANIFEST = "ebpo_manifest.json"
+
+
+class _NoItemMetadataWarning(logging.Filter):
+    """Drops orbax's "Metadata file does not exist: <step>/state/_CHECKPOINT_METADATA".
+
+    A Composite checkpoint (state + extra) writes that file once per step, not per item; on
+    every restore orbax still looks for it inside the item and warns, which reads like a
+    corrupt checkpoint. Integrity is checked by the SHA-256 manifest instead.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (
+            msg.startswith("Metadata file does not exist") and "_CHECKPOINT_METADATA" in msg
+        )
+
+
+def _hide_item_metadata_warning() -> None:
+    logger = logging.getLogger("absl")  # orbax logs through absl.logging
+    if not any(isinstance(f, _NoItemMetadataWarning) for f in logger.filters):
+        logger.addFilter(_NoItemMetadataWarning())
 
 
 class CheckpointError(RuntimeError):
@@ -120,6 +142,7 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        _hide_item_metadata_warning()
         self.checksums = checksums
         self._unhashed: list[int] = []  # saved steps whose manifest is not written yet
 

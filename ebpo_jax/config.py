@@ -61,7 +61,10 @@ def default_config() -> ml_collections.ConfigDict:
     c.eval_samples = 4
     c.steps_per_jit = 1  # K steps per lax.scan; 1 = jit -> host -> jit with per-phase timing
     c.max_nonfinite_steps = 5  # stop after this many non-finite steps in a row
-    c.log_every = 1
+    # Without a terminal (a log file, a batch job): a progress line every log_every steps and
+    # at least every log_every_s seconds. On a terminal a tqdm bar shows every step.
+    c.log_every = 10
+    c.log_every_s = 30.0
     # A workdir with metrics.jsonl but no checkpoint is refused unless restart=True (which
     # starts over and rewrites its metrics); see ebpo_jax.workdir.check_workdir.
     c.restart = False
@@ -244,6 +247,7 @@ def _validate_values(c, need) -> None:
     need(bool(str(c.workdir).strip()), "workdir must be a non-empty path")
     need(_is_int(c.seed) and c.seed >= 0, f"seed must be an int >= 0, got {c.seed!r}")
     need(c.log_every >= 1, f"log_every must be >= 1, got {c.log_every}")
+    need(c.get("log_every_s", 1.0) > 0, f"log_every_s must be > 0, got {c.get('log_every_s')}")
     need(c.eval_batch_size >= 1, f"eval_batch_size must be >= 1, got {c.eval_batch_size}")
     need(c.log_samples_every >= 0, f"log_samples_every must be >= 0, got {c.log_samples_every}")
     # optax.clip_by_global_norm flips the gradient's sign below 0 (ascent) and zeroes it at 0.

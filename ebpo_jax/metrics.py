@@ -141,13 +141,13 @@ class _TensorBoard:
         self._writer.flush()
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        from tensorboardX import summary
+        from tensorboardX.proto.summary_pb2 import Summary
 
+        # The Summary proto directly: tensorboardX's summary.scalar() would rename
+        # "eval/pass@1" to "eval/pass_1", and TensorBoard shows the names metrics.jsonl has.
         for tag, value in values.items():
-            event = self._Event(
-                wall_time=time.time(), step=step, summary=summary.scalar(tag, value)
-            )
-            self._writer.write_event(event)
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+            self._writer.write_event(self._Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
@@ -208,7 +208,7 @@ class MetricsWriter:
     Opening with `start_step=s` (the step a resumed run continues from; 0 for a fresh run)
     keeps only the lines of steps < s (of metrics.jsonl and samples.jsonl), so a resumed
     run's files equal an uninterrupted one's. Non-finite values are written as null.
-    TensorBoard tags are tensorboardX-sanitised ("eval/pass@1" appears as "eval/pass_1").
+    TensorBoard tags are the metric names as they are ("eval/pass@1").
     `wandb={"project": ..., "mode": ..., "entity": ..., "name": ...}` (project "" = off) also
     logs to Weights & Biases, with `run_config` as the run's config.
     """
@@ -393,6 +393,14 @@ class ProgressBar:
         self._bar = tqdm(total=total, initial=initial, unit="step", disable=disable)
         self._pass_rate = None
 
+    def compiling(self) -> None:
+        """Say so while the first step compiles (the bar would sit at ?step/s)."""
+        self._bar.set_description("compiling", refresh=True)
+
+    def write(self, message: str) -> None:
+        """Print a line above the bar, never into its line."""
+        self._bar.write(message)
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Move the bar to `step` + 1 and show the latest metrics."""
         if "eval/pass@1" in metrics:
@@ -404,6 +412,8 @@ class ProgressBar:
         if self._pass_rate is not None:
             postfix["pass@1"] = format_value(self._pass_rate, ".3f")
         self._bar.set_postfix(postfix, refresh=False)
+        if self._bar.desc:
+            self._bar.set_description("", refresh=False)
         self._bar.update(step + 1 - self._bar.n)
 
     def close(self) -> None:

@@ -174,6 +174,8 @@ class RunSpec:
     log_samples_every: int  # 0 = never: sample completions to samples.jsonl
     wandb: ml_collections.FrozenConfigDict  # project "" = off
     config_json: str  # the config as written to workdir/config.json
+    log_every: int = 10  # progress lines without a terminal: every N steps
+    log_every_s: float = 30.0  # ... and at least every this many seconds
 
     def to_json(self) -> str:
         return self.config_json
@@ -327,6 +329,8 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
         log_samples_every=c.log_samples_every,
         wandb=_frozen(c.wandb),
         config_json=c.to_json(indent=2),
+        log_every=c.log_every,
+        log_every_s=float(c.get("log_every_s", 30.0)),
     )
 
 

@@ -32,6 +32,7 @@ HARMLESS_FIELDS = (
     "eval_every",
     "eval_batch_size",
     "log_every",
+    "log_every_s",
     "log_samples_every",
     "max_nonfinite_steps",
     "sft.cache_dir",
@@ -93,7 +94,9 @@ class WorkdirLock:
     """An exclusive `fcntl.flock` on `<workdir>/.lock`, holding the owner's pid.
 
     The kernel drops the lock when the process dies (kill -9 included), so a stale lock
-    file never blocks a later run.
+    file never blocks a later run. `release` removes the file; a process that opened it just
+    before then holds a lock on a removed file, so `acquire` checks that the file it locked
+    is still the one at the path, and retries otherwise.
     """
 
     def __init__(self, workdir: str):
@@ -102,6 +105,23 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def acquire(self) -> Self:
+        for _ in range(100):
+            fd = self._lock_once()
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # locked a file that release() removed meanwhile: try the new one
+        else:
+            raise WorkdirError(f"cannot lock {self.path}: it keeps being replaced")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def _lock_once(self) -> int:
+        """An fd of the lock file, flock'ed; WorkdirError if another process holds it."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -114,13 +134,16 @@ class WorkdirLock:
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 raise WorkdirError(f"workdir {self.workdir} is in use by pid {owner}") from None
             raise _oserror(f"cannot lock {self.path}", e) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return self
+        return fd
 
     def release(self) -> None:
+        """Unlock and remove the lock file (removed first, while still held)."""
         if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass  # already gone, or the folder is read-only now: the unlock still counts
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -1,6 +1,7 @@
 """The run's folder: writability, free space, the exclusive lock, refusing silent restarts,
 and the saved-config comparison on resume (issue 22)."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -69,6 +70,30 @@ def test_lock_is_exclusive_and_names_the_owner(tmp_path):
     # Released: a new holder gets it.
     with W.WorkdirLock(str(tmp_path)) as again:
         assert again._fd is not None
+
+
+def test_lock_file_is_removed_on_release_and_a_lock_on_a_removed_file_is_not_taken(tmp_path):
+    lock = W.WorkdirLock(str(tmp_path)).acquire()
+    assert (tmp_path / W.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    # A second opener of the same file that locks only after the release (the race a removal
+    # opens) must notice that its file is gone and lock the path's new file instead.
+    stale = os.open(tmp_path / W.LOCK_FILE, os.O_RDWR)
+    lock.release()
+    assert not (tmp_path / W.LOCK_FILE).exists()
+    other = W.WorkdirLock(str(tmp_path))
+    fds = [stale]
+
+    def lock_once():  # first the stale fd (opened before the removal), then the real path
+        if fds:
+            fcntl.flock(fds[0], fcntl.LOCK_EX)
+            return fds.pop()
+        return W.WorkdirLock._lock_once(other)
+
+    other._lock_once = lock_once
+    other.acquire()
+    assert os.fstat(other._fd).st_ino == os.stat(tmp_path / W.LOCK_FILE).st_ino
+    other.release()
+    assert not (tmp_path / W.LOCK_FILE).exists()
 
 
 def test_lock_of_a_killed_process_is_free(tmp_path):

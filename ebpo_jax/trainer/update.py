@@ -313,6 +313,9 @@ def _step_metrics(ro: Rollout, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens
     }
 
 
+SAMPLE_ADVANTAGES = "samples/advantages_G"  # the [G] advantages of the step's first prompt
+
+
 def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState, ro: Rollout):
     """Advantages, then PPO epochs x mini-batches over the rollout: (new state, metrics)."""
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
@@ -378,6 +381,8 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         base=state.base,
     )
     metrics["train/nonfinite_run"] = nonfinite_run
+    # Not a scalar metric: the first prompt's advantages, for samples.jsonl (the loop pops it).
+    metrics[SAMPLE_ADVANTAGES] = adv_PG[0]
     return new_state, metrics
 
 
