@@ -58,9 +58,16 @@ def config_error_line(e: BaseException, argv: list[str], flag: str = "config") -
 
 
 def define_config(name: str, default: str, help_string: str):
-    """config_flags.DEFINE_config_file whose override errors are one line and exit 2."""
+    """config_flags.DEFINE_config_file whose override errors are one line and exit 2, and
+    `--list_<name>`: print every field of the chosen config with its value and doc, and exit."""
+    from absl import flags
     from ml_collections import config_flags
 
+    flags.DEFINE_bool(
+        f"list_{name}",
+        False,
+        f"Print every field of --{name} (after overrides) with its value and one-line doc.",
+    )
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -88,9 +95,49 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     return (WorkdirError, MetricsError, CheckpointError, OSError)
 
 
+def _define_cache_flags(flags) -> None:
+    """--[no]compilation_cache and --compilation_cache_dir, once per process."""
+    from ebpo_jax import compile_cache
+
+    if "compilation_cache" in flags.FLAGS:
+        return
+    flags.DEFINE_bool(
+        "compilation_cache",
+        True,
+        "Keep compiled XLA programs on disk so a restart or resume skips compiling "
+        "(--nocompilation_cache: off).",
+    )
+    flags.DEFINE_string(
+        "compilation_cache_dir",
+        compile_cache.default_dir(),
+        f"Folder of the compilation cache (or ${compile_cache.ENV}).",
+    )
+
+
+def _print_help(flag_values, config_flag: str) -> None:
+    """The program's docstring, its own flags and ours, and how to list the config fields."""
+    main = sys.modules["__main__"]
+    print((main.__doc__ or "").strip() + "\n")
+    for module in (main.__file__ if hasattr(main, "__file__") else sys.argv[0], __name__):
+        text = flag_values.module_help(module) if module else ""
+        if text.strip():
+            print(text + "\n")
+    if config_flag in flag_values:
+        print(
+            f"Every --{config_flag}.<field>=<value> override, with its default and doc: "
+            f"--list_{config_flag} (also after --{config_flag}=configs/x.py and overrides)."
+        )
+    print("All flags, absl's included: --helpfull")
+
+
 def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:
-    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1."""
+    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1.
+
+    Also the persistent compilation cache (ebpo_jax.compile_cache), unless --nocompilation_cache.
+    """
     from absl import app, flags
+
+    _define_cache_flags(flags)
 
     def parse(argv):
         try:
@@ -101,8 +148,20 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
             fail(config_error_line(e, argv, config_flag))
 
     usage, run_errors = _usage_errors(), _run_errors()
+    if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
+        _print_help(flags.FLAGS, config_flag)
+        raise SystemExit(0)
 
     def wrapped(args):
+        if flags.FLAGS[f"list_{config_flag}"].value if f"list_{config_flag}" in flags.FLAGS else 0:
+            from ebpo_jax.config_doc import describe
+
+            print(describe(flags.FLAGS[config_flag].value))
+            return None
+        if flags.FLAGS.compilation_cache:
+            from ebpo_jax import compile_cache
+
+            compile_cache.enable(flags.FLAGS.compilation_cache_dir)
         try:
             return main(args)
         except usage as e:

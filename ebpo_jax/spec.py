@@ -8,6 +8,7 @@ its slice: the rollout a `RolloutSpec`, the update an `UpdateSpec`, the optimize
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import ml_collections
@@ -313,7 +314,7 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
     c = config
     rollout, ev = rollout_spec(c), eval_spec(c)
     return RunSpec(
-        workdir=c.workdir,
+        workdir=os.path.abspath(c.workdir),  # a relative one (runs/tiny) is the cwd's
         seed=c.seed,
         total_steps=c.total_steps,
         steps_per_jit=c.steps_per_jit,
