@@ -7,7 +7,7 @@ import sys
 import matplotlib.image
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
-import plot_run  # noqa: E402
+import plot_run
 
 
 def test_plot_writes_a_png_of_the_six_curves_and_prints_its_path(tmp_path, capsys):

@@ -25,12 +25,13 @@ def make_evaluator(
 ) -> Callable[[Any], dict[str, float]] | None:
     """evaluate(params) -> {set name: pass@1}: the mean score over `spec.samples` samples per
     problem at `spec.temperature` (0 = greedy, one sample); the same draws at every call.
-    None when there is no set."""
+    `evaluate(params, per_problem=True)` -> {set name: scores [problems, samples]} instead
+    (experiments/eval.py's pass@k). None when there is no set."""
     if not sets:
         return None
     k = spec.samples_per_problem
 
-    def evaluate(params) -> dict[str, float]:
+    def evaluate(params, *, per_problem: bool = False) -> dict[str, Any]:
         out = {}
         for s in sets:
             tokens, lengths = policy_eval.sample_chunks(
@@ -47,7 +48,8 @@ def make_evaluator(
                 eos_id=stop_ids,
                 mesh=mesh,
             )
-            out[s.name] = float(np.asarray(s.score(tokens, lengths), np.float64).mean())
+            scores = np.asarray(s.score(tokens, lengths), np.float64)  # prompt-major [n*k]
+            out[s.name] = scores.reshape(-1, k) if per_problem else float(scores.mean())
         return out
 
     return evaluate
