@@ -3,6 +3,7 @@ progress lines of a run without a terminal, --help and --list_config."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -151,3 +152,17 @@ def test_micro_summary_says_it_has_no_warm_start():
     text = train.summary(s, micro.get_config())
     assert "no warm start" in text.splitlines()[0] and "(step 4)" in text
     assert "plot: python experiments/plot_run.py w" in text
+
+
+def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
+    setup = open(os.path.join(ROOT, "setup.py")).read()
+    required = setup[setup.index("install_requires") : setup.index("extras_require")]
+    assert "tpu" not in required and "torch" not in required
+    assert "tensorboard>=" in required  # `tensorboard --logdir` works from the train venv
+    make = open(os.path.join(ROOT, "Makefile")).read()
+    venvs = dict(re.findall(r"^(\w*VENV) := (\S+)", make, re.MULTILINE))
+    assert venvs["VENV"] != venvs["TEST_VENV"]
+    installs = re.findall(r"^\t\$\((\w+)\)/bin/pip install -q -e (\S+)$", make, re.MULTILINE)
+    assert ("VENV", ".") in installs and ("TEST_VENV", "'.[test]'") in installs
+    assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
+
