@@ -83,7 +83,7 @@ def progress(
     total: int, *, initial: int, every: int, every_s: float, enabled: bool = True, tty=None
 ):
     """A ProgressBar on a terminal, else a TextProgress; a silent bar when not `enabled`."""
-    if not enabled:
+    if not enabled or initial >= total:  # nothing left to train: no bar, no blank line
         return ProgressBar(total, initial=initial, disable=True)
     tty = sys.stdout.isatty() if tty is None else tty
     if tty:

@@ -3,6 +3,7 @@ progress lines of a run without a terminal, --help and --list_config."""
 
 import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -155,14 +156,13 @@ def test_micro_summary_says_it_has_no_warm_start():
 
 
 def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
-    setup = open(os.path.join(ROOT, "setup.py")).read()
+    setup = pathlib.Path(ROOT, "setup.py").read_text()
     required = setup[setup.index("install_requires") : setup.index("extras_require")]
     assert "tpu" not in required and "torch" not in required
     assert "tensorboard>=" in required  # `tensorboard --logdir` works from the train venv
-    make = open(os.path.join(ROOT, "Makefile")).read()
+    make = pathlib.Path(ROOT, "Makefile").read_text()
     venvs = dict(re.findall(r"^(\w*VENV) := (\S+)", make, re.MULTILINE))
     assert venvs["VENV"] != venvs["TEST_VENV"]
     installs = re.findall(r"^\t\$\((\w+)\)/bin/pip install -q -e (\S+)$", make, re.MULTILINE)
     assert ("VENV", ".") in installs and ("TEST_VENV", "'.[test]'") in installs
     assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
-

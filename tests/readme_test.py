@@ -2,6 +2,7 @@
 each shell block names files, make targets and config fields that exist; links resolve."""
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -18,7 +19,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.DOTALL | re.MULTILINE)
 
 def blocks(path: str = README) -> list[tuple[str, str, str | None, int]]:
     """(language, code, the ```text block right after it or None, line) of each fenced block."""
-    text = open(path).read()
+    text = pathlib.Path(path).read_text()
     found = [(m.group(1), m.group(2), m.start(), m.end()) for m in FENCE.finditer(text)]
     out = []
     for i, (lang, code, start, end) in enumerate(found):
@@ -41,8 +42,13 @@ SHELL = [(code, line) for lang, code, _, line in blocks() if lang == "bash"]
 def test_python_block_runs_and_prints_what_the_readme_shows(code, shown, line, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=300, check=False,
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert out.returncode == 0, f"README line {line}:\n{out.stderr[-3000:]}"
     assert shown is not None, f"README line {line}: no ```text block with its output after it"
@@ -54,7 +60,7 @@ def _fields() -> set[str]:
 
 
 def test_shell_blocks_name_files_targets_and_fields_that_exist():
-    fields, makefile = _fields(), open(os.path.join(ROOT, "Makefile")).read()
+    fields, makefile = _fields(), pathlib.Path(ROOT, "Makefile").read_text()
     targets = set(re.findall(r"^([\w-]+):", makefile, re.MULTILINE))
     for code, line in SHELL:
         for path in re.findall(r"\b((?:experiments|benchmarks|configs)/[\w/]+\.py)", code):
@@ -68,7 +74,7 @@ def test_shell_blocks_name_files_targets_and_fields_that_exist():
 
 def test_relative_links_resolve():
     for page in [README, *(os.path.join(ROOT, "docs", p) for p in os.listdir(ROOT + "/docs"))]:
-        text = open(page).read()
+        text = pathlib.Path(page).read_text()
         for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
             path = os.path.normpath(os.path.join(os.path.dirname(page), target))
             assert os.path.exists(path), f"{page}: link {target} does not resolve"
