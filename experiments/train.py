@@ -32,7 +32,7 @@ def summary(s: dict, config) -> str:
     else:
         start = "warm start"
         if config.sft.steps == 0 and not config.model.hf_path:
-            start = "untrained: this config has no warm start (sft.steps=0)"
+            start = "untrained start: this config has no warm start, sft.steps=0"
         end = "not evaluated"
         if s["pass@1_end_step"] is not None:
             end = f"{100 * s['pass@1_end']:.1f}% (step {s['pass@1_end_step']})"
