@@ -212,8 +212,12 @@ class _Log:
 
     def final_eval(self, step: int, policy) -> None:
         """Evaluate once more when the last step reached has no evaluation (e.g. a run that
-        was already finished with another eval_every), so the summary is the run's end."""
-        if self.evaluate is None or self.now_step == step or not distributed.is_main_process():
+        was already finished with another eval_every), so the summary is the run's end.
+
+        Single-process only: only process 0 reads metrics.jsonl, and an evaluation needs
+        every process to take part.
+        """
+        if self.evaluate is None or self.now_step == step or jax.process_count() > 1:
             return
         self.eval_row(policy(), {}, step)
         self.bar.write(f"held-out pass@1 at step {step}: {100 * self.now:.1f}%")
