@@ -3,9 +3,11 @@
 Under `make train > log`, nohup or a batch job there is no terminal, tqdm hides its bar, and
 nothing would be printed between the start and the summary; `TextProgress` prints a line
 every `every` steps and at least every `every_s` seconds instead (step, reward, the latest
-held-out pass@1, tokens/s, ETA). `progress()` picks one of the two.
+held-out pass@1, tokens/s, ETA). `progress()` picks one of the two; `summary()` is the
+closing lines of experiments/train.py.
 """
 
+import math
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -95,3 +97,25 @@ def progress(
 
 def _print_flushed(line: str) -> None:
     print(line, flush=True)
+
+
+def summary(s: dict, config) -> str:
+    """train()'s summary `s` as the closing lines: the warm start's and the latest evaluated
+    pass@1 (with its step), and where the outputs are."""
+    if math.isnan(s["pass@1_start"]) and s["pass@1_end_step"] is None:
+        score = "no held-out evaluation (the task has no held-out set)"
+    else:
+        start = "warm start"
+        if config.sft.steps == 0 and not config.model.hf_path:
+            start = "untrained start: this config has no warm start, sft.steps=0"
+        end = "not evaluated"
+        if s["pass@1_end_step"] is not None:
+            end = f"{100 * s['pass@1_end']:.1f}% (step {s['pass@1_end_step']})"
+        score = f"held-out pass@1: {100 * s['pass@1_start']:.1f}% ({start}) -> {end}"
+    run = f"trained to step {s['step']}" + (" (stopped early)" if s["stopped_early"] else "")
+    return (
+        f"{score}\n{run}, {s['wall_time_s']:.0f} s\n"
+        f"workdir: {s['workdir']}\nmetrics: {s['metrics']}\ncheckpoints: {s['checkpoints']}\n"
+        f"plot: python experiments/plot_run.py {s['workdir']}\n"
+        f"tensorboard: tensorboard --logdir {s['workdir']}"
+    )

@@ -1,6 +1,5 @@
 """Train a policy with EBPO: `python experiments/train.py [--config=configs/x.py] [--config.f=v]`."""
 
-import math
 import os
 
 from absl import logging
@@ -22,28 +21,9 @@ def main(argv):
     s = train(_CONFIG.value)
     if not distributed.is_main_process():
         return
+    from ebpo_jax.progress import summary
+
     print(summary(s, _CONFIG.value))
-
-
-def summary(s: dict, config) -> str:
-    """The closing lines: the warm start's and the latest evaluated pass@1, and the outputs."""
-    if math.isnan(s["pass@1_start"]) and s["pass@1_end_step"] is None:
-        score = "no held-out evaluation (the task has no held-out set)"
-    else:
-        start = "warm start"
-        if config.sft.steps == 0 and not config.model.hf_path:
-            start = "untrained start: this config has no warm start, sft.steps=0"
-        end = "not evaluated"
-        if s["pass@1_end_step"] is not None:
-            end = f"{100 * s['pass@1_end']:.1f}% (step {s['pass@1_end_step']})"
-        score = f"held-out pass@1: {100 * s['pass@1_start']:.1f}% ({start}) -> {end}"
-    run = f"trained to step {s['step']}" + (" (stopped early)" if s["stopped_early"] else "")
-    return (
-        f"{score}\n{run}, {s['wall_time_s']:.0f} s\n"
-        f"workdir: {s['workdir']}\nmetrics: {s['metrics']}\ncheckpoints: {s['checkpoints']}\n"
-        f"plot: python experiments/plot_run.py {s['workdir']}\n"
-        f"tensorboard: tensorboard --logdir {s['workdir']}"
-    )
 
 
 if __name__ == "__main__":

@@ -136,9 +136,6 @@ def test_summary_is_the_latest_evaluation_after_a_stop_and_resumes(tmp_path, mon
 
 
 def test_micro_summary_says_it_has_no_warm_start():
-    sys.path.insert(0, os.path.join(ROOT, "experiments"))
-    import train
-
     s = {
         "pass@1_start": 0.0,
         "pass@1_end": 0.0,
@@ -150,7 +147,7 @@ def test_micro_summary_says_it_has_no_warm_start():
         "metrics": "w/metrics.jsonl",
         "checkpoints": "w/checkpoints",
     }
-    text = train.summary(s, micro.get_config())
+    text = progress.summary(s, micro.get_config())
     assert "no warm start" in text.splitlines()[0] and "(step 4)" in text
     assert "plot: python experiments/plot_run.py w" in text
 
