@@ -49,7 +49,7 @@ def _check(c, tmp_path, step=None):
         want = task.evaluate(task.params)  # what training logs as eval/pass@1
     finally:
         task.close()
-    results, out = run_eval.evaluate_run(str(tmp_path), step=step)
+    results, out = run_eval.evaluate_run(os.path.relpath(tmp_path), step=step)  # as typed
     assert out == str(tmp_path / f"eval_step{step or 4}.json") and os.path.exists(out)
     assert set(results) == set(want)
     k = c.eval_samples

@@ -67,6 +67,7 @@ def checkpoint_params(workdir: str, step: int | None, base_params, model_config)
 
 def evaluate_run(workdir: str, *, step: int | None = None, k: int | None = None, out=None):
     """({set: {metric: {value, lo, hi}}}, the JSON path written) for `workdir`'s checkpoint."""
+    workdir = os.path.abspath(workdir)  # orbax reads absolute paths only
     config = run_config(workdir, k)
     spec = resolve(config, jax.device_count())
     task = build_task(spec.task, mesh=make_mesh(spec.mesh), log=lambda *_: None)
