@@ -163,3 +163,32 @@ def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
     installs = re.findall(r"^\t\$\((\w+)\)/bin/pip install -q -e (\S+)$", make, re.MULTILINE)
     assert ("VENV", ".") in installs and ("TEST_VENV", "'.[test]'") in installs
     assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
+
+
+def test_compilation_cache_folder_is_the_users_and_configurable(tmp_path):
+    from ebpo_jax import compile_cache
+
+    assert compile_cache.default_dir({}) == os.path.join(
+        os.path.expanduser("~"), ".cache", "ebpo_jax", "xla"
+    )
+    assert compile_cache.default_dir({"XDG_CACHE_HOME": "/c"}) == "/c/ebpo_jax/xla"
+    assert compile_cache.default_dir({compile_cache.ENV: str(tmp_path)}) == str(tmp_path)
+
+
+def test_orbax_item_metadata_warning_is_dropped_and_others_kept(tmp_path):
+    import logging
+
+    from ebpo_jax.checkpoint import Checkpointer
+
+    Checkpointer(str(tmp_path / "ckpt")).close()  # installs the filter on the absl logger
+    logger, seen = logging.getLogger("absl"), []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        missing = "Metadata file does not exist: %s"
+        logger.warning(missing, tmp_path / "ckpt/4/state/_CHECKPOINT_METADATA")
+        logger.warning(missing, tmp_path / "ckpt/4/other_file")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == [f"Metadata file does not exist: {tmp_path}/ckpt/4/other_file"]
