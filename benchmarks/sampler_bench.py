@@ -1,6 +1,6 @@
 """Sampler speed: generate vs transformers generate, and decode FLOP/s vs a large matmul.
 
-Run: .venv/bin/python benchmarks/sampler_bench.py [--runs 5] [--decode-runs 3]
+Run: .venv-test/bin/python benchmarks/sampler_bench.py [--runs 5] [--decode-runs 3]  (torch: make install-test)
 Both generators run greedy on the same random checkpoint (hidden 256, 4 layers, vocab 512),
 batch 64, prompt 32, 64 new tokens, in alternating runs; compile time is excluded (one
 warm-up call each). HF's own model FLOP/s is compared with a large f32 matmul's FLOP/s
