@@ -319,7 +319,8 @@ def test_provenance_reads_the_cpu_model(tmp_path):
     info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Fancy CPU @ 3GHz\n")
     assert provenance.cpu_model(str(info)) == "Fancy CPU @ 3GHz"
     prov = provenance.provenance()
-    assert set(prov) == set(provenance.FIELDS) and prov["jaxlib"] and prov["machine"]
+    assert set(prov) == set(provenance.PROCESS) and prov["jaxlib"] and prov["machine"]
+    assert provenance.cpu_family("AMD EPYC") == "amd" != provenance.cpu_family("Intel(R) Xeon")
 
 
 def test_plot_axes_ignore_provenance():

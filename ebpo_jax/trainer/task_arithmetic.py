@@ -16,7 +16,7 @@ from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.trainer import sft
 from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
-from ebpo_jax.trainer.task import Reward, Task, model_config_from, tokenizer_vocab
+from ebpo_jax.trainer.task import VALIDATION, Reward, Task, model_config_from, tokenizer_vocab
 
 
 def load_problems(spec: TaskSpec, family=tasks, tokenizer=None):
@@ -33,6 +33,28 @@ def load_problems(spec: TaskSpec, family=tasks, tokenizer=None):
         difficulties=levels,
     )
     return tokenizer or tasks.CharTokenizer(), train, test
+
+
+def validation_problems(spec: TaskSpec, family=tasks) -> list:
+    """The family's validation split (`task.val_per_cell` per cell; [] when 0)."""
+    t = spec.task
+    n = t.get("val_per_cell", 0)
+    if not n:
+        return []
+    if not hasattr(family, "validation_split"):
+        raise ConfigError(
+            f"task.val_per_cell={n}: the {family.__name__} family has no validation split"
+        )
+    topics = tuple(x for x in t.topics.split(",") if x) or family.TOPICS
+    levels = tuple(d for d in family.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
+    return family.validation_split(
+        t.seed,
+        train_per_cell=t.train_per_cell,
+        test_per_cell=t.test_per_cell,
+        val_per_cell=n,
+        topics=topics,
+        difficulties=levels,
+    )
 
 
 def num_clusters(eb_clusters: str, family=tasks) -> int:
@@ -62,7 +84,8 @@ def eval_set(problems, tokenizer, reward_fn, name: str = "heldout") -> EvalSet:
         r = reward(tokens, lengths, rep(data.answer_tokens), rep(data.answer_lengths))
         return np.asarray(r)
 
-    return EvalSet(name, data.prompt_tokens, data.prompt_lengths, score)
+    meta = tuple((p.id, p.topic, p.difficulty) for p in problems)
+    return EvalSet(name, data.prompt_tokens, data.prompt_lengths, score, problems=meta)
 
 
 def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, log=print):
@@ -85,8 +108,15 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         )
     params = models.init_params(model_config, jax.random.key(sft.init_seed(spec)))
     params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
+    try:
+        digest = sft.check_digest(spec, params)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     eos = tokenizer.eos_id
     sets = [eval_set(test_problems, tokenizer, reward_fn)]
+    val = validation_problems(spec, family)
+    if val:  # sampled in its own calls: the test set's draws stay the same
+        sets.append(eval_set(val, tokenizer, reward_fn, VALIDATION))
     levels = len(family.DIFFICULTIES)
     return Task(
         tokenizer=tokenizer,
@@ -99,6 +129,7 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         stop_ids=eos,
         evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
         base_source=sft.base_source(spec, model_config, len(train_problems)),
+        base_sha256=digest,
     )
 
 
