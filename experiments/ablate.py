@@ -279,6 +279,31 @@ def comparisons(evals, runs, alpha: float = 0.05):
     return ablation.claims(table, direction, alpha)
 
 
+def problem_comparisons(problems, runs):
+    """Every method minus REFERENCE per setting, paired by problem (pass rates summed over
+    the seeds both share): the problem-level view of `comparisons`."""
+    import pandas as pd
+
+    from ebpo_jax import ablation
+
+    tables = []
+    for block in dict.fromkeys(r.block for r in runs):
+        rows = problems[problems.block == block] if not problems.empty else problems
+        axes = [a for a, _ in next(r for r in runs if r.block == block).values if a != "seed"]
+        if rows.empty or "method" not in axes or REFERENCE not in set(rows.method):
+            continue
+        others = [a for a in axes if a != "method"] or ["block"]
+        for m in dict.fromkeys(rows.method):
+            if m != REFERENCE:
+                t = ablation.paired_by_problem(rows, others, "method", m, REFERENCE)
+                tables.append(t.assign(block=block, method=f"{m} - {REFERENCE}"))
+    tables = [t for t in tables if not t.empty]
+    if not tables:
+        return pd.DataFrame()
+    table = pd.concat(tables, ignore_index=True)
+    return table[["block", "method", *(c for c in table.columns if c not in ("block", "method"))]]
+
+
 def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=print) -> dict:
     """Seeds for `power` to detect `effect` on every claim, from the pilot's difference stds."""
     import pandas as pd
@@ -337,6 +362,8 @@ def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
 
     evals, steps = record.collect(out, runs)
     paths = record.write(out, evals, steps)
+    problems = record.collect_problems(out, runs)
+    paths["problems"] = record.write_problems(out, problems)
     plot_dir = os.path.join(out, "plots")
     os.makedirs(plot_dir, exist_ok=True)
     paths["plots"] = []
@@ -354,6 +381,14 @@ def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
             f"## Paired comparisons (final pass@1 minus {REFERENCE}'s, paired by seed)\n",
             VERDICT_RULE.format(alpha=alpha),
             ablation.to_markdown(table.drop(columns=["direction"])),
+            "",
+        ]
+    by_problem = problem_comparisons(problems, runs) if not problems.empty else problems
+    if not by_problem.empty:
+        lines += [
+            f"## Paired by problem (final pass rate minus {REFERENCE}'s per held-out problem, "
+            "over the seeds both share; the interval treats problems as the sample)\n",
+            ablation.to_markdown(by_problem),
             "",
         ]
     paths["summary"] = os.path.join(out, "summary.md")

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from ebpo_jax import policy_eval
+from ebpo_jax.metrics import PER_PROBLEM_FILE
 from ebpo_jax.spec import EvalSpec
 
 
@@ -24,8 +25,6 @@ class EvalSet(NamedTuple):
     # Per problem (id, topic, difficulty), for the per-problem record; () = not recorded.
     problems: tuple = ()
 
-
-PER_PROBLEM_FILE = "eval_problems.csv.gz"
 
 
 def make_evaluator(
