@@ -142,7 +142,15 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     assert len(pd.read_csv(out["steps"])) == 4  # 2 runs x 2 steps
     assert out["plots"] and all(os.path.getsize(p) > 1000 for p in out["plots"])
     with open(out["summary"]) as f:
-        assert "| grpo |" in f.read()
+        text = f.read()
+    assert "| grpo |" in text and "Paired by problem" in text
+    # The final evaluation per problem: its pass rate over problems is the run's pass@1.
+    problems = pd.read_csv(out["problems"])
+    assert len(problems) == 2 * 16 and (problems.correct <= problems.samples).all()
+    assert set(problems.columns) >= {"run_id", "problem_id", "topic", "difficulty", "correct"}
+    rate = problems.groupby("run_id").correct.sum() / problems.groupby("run_id").samples.sum()
+    np.testing.assert_allclose(rate[final.run_id], final["pass@1"], rtol=1e-12)
+    assert final.warm_start_sha256.str.len().eq(64).all()  # the initial policy's digest
     again = ablate.run_grid(grid, log=lambda *_: None)
     assert again["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), evals)

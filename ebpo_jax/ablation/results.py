@@ -94,6 +94,7 @@ def paired_by_problem(problems: pd.DataFrame, by: Sequence[str], column: str, a,
     correct / samples, summed over the seeds both sides have), its mean over the problems
     with a 95% t-interval and paired p-value across problems, and the problems and seeds."""
     rows = problems[problems["set"] != "validation"] if "set" in problems else problems
+    rows = rows if "seed" in rows else rows.assign(seed=0)  # a grid without a seed axis
     out = []
     for key, grp in rows.groupby(list(by), sort=False):
         sides = [grp[grp[column].astype(str) == str(v)] for v in (a, b)]
@@ -101,8 +102,7 @@ def paired_by_problem(problems: pd.DataFrame, by: Sequence[str], column: str, a,
         if not seeds:
             continue
         rate = [
-            s[s.seed.isin(seeds)].groupby("problem_id")[["correct", "samples"]].sum()
-            for s in sides
+            s[s.seed.isin(seeds)].groupby("problem_id")[["correct", "samples"]].sum() for s in sides
         ]
         both = pd.concat([r.correct / r.samples for r in rate], axis=1, join="inner").dropna()
         test = power.paired_test(both.iloc[:, 0], both.iloc[:, 1])

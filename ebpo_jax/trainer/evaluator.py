@@ -26,7 +26,6 @@ class EvalSet(NamedTuple):
     problems: tuple = ()
 
 
-
 def make_evaluator(
     spec: EvalSpec, model_config, sets: Sequence[EvalSet], stop_ids, mesh=None
 ) -> Callable[[Any], dict[str, float]] | None:
