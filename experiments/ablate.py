@@ -22,8 +22,13 @@ run ids (the cells that claim reads); the tables list every run with rows.
 Shared runs: a grid's `reuse` (a list of other grids' out_dirs) adopts their finished runs
 whose training config equals a run's but for `workdir` (ebpo_jax/ablation/reuse.py).
 Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv in
-`<out_dir>/rerun/` and reports whether its rows match (|a - b| <= --rerun_atol), also in
-`<out_dir>/rerun/<run_id>.json`.
+`<out_dir>/rerun/` (from the recorded warm start's weights when `<out_dir>/warm_starts/`
+holds them) and reports whether its rows match (|a - b| <= --rerun_atol) and a verdict:
+`bitwise` on the recorded CPU family, inside or outside the cell's seed band on another;
+in `<out_dir>/rerun/<run_id>.json` (`<run_id>__on-<family>.json` from another family).
+Every run records the SHA-256 of its warm start and of its grid's `claims_file`, which
+must be committed before the grid trains (ebpo_jax/ablation/registration.py); each run's
+final evaluation per problem goes to `problems.csv.gz`.
 """
 
 import json
@@ -386,8 +391,11 @@ def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
     by_problem = problem_comparisons(problems, runs) if not problems.empty else problems
     if not by_problem.empty:
         lines += [
-            f"## Paired by problem (final pass rate minus {REFERENCE}'s per held-out problem, "
-            "over the seeds both share; the interval treats problems as the sample)\n",
+            (
+                f"## Paired by problem (final pass rate minus {REFERENCE}'s per held-out "
+                "problem, over the seeds both share; the interval treats problems as the "
+                "sample)\n"
+            ),
             ablation.to_markdown(by_problem),
             "",
         ]
@@ -509,7 +517,7 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
         atol,
     )
     log(json.dumps(report, indent=2, default=str))
-    with open(os.path.join(rerun_dir, f"{run_id}.json"), "w") as f:
+    with open(_report_path(rerun_dir, run_id, recorded, prov), "w") as f:
         json.dump(report, f, indent=2, default=str)  # the record; the run's folder is not kept
     verdict = "MATCH" if report["match"] else "MISMATCH"
     log(
@@ -517,6 +525,15 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
         f"{report['verdict']}"
     )
     return report
+
+
+def _report_path(rerun_dir: str, run_id: str, recorded: dict, now: dict) -> str:
+    """`<run_id>.json`, or `<run_id>__on-<family>.json` from another CPU family (both kept)."""
+    from ebpo_jax.ablation.provenance import cpu_family
+
+    family = cpu_family(now.get("cpu", ""))
+    same = cpu_family(recorded.get("cpu", "")) == family
+    return os.path.join(rerun_dir, f"{run_id}.json" if same else f"{run_id}__on-{family}.json")
 
 
 def _committed_warm_start(out: str, sha) -> str:

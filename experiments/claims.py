@@ -1,13 +1,20 @@
 """The claims table of a family of grids: `python experiments/claims.py --grids=configs/ablations/reasoning.py`.
 
-The grid file's CLAIMS (stated before the runs) each name seed-paired terms over the
-results.csv of its parts; every claim gets its effect, 95% t-interval, paired p-value,
-Holm-adjusted p-value across the claims with a direction, and the verdict rule of
-`ablate.py`. A claim whose runs are missing says "not run". A family file's COMPARE names
-another family (e.g. the same claims over the arithmetic grids) whose effects and verdicts
-join as extra columns, by claim text. Writes the grid file's CLAIMS_OUT (markdown) and
-prints it; its `seeds for +0.02` column is the paired seeds each claim would need for 80%
-power at a 2-point effect, at the std it shows.
+The claims file's CLAIMS (stated before the runs) each name terms over the results.csv of
+its parts, paired by seed (by warm start and seed when the runs have an `sft.seed` axis);
+every claim gets its effect, 95% t-interval, paired p-value, Holm-adjusted p-value across
+the claims with a direction, and the verdict rule of `ablate.py`. Beside them:
+`registration` (ebpo_jax/ablation/registration.py: pre-registered when every run it reads
+recorded the claims file's current SHA-256; post hoc otherwise; git history for runs from
+before hashes, plus the file's NOTES), the same claim at equal generated tokens (each
+term's pass@1 read at the smallest final token count among the terms, from the eval rows'
+cumulative token counts), and across several warm starts the two-level interval
+(ebpo_jax/ablation/twolevel.py) next to the first warm start's. A claim with `select`
+({"axis": "lr", "by": "val_pass@1"}) reads each term at its own best value on the
+validation split. A claim whose runs are missing says "not run". A family file's COMPARE
+names another family whose effects and verdicts join as extra columns, by claim text.
+Writes the file's CLAIMS_OUT (markdown) and prints it; its `seeds for +0.02` column is the
+paired seeds each claim would need for 80% power at a 2-point effect, at the std it shows.
 """
 
 import importlib.util
@@ -84,6 +91,8 @@ def _select(rows: pd.DataFrame, select: dict | None) -> pd.DataFrame:
 def _indexed(rows: pd.DataFrame, column: str) -> pd.Series:
     """`column` of final rows indexed by the pairing key: (sft.seed, seed) or seed."""
     key = [c for c in PAIR if c in rows]
+    if rows.empty or not key:
+        return pd.Series(dtype=float)
     return rows.set_index(key)[column]
 
 
