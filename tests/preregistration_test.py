@@ -257,3 +257,30 @@ def test_one_epoch_curriculum_never_restarts():
     block = module.get_config("curriculum_epoch").blocks[0]
     steps, prompts = block["fixed"]["total_steps"], block["fixed"]["prompts_per_step"]
     assert steps * prompts <= len(train) < (steps + 1) * prompts
+
+
+@pytest.mark.slow
+def test_micro_run_with_a_validation_split_records_both(tmp_path):
+    """A micro run with task.val_per_cell: results rows hold val_pass@1, problems.csv.gz holds
+    both sets, and each set's per-problem rate is its recorded pass@1."""
+    from ebpo_jax.ablation import grid as grid_lib
+
+    ablate = _experiment("ablate")
+    grid = grid_lib.load_config_file("configs/ablations/micro.py")
+    grid.out_dir = str(tmp_path / "grid")
+    grid.blocks = [
+        {
+            "name": "main",
+            "axes": {"method": ["grpo"], "group_size": [2]},
+            "rollouts_per_step": 8,
+            "fixed": {"mesh.devices": 1, "task": {"val_per_cell": 3}},
+        }
+    ]
+    out = ablate.run_grid(grid, log=lambda *_: None)
+    final = pd.read_csv(out["results"]).iloc[-1]
+    problems = pd.read_csv(out["problems"])
+    rate = problems.groupby("set").correct.sum() / problems.groupby("set").samples.sum()
+    assert set(rate.index) == {"heldout", "validation"}
+    assert (problems["set"] == "validation").sum() == 2 * 3  # 2 cells x 3
+    assert rate["heldout"] == pytest.approx(final["pass@1"], rel=1e-12)
+    assert rate["validation"] == pytest.approx(final["val_pass@1"], rel=1e-12)

@@ -7,6 +7,7 @@ from ebpo_jax.tasks.arithmetic import (
     make_splits,
     max_lengths,
     solve,
+    validation_split,
 )
 from ebpo_jax.tasks.data import (
     ORDERS,
@@ -40,4 +41,5 @@ __all__ = [
     "sft_examples",
     "solve",
     "string_reward",
+    "validation_split",
 ]
