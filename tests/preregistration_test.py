@@ -232,17 +232,33 @@ def test_paired_by_problem_matches_brute_force():
     assert out.p == pytest.approx(stats.ttest_1samp(d, 0).pvalue)
 
 
-def test_validation_split_is_disjoint_and_leaves_train_and_test_alone():
+@pytest.mark.parametrize("family", ["reasoning", "arithmetic"])
+def test_validation_split_is_disjoint_and_leaves_train_and_test_alone(family):
+    import ml_collections
+
+    from ebpo_jax import tasks
     from ebpo_jax.tasks import reasoning
+    from ebpo_jax.trainer import task_arithmetic
     from ebpo_jax.trainer.task import mean_pass
 
-    kw = {"train_per_cell": 12, "test_per_cell": 5, "topics": ("chain",), "difficulties": (1, 2)}
-    train, test = reasoning.make_splits(0, **kw)
-    val = reasoning.validation_split(0, val_per_cell=4, **kw)
-    assert len(val) == 8 and all(p.id.startswith("validation/") for p in val)
+    module = reasoning if family == "reasoning" else tasks
+    topics = "chain" if family == "reasoning" else "addition"
+    t = {"seed": 0, "topics": topics, "max_difficulty": 2, "train_per_cell": 12,
+         "test_per_cell": 5, "val_per_cell": 4}  # fmt: skip
+
+    class Spec:
+        task = ml_collections.FrozenConfigDict(t)
+
+    _, train, test = task_arithmetic.load_problems(Spec, module)
+    val = task_arithmetic.validation_problems(Spec, module)
+    cells = {(p.topic, p.difficulty) for p in train}
+    assert len(val) == 4 * len(cells) and all(p.id.startswith("validation/") for p in val)
     assert not {p.prompt for p in val} & {p.prompt for p in train + test}
-    again, _ = reasoning.make_splits(0, **kw)
-    assert [p.prompt for p in again] == [p.prompt for p in train]
+    alone = dict(t, val_per_cell=0)
+    Spec.task = ml_collections.FrozenConfigDict(alone)
+    _, again, test_again = task_arithmetic.load_problems(Spec, module)
+    assert [p.prompt for p in again] == [p.prompt for p in train] and test_again == test
+    assert task_arithmetic.validation_problems(Spec, module) == []
     assert mean_pass({"heldout": 0.2, "validation": 0.9}) == 0.2
 
 

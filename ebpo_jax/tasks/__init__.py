@@ -7,7 +7,6 @@ from ebpo_jax.tasks.arithmetic import (
     make_splits,
     max_lengths,
     solve,
-    validation_split,
 )
 from ebpo_jax.tasks.data import (
     ORDERS,
@@ -41,5 +40,4 @@ __all__ = [
     "sft_examples",
     "solve",
     "string_reward",
-    "validation_split",
 ]

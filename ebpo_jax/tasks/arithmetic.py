@@ -107,32 +107,6 @@ def make_splits(
     return train, test
 
 
-def validation_split(
-    seed: int,
-    *,
-    train_per_cell: int,
-    test_per_cell: int,
-    val_per_cell: int,
-    topics: Sequence[str] = TOPICS,
-    difficulties: Sequence[int] = DIFFICULTIES,
-) -> list[Problem]:
-    """Validation problems: each cell's next `val_per_cell` operand pairs after make_splits'
-    test and train ones (fewer if the cell is exhausted), disjoint from both."""
-    out = []
-    for topic in topics:
-        topic_id = TOPICS.index(topic)
-        for difficulty in difficulties:
-            rng = np.random.default_rng([seed, topic_id, difficulty])
-            a_all, b_all = _cell_operands(topic, difficulty, rng)
-            start = min(test_per_cell, len(a_all) // 4) + train_per_cell
-            pairs = zip(a_all[start : start + val_per_cell].tolist(), b_all[start:].tolist())
-            for a, b in pairs:
-                prompt, answer = solve(topic, a, b)
-                pid = f"validation/{topic}/{difficulty}/{len(out)}"
-                out.append(Problem(prompt, answer, topic, topic_id, difficulty, pid))
-    return out
-
-
 def max_lengths(problems: Sequence[Problem]) -> tuple[int, int]:
     """The longest prompt and answer, in characters."""
     if not problems:

@@ -196,30 +196,6 @@ def make_splits(
     return train, test
 
 
-def validation_split(
-    seed: int,
-    *,
-    train_per_cell: int,
-    test_per_cell: int,
-    val_per_cell: int,
-    topics: Sequence[str] = TOPICS,
-    difficulties: Sequence[int] = DIFFICULTIES,
-) -> list[Problem]:
-    """Validation problems: each cell's next `val_per_cell` prompts after make_splits' test
-    and train ones (the same seeded draw), so disjoint from both and leaving both unchanged."""
-    out = []
-    skip = test_per_cell + train_per_cell
-    for topic in topics:
-        topic_id = TOPICS.index(topic)
-        for d in difficulties:
-            rng = np.random.default_rng([seed, topic_id, d])
-            drawn = _cell_prompts(topic, d, skip + val_per_cell, rng)[skip:]
-            for prompt, completion, answer in drawn:
-                pid = f"validation/{topic}/{d}/{len(out)}"
-                out.append(Problem(prompt, answer, topic, topic_id, d, pid, completion))
-    return out
-
-
 def final_answer(completion: str) -> str | None:
     """The text after the last MARKER of a completion (cut at EOS), None without a MARKER."""
     _, sep, tail = completion.rpartition(MARKER)

@@ -5,6 +5,7 @@ exact-answer reward, EB clusters per topic or per (topic, difficulty) cell.
 family there is its problem module (make_splits, TOPICS, DIFFICULTIES), tokenizer and reward.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -19,42 +20,46 @@ from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
 from ebpo_jax.trainer.task import VALIDATION, Reward, Task, model_config_from, tokenizer_vocab
 
 
-def load_problems(spec: TaskSpec, family=tasks, tokenizer=None):
-    """(tokenizer, train problems, held-out problems) of the `task` section for a generated
-    family (a module with make_splits, TOPICS and DIFFICULTIES; default arithmetic)."""
-    t = spec.task
+def _splits(t, family, train_per_cell: int):
+    """make_splits of the `task` section `t` with `train_per_cell` training problems per cell."""
     topics = tuple(x for x in t.topics.split(",") if x) or family.TOPICS
     levels = tuple(d for d in family.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
-    train, test = family.make_splits(
+    return family.make_splits(
         t.seed,
-        train_per_cell=t.train_per_cell,
+        train_per_cell=train_per_cell,
         test_per_cell=t.test_per_cell,
         topics=topics,
         difficulties=levels,
     )
+
+
+def load_problems(spec: TaskSpec, family=tasks, tokenizer=None):
+    """(tokenizer, train problems, held-out problems) of the `task` section for a generated
+    family (a module with make_splits, TOPICS and DIFFICULTIES; default arithmetic)."""
+    train, test = _splits(spec.task, family, spec.task.train_per_cell)
     return tokenizer or tasks.CharTokenizer(), train, test
 
 
 def validation_problems(spec: TaskSpec, family=tasks) -> list:
-    """The family's validation split (`task.val_per_cell` per cell; [] when 0)."""
+    """Each cell's next `task.val_per_cell` problems after its training ones ([] when 0).
+
+    A family's make_splits draws each cell in one seeded sequence (test first, then train),
+    so asking for more training problems keeps the first ones: the extra ones are disjoint
+    from train and test and leave both unchanged.
+    """
     t = spec.task
     n = t.get("val_per_cell", 0)
     if not n:
         return []
-    if not hasattr(family, "validation_split"):
-        raise ConfigError(
-            f"task.val_per_cell={n}: the {family.__name__} family has no validation split"
-        )
-    topics = tuple(x for x in t.topics.split(",") if x) or family.TOPICS
-    levels = tuple(d for d in family.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
-    return family.validation_split(
-        t.seed,
-        train_per_cell=t.train_per_cell,
-        test_per_cell=t.test_per_cell,
-        val_per_cell=n,
-        topics=topics,
-        difficulties=levels,
-    )
+    longer, _ = _splits(t, family, t.train_per_cell + n)
+    out, seen = [], {}
+    for p in longer:
+        cell = (p.topic, p.difficulty)
+        seen[cell] = seen.get(cell, 0) + 1
+        if seen[cell] > t.train_per_cell:
+            pid = f"validation/{p.topic}/{p.difficulty}/{len(out)}"
+            out.append(dataclasses.replace(p, id=pid))
+    return out
 
 
 def num_clusters(eb_clusters: str, family=tasks) -> int:
