@@ -300,3 +300,32 @@ def test_micro_run_with_a_validation_split_records_both(tmp_path):
     assert (problems["set"] == "validation").sum() == 2 * 3  # 2 cells x 3
     assert rate["heldout"] == pytest.approx(final["pass@1"], rel=1e-12)
     assert rate["validation"] == pytest.approx(final["val_pass@1"], rel=1e-12)
+
+
+@pytest.mark.slow
+def test_micro_warm_starts_are_committed_and_reruns_start_from_them(tmp_path):
+    """Two warm starts (sft.seed axis) land in warm_starts/ under the hashes the rows record;
+    a rerun starts from the committed file and matches bitwise on this machine."""
+    from ebpo_jax.ablation import grid as grid_lib
+
+    ablate = _experiment("ablate")
+    grid = grid_lib.load_config_file("configs/ablations/micro.py")
+    grid.out_dir = str(tmp_path / "grid")
+    grid.commit_warm_starts = True
+    grid.blocks = [
+        {
+            "name": "main",
+            "axes": {"sft.seed": [0, 1], "method": ["grpo"], "group_size": [2]},
+            "rollouts_per_step": 8,
+            "fixed": {"mesh.devices": 1},
+        }
+    ]
+    out = ablate.run_grid(grid, log=lambda *_: None)
+    final = pd.read_csv(out["results"]).groupby("run_id").tail(1)
+    hashes = sorted(final.warm_start_sha256)
+    assert len(set(hashes)) == 2
+    files = sorted(os.listdir(os.path.join(grid.out_dir, "warm_starts")))
+    assert files == [f"{h}.npz" for h in hashes]
+    report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
+    assert report["warm_start_file"].endswith(f"{final.warm_start_sha256.iloc[1]}.npz")
+    assert report["match"] and report["verdict"] == "bitwise", report

@@ -138,7 +138,7 @@ def check_digest(spec: TaskSpec, params) -> str:
     """The warm start's digest (exported to `sft.export_dir` when set); ValueError when
     `sft.params_sha256` names another one."""
     digest = params_digest(params)
-    if spec.sft.get("export_dir", "") and spec.sft.steps:
+    if spec.sft.get("export_dir", ""):
         export(params, spec.sft.export_dir)
     want = spec.sft.get("params_sha256", "")
     if want and digest != want:
