@@ -190,7 +190,9 @@ def equal_tokens(claim, rows_of) -> dict:
 def seeds_for(table: pd.DataFrame, effect: float, power_: float = 0.8, alpha: float = 0.05):
     """Paired seeds each claim needs to detect `effect` at `power_`, at its observed std."""
     return [
-        power.seeds_needed(effect, sd, power=power_, alpha=alpha) if n >= 2 else -1
+        power.seeds_needed(effect, sd, power=power_, alpha=alpha)
+        if n >= 2 and np.isfinite(sd)  # a two-level claim has no single paired std
+        else -1
         for sd, n in zip(table.sd, table.seeds)
     ]
 

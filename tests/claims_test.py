@@ -1,8 +1,8 @@
 """experiments/claims.py: seed-paired claims over several grids' results, Holm, verdicts."""
 
-import functools
 import importlib.util
 import os
+import sys
 
 import numpy as np
 import pandas as pd
@@ -14,14 +14,17 @@ from ebpo_jax.ablation import power
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@functools.cache  # the module defines absl flags: load it once per process
 def _claims():
-    spec = importlib.util.spec_from_file_location(
-        "claims", os.path.join(REPO, "experiments", "claims.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """experiments/claims.py, once per process (it defines absl flags; other test files
+    find it in sys.modules)."""
+    if "experiments.claims" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "claims", os.path.join(REPO, "experiments", "claims.py")
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["experiments.claims"] = module
+    return sys.modules["experiments.claims"]
 
 
 def _finals(values: dict) -> pd.DataFrame:

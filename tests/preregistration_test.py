@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import os
 import subprocess
+import sys
 
 import numpy as np
 import pandas as pd
@@ -18,14 +19,17 @@ from ebpo_jax.ablation.results import paired_by_problem
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@functools.cache  # the modules define absl flags: load each once per process
 def _experiment(name: str):
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(REPO, "experiments", f"{name}.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """experiments/<name>.py, loaded once per process (it defines absl flags) and shared with
+    the other test files through sys.modules."""
+    key = f"experiments.{name}"
+    if key not in sys.modules:
+        path = os.path.join(REPO, "experiments", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[key] = module
+    return sys.modules[key]
 
 
 def _git(repo, *args, date="2026-01-01T00:00:00"):
@@ -161,6 +165,8 @@ def test_claims_pick_each_methods_best_rate_and_pair_across_warm_starts():
     tok = [cells[("ebpo", 1e-4, w, s)][1] - (0.1 + (cells[("grpo", 1e-5, w, s)][0] - 0.1) * 2 / 3)
            for w in range(3) for s in range(2)]  # fmt: skip
     assert row.tok_diff == pytest.approx(np.mean(tok)) and row.token_ratio == pytest.approx(3.0)
+    text = c.render(c.claims_table([claim], lambda p: evals))
+    assert "| warm starts | one warm start: effect |" in text and "equal tokens" in text
 
 
 def test_robust_claims_name_columns_of_their_grids():
