@@ -475,27 +475,8 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     warm_file = _committed_warm_start(out, recorded.get("warm_start_sha256"))
     if warm_file:  # the recorded weights, whatever CPU family trained them
         config.sft.params_file = warm_file
-    env = dict(os.environ)
-    # The process-level settings that change the numbers, as the recorded run had them.
-    if isinstance(recorded.get("xla_flags"), str):
-        env["XLA_FLAGS"] = recorded["xla_flags"]
-    if isinstance(recorded.get("matmul_precision"), str) and recorded["matmul_precision"]:
-        env["JAX_DEFAULT_MATMUL_PRECISION"] = recorded["matmul_precision"]
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1]); import ablate; "
-        "ablate.train_run(open(sys.argv[2]).read(), sys.argv[3])"
-    )
-    os.makedirs(workdir, exist_ok=True)
-    cfg_path = os.path.join(workdir, "rerun_config.json")
-    with open(cfg_path, "w") as f:
-        f.write(config.to_json())
     t0 = time.time()
-    here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run(
-        [sys.executable, "-c", code, here, cfg_path, os.path.join(out, "jax_cache")],
-        env={**env, "TQDM_DISABLE": "1"},
-        check=True,
-    )
+    _train_like(config, recorded, workdir, os.path.join(out, "jax_cache"))
     new, _ = ablation.collect(rerun_dir, [run])
     report = compare_rows(old, new, atol)
     prov = ablation.results.run_provenance(workdir)
@@ -525,6 +506,30 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
         f"{report['verdict']}"
     )
     return report
+
+
+def _train_like(config, recorded: dict, workdir: str, cache_dir: str) -> None:
+    """Train `config` in a fresh process with the XLA_FLAGS and matmul precision of the
+    recorded row (the process-level settings that change the numbers)."""
+    env = dict(os.environ)
+    if isinstance(recorded.get("xla_flags"), str):
+        env["XLA_FLAGS"] = recorded["xla_flags"]
+    if isinstance(recorded.get("matmul_precision"), str) and recorded["matmul_precision"]:
+        env["JAX_DEFAULT_MATMUL_PRECISION"] = recorded["matmul_precision"]
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import ablate; "
+        "ablate.train_run(open(sys.argv[2]).read(), sys.argv[3])"
+    )
+    os.makedirs(workdir, exist_ok=True)
+    cfg_path = os.path.join(workdir, "rerun_config.json")
+    with open(cfg_path, "w") as f:
+        f.write(config.to_json())
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run(
+        [sys.executable, "-c", code, here, cfg_path, cache_dir],
+        env={**env, "TQDM_DISABLE": "1"},
+        check=True,
+    )
 
 
 def _report_path(rerun_dir: str, run_id: str, recorded: dict, now: dict) -> str:
