@@ -5,12 +5,12 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 
 import ml_collections
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import load_experiment
 from scipy import stats
 
 from ebpo_jax import ablation
@@ -112,16 +112,7 @@ def test_summarize_matches_brute_force_t_interval():
 
 @functools.cache  # the module defines absl flags: load it once per process
 def _load_ablate():
-    """experiments/ablate.py, once per process (it defines absl flags; other test files
-    find it in sys.modules)."""
-    if "experiments.ablate" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "ablate", os.path.join(REPO, "experiments", "ablate.py")
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["experiments.ablate"] = module
-    return sys.modules["experiments.ablate"]
+    return load_experiment("ablate")
 
 
 def test_micro_grid_end_to_end_and_resume(tmp_path):

@@ -1,12 +1,11 @@
 """experiments/claims.py: seed-paired claims over several grids' results, Holm, verdicts."""
 
-import importlib.util
 import os
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import load_experiment
 from scipy import stats
 
 from ebpo_jax.ablation import power
@@ -15,16 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _claims():
-    """experiments/claims.py, once per process (it defines absl flags; other test files
-    find it in sys.modules)."""
-    if "experiments.claims" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "claims", os.path.join(REPO, "experiments", "claims.py")
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules["experiments.claims"] = module
-    return sys.modules["experiments.claims"]
+    return load_experiment("claims")
 
 
 def _finals(values: dict) -> pd.DataFrame:

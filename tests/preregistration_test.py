@@ -3,14 +3,13 @@ across warm starts, equal-token and best-rate claims, content-addressed warm sta
 cross-family rerun verdict, per-problem pairing and the validation split."""
 
 import functools
-import importlib.util
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import load_experiment
 from scipy import stats
 
 from ebpo_jax.ablation import registration, reproduce, twolevel
@@ -20,16 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _experiment(name: str):
-    """experiments/<name>.py, loaded once per process (it defines absl flags) and shared with
-    the other test files through sys.modules."""
-    key = f"experiments.{name}"
-    if key not in sys.modules:
-        path = os.path.join(REPO, "experiments", f"{name}.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        sys.modules[key] = module
-    return sys.modules[key]
+    return load_experiment(name)
 
 
 def _git(repo, *args, date="2026-01-01T00:00:00"):
