@@ -107,6 +107,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.task.seed = 0  # problem generation (the held-out split depends only on this)
     c.task.train_per_cell = 400  # training problems per (topic, difficulty) cell
     c.task.test_per_cell = 20  # held-out problems per (topic, difficulty) cell
+    # Validation problems per cell (reasoning family), drawn after train: they choose
+    # hyperparameters as eval/validation/pass@1 and never enter eval/pass@1 (the test split).
+    c.task.val_per_cell = 0
     c.task.order = "naive"  # naive | topic | difficulty (EBPO-naive/topic/diff curricula)
 
     c.sampler = ml_collections.ConfigDict()
@@ -184,6 +187,11 @@ def default_config() -> ml_collections.ConfigDict:
     # Seed of the initial policy (init + SFT); -1 = the run's seed. A fixed seed gives every
     # RL seed the same warm start, as a pretrained base does (and one SFT per grid).
     c.sft.seed = -1
+    # A committed warm start (an .npz named by its SHA-256, ebpo_jax.trainer.sft.export) used
+    # instead of training one: every CPU family then starts from the same bytes.
+    c.sft.params_file = ""
+    c.sft.params_sha256 = ""  # when set, a warm start with another hash is refused
+    c.sft.export_dir = ""  # also write the warm start to <export_dir>/<sha256>.npz (committed)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1,)  # -1 = the remaining devices
@@ -263,6 +271,10 @@ def _validate_values(c, need) -> None:
     t = c.task
     need(_is_int(t.seed) and t.seed >= 0, f"task.seed must be an int >= 0, got {t.seed!r}")
     need(t.train_per_cell >= 1, f"task.train_per_cell must be >= 1, got {t.train_per_cell}")
+    need(
+        t.get("val_per_cell", 0) >= 0,
+        f"task.val_per_cell must be >= 0, got {t.get('val_per_cell')}",
+    )
     need(t.test_per_cell >= 1, f"task.test_per_cell must be >= 1, got {t.test_per_cell}")
     need(t.max_difficulty >= 0, f"task.max_difficulty must be >= 0, got {t.max_difficulty}")
     need(

@@ -46,6 +46,7 @@ METRIC_NAMES = (
     "eval/pass@1",
 )
 METRICS_FILE = "metrics.jsonl"
+PER_PROBLEM_FILE = "eval_problems.csv.gz"  # the final evaluation per problem (evaluator)
 SAMPLES_FILE = "samples.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 

@@ -18,6 +18,7 @@ from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.trainer import lora_state
+from ebpo_jax.trainer.evaluator import write_per_problem
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.shardings import make_mesh, make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
@@ -206,6 +207,8 @@ class _Log:
             due = step % self.spec.eval.every == 0 or step == self.spec.total_steps
             if due and self.evaluate is not None:
                 self.eval_row(policy(), row, step)
+                if step == self.spec.total_steps and distributed.is_main_process():
+                    write_per_problem(self.evaluate, self.spec.workdir)
             self.writer.write(step, row)
             self.bar.update(step - 1, row)
         return rows
@@ -349,6 +352,7 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
         "step": step,
         "stopped_early": stopped,
         "resumed_from": resumed_from,
+        "base_sha256": task.base_sha256,
         "workdir": spec.workdir,
         "metrics": os.path.join(spec.workdir, "metrics.jsonl"),
         "checkpoints": ckpt.directory,

@@ -76,7 +76,7 @@ def evaluate_run(workdir: str, *, step: int | None = None, k: int | None = None,
             raise ConfigError(f"{workdir}: the run's task has no held-out set")
         step, params = checkpoint_params(workdir, step, task.params, task.model_config)
         try:
-            scores = task.evaluate(params, per_problem=True)
+            scores = task.evaluate(params, matrix=True)
         except TypeError:  # a custom family's evaluate(params) -> {set: pass@1} only
             raise ConfigError(
                 f"task family {spec.task.family!r}: its evaluate() gives no per-problem scores"
