@@ -191,15 +191,18 @@ def _harmless(name: str) -> bool:
     return any(name == h or (h.endswith(".") and name.startswith(h)) for h in HARMLESS_FIELDS)
 
 
-def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+def config_diff(
+    old: Mapping[str, Any], new: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> list[str]:
     """Dotted names whose values differ between two config dicts.
 
-    A field absent on one side counts as None (a field added later with a None default, such
-    as an estimator option, is no change).
+    A field absent on one side counts as None, or as its value in `defaults` when given: a
+    field added to the schema after `old` was saved, still at its default, is no change (so
+    upgrading the code does not refuse to resume every earlier run).
     """
     # JSON turns tuples into lists: compare what a JSON round trip keeps.
-    a, b = (json.loads(json.dumps(_flatten(d))) for d in (old, new))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    a, b, d = (json.loads(json.dumps(_flatten(x))) for x in (old, new, defaults or {}))
+    return sorted(k for k in set(a) | set(b) if a.get(k, d.get(k)) != b.get(k, d.get(k)))
 
 
 def _next_history_path(workdir: str) -> str:
@@ -231,7 +234,9 @@ def reconcile_config(
                 old = json.load(f)
         except (OSError, ValueError) as e:
             raise WorkdirError(f"{path} is unreadable ({e}): fix or remove it") from None
-        changed = config_diff(old, new)
+        from ebpo_jax.config import default_config  # late: the schema imports the losses
+
+        changed = config_diff(old, new, default_config().to_dict())
         if resuming:
             flat_old, flat_new = _flatten(old), _flatten(new)
             bad = [k for k in changed if not _harmless(k)]

@@ -164,3 +164,15 @@ def test_prepare_workdir_runs_every_check(tmp_path):
         W.prepare_workdir(c, min_free_bytes=1)
     c.restart = True
     W.prepare_workdir(c, min_free_bytes=1).release()  # the lock is released on errors too
+
+
+def test_a_field_added_since_the_run_was_saved_at_its_default_is_no_change(tmp_path):
+    """Upgrading the code adds config fields: a run saved before them still resumes."""
+    c = default_config()
+    old = c.to_dict()
+    del old["log_every_s"], old["sft"]["seed"]  # as a config.json written before they existed
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, log=print) == []
+    c.sft.seed = 3  # not the default: a real change, refused as before
+    with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> 3"):
+        W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, log=print)
