@@ -116,10 +116,8 @@ def _define_cache_flags(flags) -> None:
 
 def _print_help(flag_values, config_flag: str) -> None:
     """The program's docstring, its own flags and ours, and how to list the config fields."""
-    main = sys.modules["__main__"]
-    print((main.__doc__ or "").strip() + "\n")
-    for module in (main.__file__ if hasattr(main, "__file__") else sys.argv[0], __name__):
-        text = flag_values.module_help(module) if module else ""
+    print((sys.modules["__main__"].__doc__ or "").strip() + "\n")
+    for text in (flag_values.main_module_help(), flag_values.module_help(__name__)):
         if text.strip():
             print(text + "\n")
     if config_flag in flag_values:

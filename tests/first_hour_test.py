@@ -30,6 +30,10 @@ def test_help_exits_0_and_says_how_to_list_the_config_fields():
     out = _train_py("--help")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--list_config" in out.stdout and "--nocompilation_cache" in out.stdout
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "eval.py"), "--help"]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert out.returncode == 0 and "--workdir: A training run's folder" in out.stdout
 
 
 def test_list_config_prints_every_field_with_its_value_and_doc():
