@@ -109,6 +109,7 @@ def _score(s) -> tuple:
     return s["pass@1_start"], s["pass@1_end"], s["pass@1_end_step"]
 
 
+@pytest.mark.slow  # a step compile; train_cli_test checks a fresh and a finished CLI run
 def test_summary_is_the_latest_evaluation_on_fresh_and_finished_runs(tmp_path, monkeypatch):
     calls = _counting_evaluator(monkeypatch)
     c = _micro(tmp_path, 2)
