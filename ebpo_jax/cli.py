@@ -58,7 +58,7 @@ def config_error_line(e: BaseException, argv: list[str], flag: str = "config") -
 
 
 def _file_error_line(e: BaseException) -> str:
-    """"config file: No such file or directory: 'x.py'" from ml_collections' nested OSErrors."""
+    """ "config file: No such file or directory: 'x.py'" from ml_collections' nested OSErrors."""
     text = " ".join(str(e).split())
     m = re.search(r"\[Errno \d+\] (.*)$", text)
     return f"config file: {m.group(1)}" if m else text

@@ -92,12 +92,12 @@ def _poisoned(workdir, **fields):
 def _check_poisoned(workdir, message):
     """Every checkpoint is finite, none is of a skipped step, and `message` names the last."""
     steps = list_steps(os.path.join(workdir, "checkpoints"))
-    assert message.startswith("2 steps in a row")
-    assert steps and f"last good checkpoint: step {steps[-1]} in" in message, (steps, message)
     with Checkpointer(os.path.join(workdir, "checkpoints")) as ck:
         for step in steps:
             tree, _ = ck.restore(step)
             assert _nonfinite({"p": tree["params"], "o": tree["opt_state"]}) == 0, step
+    assert message.startswith("2 steps in a row")
+    assert steps and f"last good checkpoint: step {steps[-1]} in" in message, (steps, message)
     rows = read_metrics(str(workdir))
     skipped = [r["step"] for r in rows if r.get("train/skipped_updates")]
     assert skipped and not set(skipped) & set(steps)  # no skipped step was checkpointed
@@ -115,7 +115,10 @@ def test_a_nonfinite_stop_is_one_error_line_and_exit_1(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         cli.run(main)
     assert e.value.code == 1
-    assert capsys.readouterr().err == "error: 2 steps in a row ...; last good checkpoint: step 1 in x\n"
+    assert (
+        capsys.readouterr().err
+        == "error: 2 steps in a row ...; last good checkpoint: step 1 in x\n"
+    )
 
 
 def _cli_poisoned(workdir, *flags, devices=1):
@@ -150,7 +153,9 @@ def test_skipped_steps_through_the_cli(tmp_path, flags, devices):
 
 # 2. The newest step is verifiable the moment it is committed (a kill -9 right after).
 def _flip_a_byte(step_dir):
-    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs]
+    files = [
+        os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
+    ]
     path = max(files, key=os.path.getsize)
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2)
@@ -313,7 +318,11 @@ def test_a_full_disk_mid_run_is_one_error_line(tmp_path):
         pytest.skip("needs root to mount a tmpfs")
     try:
         workdir = disk / "run"
-        flags = ("--config.total_steps=200", "--config.checkpoint_every=2", "--config.eval_every=200")
+        flags = (
+            "--config.total_steps=200",
+            "--config.checkpoint_every=2",
+            "--config.eval_every=200",
+        )
         proc = _cli(
             "--config=configs/micro.py",
             f"--config.workdir={workdir}",
