@@ -2,6 +2,7 @@
 step after kill -9, metrics lost without a word, a refused resume that writes the workdir,
 and errors that end in tracebacks (full disk, all-too-long data, unknown family, no config)."""
 
+import contextlib
 import json
 import logging
 import os
@@ -89,18 +90,28 @@ def _poisoned(workdir, **fields):
     )
 
 
-def _check_poisoned(workdir, message):
-    """Every checkpoint is finite, none is of a skipped step, and `message` names the last."""
+def _check_finite(workdir) -> list[int]:
+    """Every checkpoint's params and Adam moments are finite, none is of a skipped step;
+    returns the checkpointed steps."""
     steps = list_steps(os.path.join(workdir, "checkpoints"))
     with Checkpointer(os.path.join(workdir, "checkpoints")) as ck:
         for step in steps:
             tree, _ = ck.restore(step)
             assert _nonfinite({"p": tree["params"], "o": tree["opt_state"]}) == 0, step
-    assert message.startswith("2 steps in a row")
-    assert steps and f"last good checkpoint: step {steps[-1]} in" in message, (steps, message)
     rows = read_metrics(str(workdir))
     skipped = [r["step"] for r in rows if r.get("train/skipped_updates")]
-    assert skipped and not set(skipped) & set(steps)  # no skipped step was checkpointed
+    assert skipped and steps and not set(skipped) & set(steps[:-1]), (skipped, steps)
+    return steps
+
+
+def _check_poisoned(workdir, message):
+    """_check_finite, and `message` names the last checkpoint as the last good one."""
+    steps = _check_finite(workdir)
+    assert steps[-1] not in [
+        r["step"] for r in read_metrics(str(workdir)) if r.get("train/skipped_updates")
+    ]
+    assert message.startswith("2 steps in a row")
+    assert f"last good checkpoint: step {steps[-1]} in" in message, (steps, message)
 
 
 def test_a_step_that_makes_the_state_nonfinite_is_skipped(poisoned):
@@ -121,34 +132,35 @@ def test_a_nonfinite_stop_is_one_error_line_and_exit_1(monkeypatch, capsys):
     )
 
 
-def _cli_poisoned(workdir, *flags, devices=1):
-    return _cli(
+@pytest.mark.slow  # a CLI run
+def test_a_nonfinite_stop_through_the_cli(tmp_path):
+    out = _cli(
         "--config=configs/micro.py",
-        f"--config.workdir={workdir}",
+        f"--config.workdir={tmp_path}",
         "--config.optimizer.learning_rate=1e30",
         "--config.total_steps=8",
         "--config.checkpoint_every=1",
         "--config.max_nonfinite_steps=2",
-        *flags,
-        devices=devices,
     )
-
-
-@pytest.mark.slow  # CLI runs: K = 1, the scan runner (K = 2) and the staleness-1 pipeline
-@pytest.mark.parametrize(
-    "flags,devices",
-    [
-        ((), 1),
-        (("--config.steps_per_jit=2", "--config.checkpoint_every=2"), 1),
-        (("--config.rollout.max_staleness=1", "--config.sampler.mesh=data=1"), 2),
-    ],
-)
-def test_skipped_steps_through_the_cli(tmp_path, flags, devices):
-    out = _cli_poisoned(tmp_path, *flags, devices=devices)
     assert out.returncode == 1, out.stderr[-3000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines[-20:]
     _check_poisoned(tmp_path, lines[0].removeprefix("error: "))
+
+
+@pytest.mark.slow  # two more runs
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"steps_per_jit": 2, "checkpoint_every": 2},
+        {"rollout.max_staleness": 1, "sampler.mesh": "data=1", "mesh.shape": (1,)},
+    ],
+)
+def test_skipped_steps_in_the_scan_runner_and_at_staleness_1(tmp_path, fields):
+    """A stop inside the streak saves the state the skipped steps kept: finite."""
+    c = _poisoned(tmp_path, total_steps=8, max_nonfinite_steps=100, **fields)
+    s = loop.train(c, log=lambda *_: None, stop_after=4)
+    assert s["step"] == 4 and _check_finite(tmp_path)[-1] == 4
 
 
 # 2. The newest step is verifiable the moment it is committed (a kill -9 right after).
@@ -332,10 +344,10 @@ def test_a_full_disk_mid_run_is_one_error_line(tmp_path):
         )
         while not os.path.isdir(workdir / "checkpoints" / "2") and proc.poll() is None:
             time.sleep(0.1)
-        free = shutil.disk_usage(disk).free
-        with open(disk / "filler", "wb") as f:  # leave less than one more checkpoint
-            f.truncate(0)
-            os.posix_fallocate(f.fileno(), 0, free - 8192)
+        # Fill it up, 1 MiB at a time.
+        with open(disk / "filler", "wb") as f, contextlib.suppress(OSError):
+            for offset in range(0, 1 << 40, 1 << 20):
+                os.posix_fallocate(f.fileno(), offset, 1 << 20)
         _, err = proc.communicate(timeout=600)
         assert proc.returncode == 1
         lines = err.strip().splitlines()
