@@ -7,6 +7,7 @@ as a chain of three AttributeError/KeyError tracebacks. `define_config` and `run
 those, and `ConfigError` / `DataError` raised by the program, into one line.
 """
 
+import logging
 import os
 import re
 import sys
@@ -89,17 +90,22 @@ class _FromPackages:
         return any(p in record.pathname for p in self.parts) == self.keep
 
 
+class _BestEffortFile(logging.FileHandler):
+    """A log file that drops what it cannot write (a full disk) instead of printing a traceback."""
+
+    def handleError(self, record) -> None:
+        pass
+
+
 def divert_logs(path: str, packages: tuple[str, ...] = ("orbax",)) -> None:
     """Send what `packages` log (orbax's background-thread tracebacks on a failed save) to
     `path` instead of stderr, where the run's own `error:` line stands alone.
 
     The file is created only if something is logged.
     """
-    import logging
-
     from absl import logging as absl_logging
 
-    to_file = logging.FileHandler(path, delay=True)
+    to_file = _BestEffortFile(path, delay=True)
     to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(pathname)s: %(message)s"))
     to_file.addFilter(_FromPackages(packages, keep=True))
     absl_logging.get_absl_handler().addFilter(_FromPackages(packages, keep=False))

@@ -82,12 +82,13 @@ def poisoned(tmp_path_factory):
 
 
 def _poisoned(workdir, **fields):
-    return _micro(
-        workdir,
-        **{"optimizer.learning_rate": 1e30, "checkpoint_every": 1, "max_nonfinite_steps": 2},
-        eval_every=6,
-        **fields,
-    )
+    base = {
+        "optimizer.learning_rate": 1e30,
+        "checkpoint_every": 1,
+        "max_nonfinite_steps": 2,
+        "eval_every": 6,
+    }
+    return _micro(workdir, **{**base, **fields})
 
 
 def _check_finite(workdir) -> list[int]:
