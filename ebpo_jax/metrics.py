@@ -364,8 +364,8 @@ class MetricsWriter:
         if gaps:
             shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps)
             self._log(
-                f"{self.path} has no rows for steps {shown} of the {upto} the checkpoint "
-                f"covers (lost before this resume); recorded as a {GAP_KEY} row"
+                f"{self.path} has no rows for steps {shown}, which the checkpoint covers "
+                f"(steps 1-{upto}): lost before this resume; recorded as a {GAP_KEY} row"
             )
             self._append(self._file, self.path, {"step": upto, GAP_KEY: gaps})
             self._kept.append({"step": upto, GAP_KEY: gaps})
