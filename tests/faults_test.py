@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import save_tiny_tokenizer
+from helpers import flip_a_byte, save_tiny_tokenizer
 
 from configs import micro
 from ebpo_jax import cli
@@ -165,18 +165,6 @@ def test_skipped_steps_in_the_scan_runner_and_at_staleness_1(tmp_path, fields):
 
 
 # 2. The newest step is verifiable the moment it is committed (a kill -9 right after).
-def _flip_a_byte(step_dir):
-    files = [
-        os.path.join(r, f) for r, _, fs in os.walk(os.path.join(step_dir, "state")) for f in fs
-    ]
-    path = max(files, key=os.path.getsize)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x01]))
-
-
 def test_the_newest_step_carries_its_checksums_from_its_commit(tmp_path):
     directory = str(tmp_path / "checkpoints")
     ck = Checkpointer(directory, max_to_keep=None)
@@ -187,7 +175,7 @@ def test_the_newest_step_carries_its_checksums_from_its_commit(tmp_path):
         assert time.monotonic() - t0 < 60
         time.sleep(0.01)
     assert os.path.exists(os.path.join(directory, "2", MANIFEST))
-    _flip_a_byte(os.path.join(directory, "2"))
+    flip_a_byte(os.path.join(directory, "2"))
     lines = []
     with Checkpointer(directory) as fresh:
         step, tree, _ = fresh.restore_intact({"w": np.zeros(256, np.float32)}, log=lines.append)
