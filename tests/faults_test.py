@@ -344,6 +344,7 @@ def test_a_full_disk_mid_run_is_one_error_line(tmp_path):
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
         assert "No space left" in lines[0] or "RESOURCE_EXHAUSTED" in lines[0]
+        os.remove(disk / "filler")  # the user makes room, then resumes
         steps = list_steps(str(workdir / "checkpoints"))
         with Checkpointer(str(workdir / "checkpoints")) as ck:  # the saved ones stay intact
             assert ck.restore_intact(log=print)[0] == steps[-1]
