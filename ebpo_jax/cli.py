@@ -7,6 +7,7 @@ as a chain of three AttributeError/KeyError tracebacks. `define_config` and `run
 those, and `ConfigError` / `DataError` raised by the program, into one line.
 """
 
+import logging
 import os
 import re
 import sys
@@ -57,6 +58,13 @@ def config_error_line(e: BaseException, argv: list[str], flag: str = "config") -
     return line
 
 
+def _file_error_line(e: BaseException) -> str:
+    """ "config file: No such file or directory: 'x.py'" from ml_collections' nested OSErrors."""
+    text = " ".join(str(e).split())
+    m = re.search(r"\[Errno \d+\] (.*)$", text)
+    return f"config file: {m.group(1)}" if m else text
+
+
 def define_config(name: str, default: str, help_string: str):
     """config_flags.DEFINE_config_file whose override errors are one line and exit 2, and
     `--list_<name>`: print every field of the chosen config with its value and doc, and exit."""
@@ -77,6 +85,40 @@ def define_config(name: str, default: str, help_string: str):
 EXIT_FAILURE = 1
 
 
+class _FromPackages:
+    """A logging filter: records logged from source files under `packages` (absl logs
+    every module under one logger, so the file path is what tells them apart)."""
+
+    def __init__(self, packages: tuple[str, ...], keep: bool):
+        self.parts = tuple(f"{os.sep}{p}{os.sep}" for p in packages)
+        self.keep = keep
+
+    def filter(self, record) -> bool:
+        return any(p in record.pathname for p in self.parts) == self.keep
+
+
+class _BestEffortFile(logging.FileHandler):
+    """A log file that drops what it cannot write (a full disk) instead of printing a traceback."""
+
+    def handleError(self, record) -> None:
+        pass
+
+
+def divert_logs(path: str, packages: tuple[str, ...] = ("orbax",)) -> None:
+    """Send what `packages` log (orbax's background-thread tracebacks on a failed save) to
+    `path` instead of stderr, where the run's own `error:` line stands alone.
+
+    The file is created only if something is logged.
+    """
+    from absl import logging as absl_logging
+
+    to_file = _BestEffortFile(path, delay=True)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(pathname)s: %(message)s"))
+    to_file.addFilter(_FromPackages(packages, keep=True))
+    absl_logging.get_absl_handler().addFilter(_FromPackages(packages, keep=False))
+    logging.getLogger().addHandler(to_file)
+
+
 def _usage_errors() -> tuple[type[BaseException], ...]:
     """Bad input (exit 2): config fields, data files, model checkpoint folders."""
     from ebpo_jax.config import ConfigError
@@ -92,7 +134,10 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from ebpo_jax.metrics import MetricsError
     from ebpo_jax.workdir import WorkdirError
 
-    return (WorkdirError, MetricsError, CheckpointError, OSError)
+    # Raised only once the trainer is imported: no import of it (and of jax) here.
+    loop = sys.modules.get("ebpo_jax.trainer.loop")
+    stopped = (loop.NonFiniteError,) if loop is not None else ()
+    return (WorkdirError, MetricsError, CheckpointError, OSError, *stopped)
 
 
 def _define_cache_flags(flags) -> None:
@@ -139,13 +184,18 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
 
     def parse(argv):
         try:
-            return flags.FLAGS(argv)
+            rest = flags.FLAGS(argv)
+            if config_flag in flags.FLAGS:  # a missing file is only reported on first use
+                getattr(flags.FLAGS[config_flag].value, "to_dict", None)
+            return rest
         except flags.Error as e:
             fail(str(e))
+        except OSError as e:  # ml_collections: the config file is missing or unreadable
+            fail(_file_error_line(e))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             fail(config_error_line(e, argv, config_flag))
 
-    usage, run_errors = _usage_errors(), _run_errors()
+    usage = _usage_errors()
     if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
         _print_help(flags.FLAGS, config_flag)
         raise SystemExit(0)
@@ -166,7 +216,9 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
             fail(" ".join(str(e).split()) or type(e).__name__)
         except app.UsageError as e:
             fail(str(e))
-        except run_errors as e:
+        except Exception as e:
+            if not isinstance(e, _run_errors()):
+                raise
             if isinstance(e, OSError) and e.strerror:  # e.g. disk full: name the file
                 text = (f"{e.filename}: " if e.filename else "") + e.strerror
             else:

@@ -11,6 +11,7 @@ a failed metrics.jsonl write raises MetricsError, one line naming the file.
 import json
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -102,7 +103,9 @@ def read_jsonl(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[st
                 raise ValueError("not a JSON object")  # noqa: TRY004  (caught just below)
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             if i == last:
-                log(f"{path}: dropped a torn last line {i + 1} ({type(e).__name__}: {e})")
+                step = re.match(rb'\s*\{"step": (\d+)', raw)  # the writer puts "step" first
+                whose = f", the row of step {int(step.group(1))}" if step else ""
+                log(f"{path}: dropped a torn last line {i + 1}{whose} ({type(e).__name__}: {e})")
                 continue
             raise MetricsError(f"{path}: line {i + 1} is not a JSON object ({e})") from None
         records.append(record)
@@ -114,6 +117,29 @@ def read_metrics(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     return read_jsonl(path, log=log)
+
+
+GAP_KEY = "metrics_gap"  # a row {"step": s, "metrics_gap": [[a, b], ...]}: rows a..b were lost
+
+
+def _ranges(steps: Sequence[int]) -> list[list[int]]:
+    """Sorted ints as [first, last] runs: [1, 2, 3, 7] -> [[1, 3], [7, 7]]."""
+    out: list[list[int]] = []
+    for s in sorted(steps):
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
+
+
+def missing_steps(records: Sequence[Mapping[str, Any]], upto: int) -> list[int]:
+    """Steps 1..upto with neither a row nor a recorded gap among `records`."""
+    seen = {r.get("step") for r in records}
+    for r in records:
+        for a, b in r.get(GAP_KEY) or ():
+            seen.update(range(a, b + 1))
+    return [s for s in range(1, upto + 1) if s not in seen]
 
 
 def _rewrite_jsonl(path: str, records: list[dict]) -> None:
@@ -233,6 +259,8 @@ class MetricsWriter:
                 kept = [r for r in read_jsonl(path, log=log) if r.get("step", -1) < start_step]
                 if kept or os.path.exists(path):
                     _rewrite_jsonl(path, kept)
+                if path == self.path:
+                    self._kept = kept
             self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
         except OSError as e:
             raise MetricsError(f"cannot write {self.path}: {e.strerror or e}") from None
@@ -330,8 +358,29 @@ class MetricsWriter:
             self._wandb = None
         return rows
 
+    def record_gap(self, upto: int) -> list[list[int]]:
+        """Steps 1..upto (covered by the restored checkpoint) that have no row: one warning
+        and a gap row in the file, so the loss is said once and stays on record."""
+        gaps = _ranges(missing_steps(self._kept, upto))
+        if gaps:
+            shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps)
+            self._log(
+                f"{self.path} has no rows for steps {shown}, which the checkpoint covers "
+                f"(steps 1-{upto}): lost before this resume; recorded as a {GAP_KEY} row"
+            )
+            self._append(self._file, self.path, {"step": upto, GAP_KEY: gaps})
+            self._kept.append({"step": upto, GAP_KEY: gaps})
+        return gaps
+
     def flush(self) -> None:
-        """Everything is flushed at each write; kept for the writer interface."""
+        """Make every row written so far durable (fsync); the loop calls it at each checkpoint."""
+        for f in (self._file, self._samples):
+            if f is not None:
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    raise MetricsError(f"cannot write {f.name}: {e.strerror or e}") from None
 
     def close(self) -> None:
         for f in (self._file, self._samples):
@@ -359,6 +408,9 @@ class NullWriter:
         return {"step": int(step), **metrics}
 
     def write_samples(self, step: int, prompts, completions, rewards, advantages=None) -> list:
+        return []
+
+    def record_gap(self, upto: int) -> list:
         return []
 
     def flush(self) -> None:

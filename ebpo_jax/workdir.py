@@ -218,12 +218,14 @@ def reconcile_config(
     *,
     resuming: bool,
     log: Callable[[str], None] = print,
+    write: bool = True,
 ) -> list[str]:
     """Compare `config` with the workdir's saved config.json, then save `config` there.
 
     On a resume, a change of any field outside HARMLESS_FIELDS is refused (WorkdirError
     naming the fields and both values); harmless changes are logged. Whenever the saved
     config differs, it is kept as `config.<n>.json` first. Returns the changed fields.
+    `write=False` only checks (nothing is written until every resume check has passed).
     """
     path = os.path.join(workdir, CONFIG_FILE)
     new = json.loads(json.dumps(dict(config)))
@@ -252,9 +254,11 @@ def reconcile_config(
                 )
             if changed:
                 log(f"resuming {workdir} with changed fields: {', '.join(changed)}")
+        if not write:
+            return changed
         if changed:
             os.replace(path, _next_history_path(workdir))
-    if changed or not os.path.exists(path):
+    if write and (changed or not os.path.exists(path)):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(new, f, indent=2)
@@ -267,12 +271,15 @@ def prepare_workdir(
     *,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     log: Callable[[str], None] = print,
+    write_config: bool = True,
 ) -> WorkdirLock:
     """Every check of the run's folder, before compiling; returns the held lock.
 
     Writable with `min_free_bytes` free, locked, not metrics-without-checkpoints (unless
     `config.restart`), and the saved config compatible on a resume (history kept).
-    Release the lock (`lock.release()` or `with`) when the run ends.
+    `write_config=False` leaves config.json to `save_config`, once the caller's own resume
+    checks (the checkpoint's) have passed. Release the lock (`lock.release()` or `with`)
+    when the run ends.
     """
     workdir = str(config.workdir)
     check_writable(workdir, min_free_bytes=min_free_bytes)
@@ -280,8 +287,17 @@ def prepare_workdir(
     try:
         state = check_workdir(workdir, restart=bool(config.get("restart", False)))
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        reconcile_config(workdir, cfg, resuming=state == "resume", log=log)
+        reconcile_config(workdir, cfg, resuming=state == "resume", log=log, write=write_config)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def save_config(config) -> None:
+    """Write the run's config.json (old one kept as history) after `prepare_workdir(...,
+    write_config=False)` and the caller's resume checks passed."""
+    workdir = str(config.workdir)
+    state = check_workdir(workdir, restart=bool(config.get("restart", False)))
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    reconcile_config(workdir, cfg, resuming=state == "resume", log=lambda _: None)

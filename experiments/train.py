@@ -16,6 +16,7 @@ def main(argv):
     from ebpo_jax import distributed
 
     distributed.initialize()  # pods: every worker runs this command; no-op on one host
+    cli.divert_logs(os.path.join(_CONFIG.value.workdir, "orbax.log"))
     from ebpo_jax.trainer.loop import train  # after flag parsing, so --help stays fast
 
     s = train(_CONFIG.value)

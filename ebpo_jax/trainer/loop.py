@@ -24,11 +24,12 @@ from ebpo_jax.trainer.shardings import make_mesh, make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step, put
 from ebpo_jax.trainer.task import Reward, Task, build_task, mean_pass
+from ebpo_jax.trainer.task import get as get_family
 from ebpo_jax.trainer.update import SAMPLE_ADVANTAGES
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient."""
+    """Too many consecutive steps had a non-finite loss, gradient or updated state."""
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -86,12 +87,14 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
         log = _silent
     t_start = time.time()
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
-    lock = workdir_lib.prepare_workdir(config, log=log) if main else None
+    get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
+    lock = workdir_lib.prepare_workdir(config, log=log, write_config=False) if main else None
     task = None
     try:
         mesh = make_mesh(spec.mesh)
         task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
-        summary = _run(spec, task, mesh, log, stop_after)
+        save = (lambda: workdir_lib.save_config(config)) if main else (lambda: None)
+        summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
         if task is not None:
             task.close()  # reward worker processes, also when a step raised
@@ -152,6 +155,8 @@ class _Log:
             run_config=json.loads(spec.config_json),
             log=log,
         )
+        if extra:  # rows lost since the checkpoint was saved (a deleted file, a torn row)
+            self.writer.record_gap(step)
         # Counted on host in Python ints: the device counter is int32, and a pod run makes up
         # to P x G x N = 16.8M tokens a step (int32 wraps after ~128 such steps).
         self.tokens = extra.get("generated_tokens", int(state.generated_tokens))
@@ -306,17 +311,23 @@ def _check_lora_base(spec: RunSpec, task: Task, extra: dict) -> None:
         )
 
 
-def _check_finite(spec: RunSpec, last: dict, step: int, ckpt) -> None:
-    if last["train/nonfinite_run"] >= spec.max_nonfinite_steps:
+def _check_finite(spec: RunSpec, rows: list[dict], step: int, ckpt) -> None:
+    """NonFiniteError once a streak reaches max_nonfinite_steps (at any step of a K-step call)."""
+    streak = max(int(r["train/nonfinite_run"]) for r in rows)
+    if streak >= spec.max_nonfinite_steps:
+        ckpt.wait()  # a save in flight is a good one: updates are only committed when finite
+        steps = ckpt.all_steps()
+        good = f"step {steps[-1]} in {ckpt.directory}" if steps else "none (no checkpoint yet)"
         raise NonFiniteError(
-            f"{int(last['train/nonfinite_run'])} steps in a row had a non-finite loss or "
-            f"gradient (max_nonfinite_steps={spec.max_nonfinite_steps}); stopped at step "
-            f"{step}, last good checkpoint in {ckpt.directory}"
+            f"{streak} steps in a row had a non-finite loss, gradient or update "
+            f"(max_nonfinite_steps={spec.max_nonfinite_steps}); stopped at step {step}; "
+            f"last good checkpoint: {good}"
         )
 
 
-def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
-    """The host loop of train() over a built task."""
+def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
+    """The host loop of train() over a built task; `save_config()` once the resume checks
+    (the checkpoint's too) have passed, before anything else is written to the workdir."""
     optimizer = make_optimizer(spec.optim)
     state, sh = _init_state(spec, task, optimizer, mesh)
     ckpt = Checkpointer(
@@ -328,6 +339,7 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
     out = None
     try:  # a save in flight is always committed (or named as failed), whatever happens
         state, extra, inflight = _restore(ckpt, state, sh, spec, task, log)
+        save_config()
         resumed_from = int(state.step) if extra else None
         step_fn = Step(spec, task, optimizer, sh)
         first_eval = task.evaluate is not None and "pass@1_start" not in extra
@@ -395,11 +407,13 @@ def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, s
             saved = _checkpointable(state, inflight)
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
+                out.writer.flush()  # rows durable before the checkpoint that covers them
                 ckpt.save(step, saved, extra)
-            _check_finite(spec, rows[-1], step, ckpt)
+            _check_finite(spec, rows, step, ckpt)
             requested = _any_process(guard.requested)
             stopped = requested or (stop_after is not None and step - first >= stop_after)
             if stopped:
+                out.writer.flush()
                 ckpt.save(step, saved, extra, force=True)
                 why = f"signal {guard.signum or '(another process)'}" if requested else None
                 why = why or f"stop_after={stop_after}"
