@@ -292,9 +292,9 @@ def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
 
 def _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh, *, prompt_len):
     """The report's JSON fields besides the programs: the step estimate and the layout."""
-    from ebpo_jax.sampler import _data_size
+    from ebpo_jax.sampler import layout
 
-    shards = _data_size(s_mesh, None, mc.sharding_rules)
+    shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
     return {
         "step_estimate": step_time_estimate(

@@ -294,13 +294,19 @@ def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling)
 # (rows wait for pages and are preempted), page size not dividing the prompt width.
 PAGED = [
     {"slots": 5, "page_size": 4},
-    {"page_size": 1, "kv_pages": 40},
+    pytest.param({"page_size": 1, "kv_pages": 40}, marks=pytest.mark.slow),
     {"slots": 6, "page_size": 3, "kv_pages": 7},
-    {"slots": 12, "page_size": 2, "kv_pages": 10},
+    pytest.param({"slots": 12, "page_size": 2, "kv_pages": 10}, marks=pytest.mark.slow),
 ]
 
 
-@pytest.fixture(scope="module", params=[0.0, 1.0], ids=["greedy", "sampled"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(0.0, marks=pytest.mark.slow, id="greedy"),
+        pytest.param(1.0, id="sampled"),
+    ],
+)
 def static_run(request, params):
     """The static batch on PROMPTS x 3 samples, 12 new tokens, stop ids hit mid-row."""
     temperature = request.param
