@@ -143,7 +143,10 @@ def admit(st: Slots, rows: Rows, *, page_size: int, reserve: bool) -> tuple[Slot
     new_prompt_C = (st.users_Q[q_C] == 0) & ((c_C == 0) | (q_C != jnp.roll(q_C, 1)))
     own_C = M - full_C if reserve else jnp.ones_like(full_C)
     need_C = jnp.where(new_prompt_C, full_C, 0) + own_C
-    admit_C = (cand_C < R) & (c_C < (~st.live_S).sum()) & (jnp.cumsum(need_C) <= st.free_P.sum())
+    # Growing rows are what preempts: keep a spare page for each row admitted before c.
+    spare_C = 0 if reserve else st.live_S.sum() + c_C
+    fits_C = jnp.cumsum(need_C) + spare_C <= st.free_P.sum()
+    admit_C = (cand_C < R) & (c_C < (~st.live_S).sum()) & fits_C
     shared_CW, free_P = pages.take(st.free_P, jnp.where(admit_C & new_prompt_C, full_C, 0), W)
     own_C = jnp.where(admit_C, own_C, 0)
     own_CM, free_P = pages.take(free_P, own_C, M)
