@@ -293,7 +293,7 @@ def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling)
 # slots refilled (5 for 12 rows), pages of 1-4 tokens, pools too small for every slot
 # (rows wait for pages and are preempted), page size not dividing the prompt width.
 PAGED = [
-    {"slots": 5, "page_size": 4},
+    pytest.param({"slots": 5, "page_size": 4}, marks=pytest.mark.slow),
     pytest.param({"page_size": 1, "kv_pages": 40}, marks=pytest.mark.slow),
     {"slots": 6, "page_size": 3, "kv_pages": 7},
     pytest.param({"slots": 12, "page_size": 2, "kv_pages": 10}, marks=pytest.mark.slow),
