@@ -115,92 +115,32 @@ def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
-def compile_slot_sampler(s: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
-    """The continuous-batching sampler's prefill and slot decode (sampler.slots > 0)."""
-    from ebpo_jax import sampler, slots
+def compile_sampler(spec: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
+    """The sampler engine's jitted prefill and paged decode for `prompts` prompts x G samples."""
+    from ebpo_jax.sampler import engine
+    from ebpo_jax.trainer.rollout import sampler_spec_of
 
-    G, N, rules = s.group_size, s.max_new_tokens, mc.sharding_rules
-    sampling = sampler._Sampling(s.temperature, s.top_k, s.top_p)
-    shards = sampler._data_size(mesh, None, rules)
-    sampler._check_slots(s.slots, prompts, prompts * G, shards, None)
+    s = sampler_spec_of(spec, 1)  # the stop id's value does not change the program
+    plan = engine.make_plan(s, prompts, prompt_len, mesh, None, mc.sharding_rules)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    prompt_sh = sampler._batch_sharding(mesh, None, prompts, True, rules)
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
-    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=prompt_sh)
-    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=prompt_sh)
-    static = {"config": mc, "sampling": sampling, "num_samples": G}
+    tok_sh = plan.prompt_lead or rep
+    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=tok_sh)
+    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=tok_sh)
+    static = {"config": mc, "spec": s, "plan": plan}
     with jax.set_mesh(mesh):
-        prefill = slots.prefill_jit.lower(
-            params, prompt_PT, lengths_P, rng, prompt_sharding=prompt_sh, **static
-        )
+        prefill = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
         out = prefill.out_info
         prefill = prefill.compile()
         outs = [
             jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
             for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
         ]
-        cache, first_R, first_logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
+        staged, first_R, logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
         eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
-        decode = slots.decode_jit.lower(
-            params, cache, first_R, first_logp_R, lengths_P, rng, eos,
-            slots=s.slots, shards=shards, max_new_tokens=N,
-            slot_sharding=sampler._batch_sharding(mesh, None, s.slots, True, rules), **static,
-        ).compile()  # fmt: skip
-    return prefill, decode
-
-
-def compile_sampler(spec: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
-    """The sampler's own jitted prefill and decode for `prompts` prompts x G samples."""
-    from ebpo_jax import sampler
-
-    G, N = spec.group_size, spec.max_new_tokens
-    if 0 < spec.slots < prompts * G:
-        return compile_slot_sampler(spec, mc, mesh, params, prompts, prompt_len)
-    sampling = sampler._Sampling(spec.temperature, spec.top_k, spec.top_p)
-    rules = mc.sharding_rules
-    row_sh = sampler._batch_sharding(mesh, None, prompts * G, True, rules)
-    prompt_sh = sampler._batch_sharding(mesh, None, prompts, False, rules)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
-    tok_sh = prompt_sh or rep
-    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=tok_sh)
-    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=tok_sh)
-    static = {"config": mc, "sampling": sampling}
-    with jax.set_mesh(mesh):
-        prefill = sampler._prefill_jit.lower(
-            params,
-            prompt_PT,
-            lengths_P,
-            rng,
-            num_samples=G,
-            cache_size=prompt_len + N,
-            prompt_sharding=prompt_sh,
-            row_sharding=row_sh,
-            **static,
-        )
-        out = prefill.out_info
-        prefill = prefill.compile()
-        carried = [
-            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
-            for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
-        ]
-        cache = jax.tree.unflatten(
-            jax.tree.structure(out[0]), carried[: len(jax.tree.leaves(out[0]))]
-        )
-        rest = carried[len(jax.tree.leaves(out[0])) :]
-        eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
-        decode = sampler._decode_jit.lower(
-            params,
-            cache,
-            *rest,
-            rng,
-            eos,
-            prompt_len=prompt_len,
-            max_new_tokens=N,
-            batch_sharding=row_sh,
-            **static,
+        decode = engine.decode_jit.lower(
+            params, staged, first_R, logp_R, lengths_P, rng, eos, **static
         ).compile()
     return prefill, decode
 
@@ -352,9 +292,9 @@ def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
 
 def _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh, *, prompt_len):
     """The report's JSON fields besides the programs: the step estimate and the layout."""
-    from ebpo_jax.sampler import _data_size
+    from ebpo_jax.sampler import layout
 
-    shards = _data_size(s_mesh, None, mc.sharding_rules)
+    shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
     return {
         "step_estimate": step_time_estimate(
