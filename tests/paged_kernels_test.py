@@ -42,10 +42,10 @@ def kernel_reference(q, kv, table, lens, scale):
 # (page size, pages per row, heads, kv heads, lengths): lengths end mid-page, on a page
 # boundary, at one token, and fill few or all of the row's pages.
 CASES = [
-    (4, 5, 4, 4, [1, 7, 8, 20, 13]),
     (8, 3, 8, 2, [24, 9, 1, 16]),
     (16, 4, 8, 1, [50, 3, 64, 17, 33, 1]),
-    (1, 6, 6, 3, [6, 2, 5]),
+    pytest.param(4, 5, 4, 4, [1, 7, 8, 20, 13], marks=pytest.mark.slow),
+    pytest.param(1, 6, 6, 3, [6, 2, 5], marks=pytest.mark.slow),
 ]
 
 
@@ -120,7 +120,7 @@ def _qwen3_8b_layer(mesh, rows, pages, page_size, pages_per_row, kv_heads=8, hea
     )
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (2, 2)])
+@pytest.mark.parametrize("shape", [pytest.param((1, 1), marks=pytest.mark.slow), (2, 2)])
 def test_tpu_kernel_compiles_for_v5p(shape):
     """The real kernel, not interpreted: traced under a v5p mesh, compiled for it here."""
     reason = aot_report.libtpu_available()
@@ -146,3 +146,53 @@ def test_tpu_kernel_compiles_for_v5p(shape):
     # Per device only its pool slab is an argument: nothing gathers the pool.
     pool = 1024 * 64 * 16 * 128 * 2 // n
     assert compiled.memory_analysis().temp_size_in_bytes < pool // 4
+
+
+@pytest.mark.slow
+def test_mesh_wrapper_inside_a_callers_shard_map_runs_the_local_kernel():
+    """Axes the caller made manual are not split again."""
+    q, kv, table, lens = make_case(3, 8, 4, 2, 8, 4, 2, [3, 8, 1, 0, 5, 2, 7, 4], spare=0)
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    calls = []
+
+    def local(*a):
+        calls.append(a[0].shape)
+        return paged_decode_attention_xla(*a)
+
+    spec = (P("data"), P(), P("data"), P("data"))  # a replicated pool: global page ids
+    inner = lambda q, kv, t, n: shard_paged(local, q, kv, t, n)
+    with jax.set_mesh(mesh):
+        got = jax.shard_map(inner, mesh=mesh, in_specs=spec, out_specs=P("data"))(
+            q, kv, table, lens
+        )
+    assert calls == [(2, 4, 8)]
+    np.testing.assert_allclose(got, paged_decode_attention_xla(q, kv, table, lens), atol=1e-6)
+
+
+def test_block_sizes_follow_the_page_size():
+    from ebpo_jax.kernels.ragged_paged_tpu import block_sizes
+
+    assert block_sizes(128, 96, 256) == (4, 32)  # 512-token blocks
+    assert block_sizes(16, 768, 8) == (16, 8)  # at most 16 pages, at most the rows
+    assert block_sizes(1024, 12, 64) == (1, 32)
+    assert block_sizes(64, 3, 64) == (3, 32)  # no more pages than a row has
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "page_size, pages_per_row, heads, kv_heads, lens",
+    [
+        (8, 3, 4, 2, [24, 9, 1]),
+        (4, 20, 8, 2, [80, 3, 41]),  # a padded page table
+    ],
+)
+def test_gpu_kernel_in_the_interpreter_equals_the_xla_path(
+    page_size, pages_per_row, heads, kv_heads, lens
+):
+    """The Triton kernel's own code run by Pallas' interpreter, on the shared layout."""
+    from ebpo_jax.kernels.paged_gpu import paged_decode_attention_gpu
+
+    lens = [*lens, 0]  # an idle row
+    args = make_case(4, len(lens), heads, kv_heads, 16, page_size, pages_per_row, lens)
+    got = paged_decode_attention_gpu(*args, interpret=True)
+    np.testing.assert_allclose(got, paged_decode_attention_xla(*args), atol=1e-5, rtol=1e-5)

@@ -24,12 +24,15 @@ from ebpo_jax.kernels.paged_xla import check_layout
 # so a smaller block wastes less of a short row's bandwidth; 512 is within the sizes the
 # kernel's own tuned table picks for v5 decode.
 KV_TOKENS_PER_BLOCK = 512
+# The kernel issues one DMA per page of a block; its tuned table never goes past 16 pages.
+MAX_PAGES_PER_BLOCK = 16
 QUERIES_PER_BLOCK = 32  # the kernel's untuned default
 
 
 def block_sizes(page_size: int, pages_per_row: int, rows: int) -> tuple[int, int]:
     """(num_kv_pages_per_block, num_queries_per_block) for the kernel."""
-    kv_pages = max(1, min(pages_per_row, KV_TOKENS_PER_BLOCK // page_size))
+    per_block = min(MAX_PAGES_PER_BLOCK, KV_TOKENS_PER_BLOCK // page_size)
+    kv_pages = max(1, min(pages_per_row, per_block))
     return kv_pages, min(rows, QUERIES_PER_BLOCK)
 
 
