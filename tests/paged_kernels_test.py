@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import aot_report
-from ebpo_jax.kernels.paged_shard import shard_paged
+from ebpo_jax.kernels.paged_shard import per_shard, shard_paged
 from ebpo_jax.kernels.paged_xla import paged_decode_attention_xla
 
 
@@ -85,6 +85,7 @@ def test_bad_layout_is_a_one_line_error():
         paged_decode_attention_xla(q, kv, table, lens[:1])
 
 
+@pytest.mark.slow
 def test_mesh_wrapper_gives_each_row_shard_its_own_pool_slab():
     """data=4 x tp=2: rows and pages split over data (local page indices), heads over tp."""
     shards, slab, rows = 4, 6, 8
@@ -105,24 +106,59 @@ def test_mesh_wrapper_gives_each_row_shard_its_own_pool_slab():
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def _qwen3_8b_layer(mesh, rows, pages, page_size, pages_per_row, kv_heads=8, heads=32, dim=128):
-    """Abstract per-layer decode inputs at Qwen3-8B's head shapes, sharded like the sampler."""
-    rows_ax = "data" if "data" in mesh.axis_names else None
+def test_vmapped_over_shards_runs_each_shard_on_its_devices():
+    """The engine's call: vmap over a leading shard axis D, one pool per shard."""
+    D, R, pages = 4, 4, 6
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((D, R, 4, 8), np.float32))
+    kv = jnp.asarray(rng.standard_normal((D, pages, 4, 4, 8), np.float32))
+    table = jnp.asarray(
+        np.stack([[rng.permutation(pages)[:3] for _ in range(R)] for _ in range(D)])
+    )
+    lens = jnp.asarray(rng.integers(0, 13, (D, R)), jnp.int32)
+    want = jax.vmap(paged_decode_attention_xla)(q, kv, table, lens)
+    seen = []
+
+    def local(*a):
+        seen.append(a[1].shape)
+        return paged_decode_attention_xla(*a)
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tp"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.vmap(per_shard(local)))(q, kv, table, lens)
+    # custom_vmap traces the unbatched function too (here unsplit: 6 pages over 4 shards);
+    # the program runs the batching rule's call, one shard's pool and its tp half of the heads.
+    assert seen[-1] == (pages, 4, 2, 8)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(jax.vmap(per_shard(local))(q, kv, table, lens), want, atol=1e-6)
+
+
+def _qwen3_8b_layer(mesh, lead, rows, pages, page_size, pages_per_row):
+    """Abstract per-layer decode inputs at Qwen3-8B's head shapes (32 heads, 8 kv heads of
+    128), with leading axes `lead` ((D,): the engine's one pool per data shard)."""
+    data = "data" if "data" in mesh.axis_names else None
     tp = "tp" if "tp" in mesh.axis_names else None
-    sds = lambda shape, dt, spec: jax.ShapeDtypeStruct(
-        shape, dt, sharding=NamedSharding(mesh, spec)
-    )
+    sh = (data,) + (None,) * len(lead) if lead else (data,)
+    n = len(lead)
+
+    def sds(shape, dtype, *rest):
+        spec = P(*sh[: n + 1], *rest) if n else P(data, *rest)
+        return jax.ShapeDtypeStruct((*lead, *shape), dtype, sharding=NamedSharding(mesh, spec))
+
     return (
-        sds((rows, heads, dim), jnp.bfloat16, P(rows_ax, tp, None)),
-        sds((pages, page_size, 2 * kv_heads, dim), jnp.bfloat16, P(rows_ax, None, tp, None)),
-        sds((rows, pages_per_row), jnp.int32, P(rows_ax, None)),
-        sds((rows,), jnp.int32, P(rows_ax)),
+        sds((rows, 32, 128), jnp.bfloat16, tp, None),
+        sds((pages, page_size, 16, 128), jnp.bfloat16, None, tp, None),
+        sds((rows, pages_per_row), jnp.int32, None),
+        sds((rows,), jnp.int32),
     )
 
 
-@pytest.mark.parametrize("shape", [pytest.param((1, 1), marks=pytest.mark.slow), (2, 2)])
-def test_tpu_kernel_compiles_for_v5p(shape):
-    """The real kernel, not interpreted: traced under a v5p mesh, compiled for it here."""
+@pytest.mark.parametrize(
+    "shape, lead", [pytest.param((1, 1), (), marks=pytest.mark.slow), ((2, 2), (2,))]
+)
+def test_tpu_kernel_compiles_for_v5p(shape, lead):
+    """The real kernel, not interpreted: traced under a v5p mesh, compiled for it here, as
+    called on one shard or vmapped over the engine's leading shard axis."""
     reason = aot_report.libtpu_available()
     if reason:
         pytest.skip(f"no TPU compiler here: {reason}")
@@ -135,16 +171,17 @@ def test_tpu_kernel_compiles_for_v5p(shape):
         ("data", "tp"),
         axis_types=(jax.sharding.AxisType.Auto,) * 2,
     )
-    args = _qwen3_8b_layer(mesh, rows=64, pages=1024, page_size=64, pages_per_row=48)
+    args = _qwen3_8b_layer(mesh, lead, rows=64, pages=1024, page_size=64, pages_per_row=48)
+    fn = jax.vmap(paged_decode_attention_tpu) if lead else paged_decode_attention_tpu
     t0 = time.perf_counter()
     # Mosaic rejects bf16 matmuls at the "highest" precision conftest sets.
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
-        compiled = jax.jit(paged_decode_attention_tpu).lower(*args).compile()
+        compiled = jax.jit(fn).lower(*args).compile()
     print(f"compiled in {time.perf_counter() - t0:.1f} s")
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 1 and "ragged_paged_attention" in text
-    # Per device only its pool slab is an argument: nothing gathers the pool.
-    pool = 1024 * 64 * 16 * 128 * 2 // n
+    assert "all-gather" not in text  # each device attends over its own pool slab
+    pool = int(np.prod(lead)) * 1024 * 64 * 16 * 128 * 2 // n
     assert compiled.memory_analysis().temp_size_in_bytes < pool // 4
 
 

@@ -17,7 +17,7 @@ import math
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-from ebpo_jax.kernels.paged_shard import shard_paged
+from ebpo_jax.kernels.paged_shard import per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
 
 BLOCK_H = 16  # query heads per program: the kernel requires a multiple of 16
@@ -73,4 +73,4 @@ def paged_decode_attention_gpu(
         local = functools.partial(paged_decode_attention_xla, scale=scale)
     else:
         local = functools.partial(_local, scale=scale, interpret=interpret)
-    return shard_paged(local, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+    return per_shard(local)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)

@@ -17,7 +17,7 @@ import functools
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-from ebpo_jax.kernels.paged_shard import shard_paged
+from ebpo_jax.kernels.paged_shard import per_shard
 from ebpo_jax.kernels.paged_xla import check_layout
 
 # Tokens per KV block: the kernel copies whole blocks (pages past the row's end included),
@@ -63,4 +63,4 @@ def paged_decode_attention_tpu(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *
     check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     scale = q_RHD.shape[-1] ** -0.5 if scale is None else float(scale)
     local = functools.partial(_local, scale=scale)
-    return shard_paged(local, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+    return per_shard(local)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
