@@ -322,6 +322,27 @@ def split_layers(config: ModelConfig, params) -> tuple:
     )
 
 
+def decode_step(config: ModelConfig, params, tokens_B, positions_B, attend, *, layers=None):
+    """Logits [B, V] float32 for one new token per row, its attention left to the caller.
+
+    `attend(layer, attn, q_B1Hd, k_B1Kd, v_B1Kd) -> [B, 1, D]` stores the new key/value in
+    the caller's cache (any layout: the sampler's is paged) and mixes the row's cached ones.
+    `layers`: `split_layers(params)`, computed once outside a decode loop.
+    """
+    _check_tokens(config, tokens_B[:, None], "tokens_B")
+    cos_B1d, sin_B1d = rope_cos_sin(config, positions_B[:, None])
+    block_def = graphdefs(config)[1]
+    layers = split_layers(config, params) if layers is None else layers
+    x_B1D = _embed(config, params, tokens_B[:, None])
+    # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
+    for layer in range(config.num_layers):
+        block = nnx.merge(block_def, layers[layer])
+        x_B1D = _block_step(
+            config, block, x_B1D, cos_B1d, sin_B1d, functools.partial(attend, layer)
+        )
+    return _head(config, params, x_B1D, False)[:, 0]
+
+
 def _write(cache_BKSd, new_BTKd, start):
     """The cache with new_BTKd's T slots written at `start` (a scalar, or per row [B])."""
     new_BKTd = new_BTKd.astype(cache_BKSd.dtype).transpose(0, 2, 1, 3)
