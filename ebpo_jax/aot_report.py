@@ -282,6 +282,32 @@ def resident_check(reports: list[ProgramReport]) -> tuple[list[str], list[str]]:
     return lines, bad
 
 
+def paged_lines(meta: dict) -> list[str]:
+    """The paged engine's layout and the step estimate, as the report's summary lines."""
+    lines = []
+    if p := meta.get("paged"):
+        lines.append(
+            f"paged KV: {p['pages_per_shard']} pages x {p['page_size']} tokens per data shard "
+            f"({p['data_shards']} shards, {p['pool_gib_per_chip']:.1f} GiB per chip), "
+            f"{p['concurrent_rows']} of {p['rows_per_call']} rows at once, attention "
+            f"{p['attention']}"
+        )
+        if "decode_peak_gib_per_chip" in p:
+            lines.append(
+                f"sampler decode peak {p['decode_peak_gib_per_chip']:.1f} GiB per chip, "
+                f"{p['decode_peak_with_train_state_gib_per_chip']:.1f} with the train state; "
+                f"HBM would hold {p['pages_that_fit_per_shard']} pages per shard"
+            )
+    if e := meta.get("step_estimate"):
+        lines.append(
+            f"estimate: decode {e['decode_s_before']:.0f} s static, "
+            f"{e['decode_s_slots_blocked']:.0f} s blocked slots, {e['decode_s_after']:.0f} s "
+            f"paged; step {e['step_s_slots_blocked']:.0f} s -> {e['step_s_after']:.0f} s "
+            "(assumptions in step_estimate.assumptions)"
+        )
+    return lines
+
+
 def write_json(path: str, reports: list[ProgramReport], **meta) -> None:
     with open(path, "w") as f:
         json.dump({**meta, "programs": [r.as_dict() for r in reports]}, f, indent=2)

@@ -5,6 +5,8 @@ runs; decode is the case of one query token per row, so `cu_q_lens` is 0, 1, ...
 every row is a sequence. It streams each row's own pages, `KV_TOKENS_PER_BLOCK` tokens at a
 time, so a row reads its length rounded up to a block, not the longest row's.
 
+Shapes the kernel refuses (head_dim not a multiple of 128, kv heads per device it cannot
+tile: `fallback_reason`) run `paged_decode_attention_xla` on the device's rows instead.
 Block sizes are passed explicitly: the kernel's tuned-size table looks up the default
 device, which under an ahead-of-time compile on a CPU host is the CPU. Idle rows (kv_len 0)
 are run as length 1 (the kernel needs q_len <= kv_len) and their output set to 0.
@@ -16,9 +18,10 @@ import functools
 
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
 from ebpo_jax.kernels.paged_shard import per_shard
-from ebpo_jax.kernels.paged_xla import check_layout
+from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
 
 # Tokens per KV block: the kernel copies whole blocks (pages past the row's end included),
 # so a smaller block wastes less of a short row's bandwidth; 512 is within the sizes the
@@ -27,6 +30,7 @@ KV_TOKENS_PER_BLOCK = 512
 # The kernel issues one DMA per page of a block; its tuned table never goes past 16 pages.
 MAX_PAGES_PER_BLOCK = 16
 QUERIES_PER_BLOCK = 32  # the kernel's untuned default
+LANES = 128  # the kernel's softmax scratch width: head_dim must be a multiple
 
 
 def block_sizes(page_size: int, pages_per_row: int, rows: int) -> tuple[int, int]:
@@ -36,8 +40,24 @@ def block_sizes(page_size: int, pages_per_row: int, rows: int) -> tuple[int, int
     return kv_pages, min(rows, QUERIES_PER_BLOCK)
 
 
+def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
+    """None when the kernel takes one device's shapes, else why the XLA path runs instead."""
+    D, C = q_RHD.shape[-1], kv_pages_PSCD.shape[2]
+    if D % LANES:
+        return f"head_dim {D}: the kernel's scratch is {LANES} lanes wide, needs a multiple"
+    try:
+        get_min_heads_per_blk(q_RHD.shape[1], C, q_RHD.dtype, kv_pages_PSCD.dtype)
+    except ValueError as e:
+        return f"{C} combined kv heads per device: {e}"
+    return None
+
+
 def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale):
-    """The kernel on one device's rows and pages."""
+    """The kernel on one device's rows and pages (the XLA path where it refuses them)."""
+    if fallback_reason(q_RHD, kv_pages_PSCD):
+        return paged_decode_attention_xla(
+            q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, scale=scale
+        )
     R = q_RHD.shape[0]
     kv_pages, queries = block_sizes(kv_pages_PSCD.shape[1], page_table_RN.shape[1], R)
     out_RHD = ragged_paged_attention(
