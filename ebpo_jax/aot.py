@@ -26,8 +26,8 @@ from ebpo_jax.aot_report import (
     update_flops,
 )
 from ebpo_jax.hardware import GiB
-from ebpo_jax.spec import RolloutSpec, RunSpec, resolve
-from ebpo_jax.trainer.rollout import make_rollout_fn
+from ebpo_jax.spec import RunSpec, resolve
+from ebpo_jax.trainer.rollout import make_rollout_fn, sampler_spec_of
 from ebpo_jax.trainer.shardings import make_mesh, make_sampler_mesh, make_shardings
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step
@@ -116,27 +116,6 @@ def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
-def sampler_spec(s: RolloutSpec, config=None):
-    """The engine's SamplerSpec for the rollout's sampler (pages from `config.sampler`)."""
-    from ebpo_jax import sampler
-
-    pages = {}
-    if config is not None:  # the rollout spec may not carry the page fields
-        pages = {k: config.sampler.get(k) for k in ("page_size", "kv_pages", "attention")}
-        pages = {k: v for k, v in pages.items() if v is not None and v != ""}
-    for k in ("page_size", "kv_pages"):
-        if hasattr(s, k):
-            pages[k] = getattr(s, k)
-    return sampler.SamplerSpec(
-        max_new_tokens=s.max_new_tokens,
-        num_samples=s.group_size,
-        eos_ids=(1,),
-        sampling=sampler.Sampling(s.temperature, s.top_k, s.top_p),
-        slots=s.slots,
-        **pages,
-    )
-
-
 def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
     """The engine's jitted prefill and decode (sampler.SamplerSpec `spec`) on `mesh`.
 
@@ -163,7 +142,7 @@ def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
         staged, first_R, logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
         eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
         decode = engine.decode_jit.lower(
-            params, staged, first_R, logp_R, lengths_P, rng, eos, None, **static
+            params, staged, first_R, logp_R, lengths_P, rng, eos, **static
         ).compile()
     return prefill, decode, plan
 
@@ -311,7 +290,7 @@ def run(
     note = f"{prompts} prompts x {G} per call, {calls} call(s) per step"
     compiled = {}
 
-    s_spec = sampler_spec(spec.rollout, config)
+    s_spec = sampler_spec_of(spec.rollout, 1)  # the stop id's value does not change the program
 
     def sampler_programs():
         compiled["prefill"], compiled["decode"], compiled["plan"] = compile_sampler(

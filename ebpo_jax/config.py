@@ -127,6 +127,11 @@ def default_config() -> ml_collections.ConfigDict:
     # until the longest ends; S > 0 = continuous batching, S rows at a time, a slot refilled
     # as soon as its row ends. A multiple of the sampler mesh's data shards.
     c.sampler.slots = 0
+    # The paged KV cache (docs/sampler.md): pages of `page_size` tokens; `kv_pages` pages per
+    # sampler call over all data shards (0 = enough for every slot's longest row). When the
+    # pool is short, new rows wait for pages; one row must fit the pool on its own.
+    c.sampler.page_size = 16
+    c.sampler.kv_pages = 0
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-6
@@ -566,6 +571,16 @@ def _validate_slots(c, shape, need):
     )
 
 
+def _validate_pages(s, need):
+    """sampler.page_size and sampler.kv_pages (whether one row fits is checked per call)."""
+    ps, pages = s.get("page_size", 16), s.get("kv_pages", 0)
+    need(_is_int(ps) and ps >= 1, f"sampler.page_size={ps!r} must be an int >= 1")
+    need(
+        _is_int(pages) and pages >= 0,
+        f"sampler.kv_pages={pages!r} must be an int >= 0 (0 = enough for every slot)",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -675,6 +690,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         isinstance(slots, int) and slots >= 0,
         f"sampler.slots={slots!r} must be an int >= 0 (0 = the static batch)",
     )
+    _validate_pages(c.sampler, need)
     _validate_data_and_model(c, need)
     _validate_positions(c)
     _validate_estimator_options(c, need)

@@ -35,6 +35,8 @@ class RolloutSpec:
     max_staleness: int = 0  # 1: rollout t+1 sampled with params t while update t runs
     param_dtype: str = ""  # the sampler's copy of the weights; "" = the trainer's dtype
     slots: int = 0  # decode slots per sampler call (continuous batching); 0 = static batch
+    page_size: int = 16  # tokens per KV page
+    kv_pages: int = 0  # KV pages per sampler call; 0 = enough for every slot's longest row
 
     @property
     def rounds(self) -> int:
@@ -200,6 +202,8 @@ def rollout_spec(c) -> RolloutSpec:
         max_staleness=int(c.rollout.max_staleness),
         param_dtype=c.sampler.param_dtype,
         slots=int(c.sampler.slots),
+        page_size=int(c.sampler.get("page_size", 16)),
+        kv_pages=int(c.sampler.get("kv_pages", 0)),
     )
 
 

@@ -411,10 +411,10 @@ def test_rollout_in_prompt_chunks_matches_one_call(setup):
             params,
             part.prompt_tokens,
             part.prompt_lengths,
-            max_new_tokens=c.sampler.max_new_tokens,
+            sampler.SamplerSpec(
+                max_new_tokens=c.sampler.max_new_tokens, num_samples=c.group_size, eos_ids=EOS
+            ),
             rng=jax.random.fold_in(key_r, k),
-            eos_id=EOS,
-            num_samples=c.group_size,
         )
         np.testing.assert_array_equal(chunked.tokens[2 * k : 2 * k + 2].reshape(8, -1), ref.tokens)
         np.testing.assert_allclose(
