@@ -94,3 +94,32 @@ def test_issue_29_slots_table():
         assert round(est["decode_s_ragged_ideal"]) == ideal
         # The kernel rounds rows up to its blocks: a little above the ideal, far below blocked.
         assert ideal < est["decode_s_after"] < 1.2 * ideal
+
+
+def test_paged_report_fields_by_hand():
+    """Pool bytes per chip and the pages HBM would hold beside the train state, by hand."""
+    from types import SimpleNamespace
+
+    from ebpo_jax import aot as aot_compile
+    from ebpo_jax import models
+
+    mc = models.get_config("qwen3_8b", dtype="bfloat16")
+    page = aot_compile.page_bytes_per_chip(mc, 128, tp=4)
+    assert page == 128 * (2 * 8 // 4) * 128 * 36 * 2  # tokens x kv heads per chip x dim x layers
+    plan = SimpleNamespace(pages=1000, shards=8, slots=256, rows=256, impl="pallas_tpu")
+    spec = SimpleNamespace(page_size=128)
+    mesh = SimpleNamespace(shape={"data": 8, "tp": 4})
+    gib = 2**30
+    report = lambda name, args, peak: aot.ProgramReport(
+        name, "", args, 0, 0, peak - args, 0, 95 * gib, 0.0, 1.0
+    )
+    reports = [report("train update", 4 * gib, 17 * gib), report("sampler decode", 0, 30 * gib)]
+    meta = aot_compile.paged_meta(plan, spec, mc, mesh, reports)
+    assert meta["kv_pages"] == 8000 and meta["concurrent_rows"] == 2048
+    assert meta["pool_gib_per_chip"] == pytest.approx(1000 * page / gib)
+    assert meta["decode_peak_with_train_state_gib_per_chip"] == pytest.approx(34)
+    # Free: 95 - 4 (train state) - (30 - the pool) GiB, in pages.
+    assert (
+        meta["pages_that_fit_per_shard"] == (95 * gib - 4 * gib - (30 * gib - 1000 * page)) // page
+    )
+    assert "2048 of 2048 rows at once" in aot.paged_lines({"paged": meta})[0]
