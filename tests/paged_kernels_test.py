@@ -233,3 +233,24 @@ def test_gpu_kernel_in_the_interpreter_equals_the_xla_path(
     args = make_case(4, len(lens), heads, kv_heads, 16, page_size, pages_per_row, lens)
     got = paged_decode_attention_gpu(*args, interpret=True)
     np.testing.assert_allclose(got, paged_decode_attention_xla(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_kernel_compiles_for_h200():
+    """The Triton kernel, vmapped over the engine's shard axis, on a tp=8 H200 node."""
+    from ebpo_jax import gpu_topology
+
+    reason = gpu_topology.cuda_plugin_available()
+    if reason:
+        pytest.skip(f"no CUDA compiler here: {reason}")
+    from ebpo_jax.kernels.paged_gpu import paged_decode_attention_gpu
+
+    _, _, devices = aot_report.topology_devices("8xH200")
+    mesh = Mesh(
+        np.array(devices[:8]).reshape(1, 8),
+        ("data", "tp"),
+        axis_types=(jax.sharding.AxisType.Auto,) * 2,
+    )
+    args = _qwen3_8b_layer(mesh, (1,), rows=64, pages=1024, page_size=16, pages_per_row=96)
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        compiled = jax.jit(jax.vmap(paged_decode_attention_gpu)).lower(*args).compile()
+    assert "paged_attention_block_h" in compiled.as_text()

@@ -9,6 +9,9 @@ writes the whole pool at every call, which a row-local kernel exists to avoid: i
 about 2x the pool's bytes per layer per step, more than the rows' own pages in a large pool.
 Until the engine keeps its GPU pool head-major, `paged_decode_attention_xla` (gather of the
 row's pages) is the better GPU path; `fallback_reason` says when the kernel is refused.
+It lowers for H200 without a device (vmapped over the engine's shard axis, tp=8:
+tests/paged_kernels_test.py, in a venv with the CUDA plugin) and runs in Pallas'
+interpreter on CPU; it has not run on a GPU.
 """
 
 import functools
