@@ -71,6 +71,9 @@ EVAL_SETS = (
 
 
 VARIANTS = ("paper", "authors", "aot")
+# KV pages of 128 tokens per data shard of the v5p-64 sampler mesh: what fits beside the
+# resident train state, the decode's temporaries holding the pool about 3 times (AOT).
+POOL_PAGES = {"qwen3_8b": 5120, "llama3_1_8b": 5120, "qwen3_14b": 4096}
 
 
 def _variants(variant: str | None) -> set[str]:
@@ -139,7 +142,7 @@ def recipe(preset: str, variant: str | None = None):
     c.sampler.prompts_per_call = 512  # one call per step: see the comment block
     c.sampler.slots = 0  # every row of the call at once: pages, not slots, bound concurrency
     c.sampler.page_size = 128
-    c.sampler.kv_pages = 8 * 8192  # 8192 pages per data shard: see the comment block
+    c.sampler.kv_pages = 8 * POOL_PAGES[preset]  # per data shard x 8: see the comment block
     c.sampler.mesh = "data=8,tp=4"
 
     c.optimizer.learning_rate = 1e-6

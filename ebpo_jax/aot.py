@@ -156,8 +156,8 @@ def page_bytes_per_chip(mc, page_size: int, tp: int) -> int:
 def paged_meta(plan, spec, mc, mesh, reports) -> dict:
     """The paged engine's layout in the report: pages, concurrency, pool and peak per chip.
 
-    `pages_that_fit_per_shard`: the pool that would fill HBM beside the resident train state
-    and the decode program's other memory (its peak less its pool).
+    `headroom_gib_per_chip`: HBM left with the decode program and the resident train state
+    (the decode's temporaries may hold the pool more than once: its peak is the measure).
     """
     tp = dict(mesh.shape).get("tp", 1)
     page = page_bytes_per_chip(mc, spec.page_size, tp)
@@ -178,8 +178,8 @@ def paged_meta(plan, spec, mc, mesh, reports) -> dict:
         resident = update.argument_bytes if update is not None else 0
         meta["decode_peak_gib_per_chip"] = decode.peak_bytes / GiB
         meta["decode_peak_with_train_state_gib_per_chip"] = (decode.peak_bytes + resident) / GiB
-        free = decode.hbm_bytes - decode.code_bytes - resident - (decode.peak_bytes - pool)
-        meta["pages_that_fit_per_shard"] = int(free // page)
+        free = decode.hbm_bytes - decode.code_bytes - resident - decode.peak_bytes
+        meta["headroom_gib_per_chip"] = free / GiB
     return meta
 
 

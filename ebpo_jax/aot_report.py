@@ -296,7 +296,7 @@ def paged_lines(meta: dict) -> list[str]:
             lines.append(
                 f"sampler decode peak {p['decode_peak_gib_per_chip']:.1f} GiB per chip, "
                 f"{p['decode_peak_with_train_state_gib_per_chip']:.1f} with the train state; "
-                f"HBM would hold {p['pages_that_fit_per_shard']} pages per shard"
+                f"{p['headroom_gib_per_chip']:.1f} GiB of HBM left"
             )
     if e := meta.get("step_estimate"):
         lines.append(
