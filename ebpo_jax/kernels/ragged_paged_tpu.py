@@ -10,6 +10,10 @@ tile: `fallback_reason`) run `paged_decode_attention_xla` on the device's rows i
 Block sizes are passed explicitly: the kernel's tuned-size table looks up the default
 device, which under an ahead-of-time compile on a CPU host is the CPU. Idle rows (kv_len 0)
 are run as length 1 (the kernel needs q_len <= kv_len) and their output set to 0.
+Keep at least 8 combined kv heads per device (bfloat16, v5p): with 4 (8 kv heads on tp=4)
+XLA keeps a decode loop's pool in another tiled layout than the kernel's and converts it
+around every call, a copy of the pool per layer per step and 3x the pool in memory; with 8
+or 16 it does not (tests/paged_kernels_test.py compiles the engine's decode to check).
 Under a mesh the kernel runs per device (`paged_shard`: page tables are local to the row
 shard's pool slab).
 """
