@@ -6,8 +6,9 @@ of kv head k at combined index 2k and its value at 2k + 1. Row r's token i sits 
 offset i % page_size of page page_table_RN[r, i // page_size]; kv_lens_R[r] tokens are
 valid (0: an idle row, whose output is zeros and ignored).
 
-"xla" is hand-written (XLA has no ragged attention): a loop over blocks of page-table
-columns, online softmax, that runs only as many blocks as the longest row needs.
+"xla" is hand-written (XLA has no ragged attention): the live pages of all rows as one list,
+walked in fixed-size chunks with a per-row online softmax, so a step reads the live tokens
+only, however they are spread over the rows.
 "pallas_tpu" / "pallas_gpu" are the Pallas kernels of `ebpo_jax.kernels`, imported only
 when asked for.
 """
@@ -25,7 +26,7 @@ _KERNELS = {
     "pallas_gpu": ("ebpo_jax.kernels.paged_gpu", "paged_decode_attention_gpu"),
 }
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) stays 1, never NaN
-BLOCK_PAGES = 8  # page-table columns per block of the "xla" loop
+BLOCK_PAGES = 8  # the "xla" loop's chunk: rows x BLOCK_PAGES pages (fewer if the table is short)
 
 
 def _available(impl: str) -> bool:
@@ -50,6 +51,8 @@ def paged_decode_attention(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, im
     """out [R, H, D] in q's dtype: softmax(q k / sqrt(D)) v over each row's kv_lens_R tokens."""
     impl = resolve(impl)
     if impl == "xla":
+        q_RHD, kv_pages_PSCD = jnp.asarray(q_RHD), jnp.asarray(kv_pages_PSCD)
+        page_table_RN, kv_lens_R = jnp.asarray(page_table_RN), jnp.asarray(kv_lens_R)
         return _xla(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     module, name = _KERNELS[impl]
     if not _available(impl):
@@ -60,38 +63,53 @@ def paged_decode_attention(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, im
     return kernel(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
 
 
-def _xla(q_RHD, kv_PSCD, table_RN, lens_R, block_pages=BLOCK_PAGES):
-    """The XLA reference: gather a block of each row's pages, masked online softmax."""
+def _xla(q_RHD, kv_PSCD, table_RN, lens_R):
+    """The XLA path: the rows' live pages as one ragged list, walked in chunks.
+
+    Item i of the list is (row, page-table column) of a page that holds valid tokens, rows
+    in order; each chunk gathers its pages and its rows' queries and folds the scores into
+    each row's online softmax (scatter max / add by row). A chunk is R x BLOCK_PAGES pages
+    (read at trace time); a step runs ceil(live pages / chunk) chunks, so its cost follows
+    the live tokens, not the longest row.
+    """
     R, H, D = q_RHD.shape
     S, C = kv_PSCD.shape[1], kv_PSCD.shape[2]
     K, N = C // 2, table_RN.shape[1]
-    B = min(block_pages, N)
+    chunk = R * min(BLOCK_PAGES, N)
     f32 = jnp.float32
+    live_RN = jnp.arange(N)[None] < ((lens_R + S - 1) // S)[:, None]
+    num_items = live_RN.sum()
+    row_I, col_I = jnp.nonzero(live_RN, size=R * N + chunk, fill_value=0)
     q_RKGD = q_RHD.reshape(R, K, H // K, D)
     scale = D**-0.5
-    num_blocks = (jnp.max(lens_R) + B * S - 1) // (B * S)
 
-    def body(b, carry):
+    def body(c, carry):
         m_RKG, l_RKG, acc_RKGD = carry
-        col_B = b * B + jnp.arange(B)
-        pages_RB = table_RN[:, jnp.minimum(col_B, N - 1)]
-        kv_RTCD = kv_PSCD[pages_RB].reshape(R, B * S, C, D)
-        k_RTKD, v_RTKD = kv_RTCD[:, :, 0::2], kv_RTCD[:, :, 1::2]
-        pos_T = (col_B[:, None] * S + jnp.arange(S)[None]).reshape(B * S)
-        ok_R11T = (pos_T[None] < lens_R[:, None])[:, None, None]
-        logits_RKGT = jnp.einsum("rkgd,rtkd->rkgt", q_RKGD, k_RTKD, preferred_element_type=f32)
-        logits_RKGT = jnp.where(ok_R11T, logits_RKGT * scale, _NEG)
-        m_new_RKG = jnp.maximum(m_RKG, logits_RKGT.max(-1))
-        p_RKGT = jnp.where(ok_R11T, jnp.exp(logits_RKGT - m_new_RKG[..., None]), 0.0)
-        rescale_RKG = jnp.exp(m_RKG - m_new_RKG)
-        pv_RKGD = jnp.einsum(
-            "rkgt,rtkd->rkgd", p_RKGT.astype(q_RHD.dtype), v_RTKD, preferred_element_type=f32
+        i_c = c * chunk + jnp.arange(chunk)
+        row_c = jax.lax.dynamic_slice_in_dim(row_I, c * chunk, chunk)
+        col_c = jax.lax.dynamic_slice_in_dim(col_I, c * chunk, chunk)
+        kv_cSCD = kv_PSCD[table_RN[row_c, col_c]]
+        k_cSKD, v_cSKD = kv_cSCD[:, :, 0::2], kv_cSCD[:, :, 1::2]
+        pos_cS = col_c[:, None] * S + jnp.arange(S)[None]
+        ok_c11S = ((i_c < num_items)[:, None] & (pos_cS < lens_R[row_c][:, None]))[:, None, None]
+        logits_cKGS = jnp.einsum(
+            "ckgd,cskd->ckgs", q_RKGD[row_c], k_cSKD, preferred_element_type=f32
         )
-        l_RKG = l_RKG * rescale_RKG + p_RKGT.sum(-1)
-        return m_new_RKG, l_RKG, acc_RKGD * rescale_RKG[..., None] + pv_RKGD
+        logits_cKGS = jnp.where(ok_c11S, logits_cKGS * scale, _NEG)
+        m_new_RKG = m_RKG.at[row_c].max(logits_cKGS.max(-1))
+        p_cKGS = jnp.where(ok_c11S, jnp.exp(logits_cKGS - m_new_RKG[row_c][..., None]), 0.0)
+        rescale_RKG = jnp.exp(m_RKG - m_new_RKG)
+        pv_cKGD = jnp.einsum(
+            "ckgs,cskd->ckgd", p_cKGS.astype(q_RHD.dtype), v_cSKD, preferred_element_type=f32
+        )
+        l_RKG = (l_RKG * rescale_RKG).at[row_c].add(p_cKGS.sum(-1))
+        acc_RKGD = (acc_RKGD * rescale_RKG[..., None]).at[row_c].add(pv_cKGD)
+        return m_new_RKG, l_RKG, acc_RKGD
 
     shape = (R, K, H // K)
     init = (jnp.full(shape, _NEG, f32), jnp.zeros(shape, f32), jnp.zeros((*shape, D), f32))
-    _, l_RKG, acc_RKGD = jax.lax.fori_loop(0, num_blocks, body, init)
+    num_chunks = (num_items + chunk - 1) // chunk
+    _, l_RKG, acc_RKGD = jax.lax.fori_loop(0, num_chunks, body, init)
+    # A row with no valid token (an idle slot) gets zeros, not NaN.
     out_RKGD = acc_RKGD / jnp.where(l_RKG > 0, l_RKG, 1.0)[..., None]
     return out_RKGD.reshape(R, H, D).astype(q_RHD.dtype)

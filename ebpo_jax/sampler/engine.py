@@ -32,6 +32,7 @@ class Plan(NamedTuple):
     width: int  # pages of the prompt width
     max_pages: int  # page-table columns: a row's longest cache
     impl: str  # paged decode attention
+    reserve: bool  # the pool holds every slot's longest row: rows take all their pages at once
     lead: object  # NamedSharding of axis 0 over the data axes, or None
     prompt_lead: object  # the same for the prefill's prompts (None if they do not split)
 
@@ -74,7 +75,10 @@ def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, 
     lead = layout.leading_sharding(mesh, axes, rules)
     prompt_lead = lead if num_prompts % D == 0 else None
     impl = attention.resolve(spec.attention, _platform(mesh))
-    return Plan(D, Rd, slots // D, prompts, total // D, width, max_pages, impl, lead, prompt_lead)
+    reserve = spec.kv_pages == 0
+    return Plan(
+        D, Rd, slots // D, prompts, total // D, width, max_pages, impl, reserve, lead, prompt_lead
+    )
 
 
 def _platform(mesh):
@@ -137,7 +141,8 @@ def _copy_prompts(pools, staged, copy: schedule.Copy):
 
 def _admit(st, pools, staged, rows, *, plan, page_size):
     """admit on every shard; the page copies only on steps that admit a row."""
-    st, copy = jax.vmap(functools.partial(schedule.admit, page_size=page_size))(st, rows)
+    admit = functools.partial(schedule.admit, page_size=page_size, reserve=plan.reserve)
+    st, copy = jax.vmap(admit)(st, rows)
     admitted = jnp.any(copy.own_C < plan.pages)
     copy_all = lambda p: jax.vmap(_copy_prompts)(p, staged, copy)
     pools = jax.lax.cond(admitted, copy_all, lambda p: p, pools)
@@ -248,8 +253,10 @@ def decode(
         tok_DS, logp_DS = tok_B.reshape(D, S), logp_B.reshape(D, S)
         out = _record(st, out, tok_DS, logp_DS)
         st = _finish(st, rows, tok_DS, eos_E)
-        st = jax.vmap(functools.partial(schedule.grow, page_size=ps))(st, rows)
-        st, pools = admit(st, pools)
+        if not plan.reserve:  # reserved rows hold all their pages from admission on
+            st = jax.vmap(functools.partial(schedule.grow, page_size=ps))(st, rows)
+        if not (plan.reserve and S == Rd):  # else every row was admitted before the loop
+            st, pools = admit(st, pools)
         peak = jnp.maximum(peak, plan.pages - st.free_P.sum(-1).min())
         return st, pools, out, steps + 1, busy, peak
 

@@ -126,8 +126,12 @@ def grow(st: Slots, rows: Rows, *, page_size: int) -> Slots:
     return st._replace(table_SM=table_SM, npages_S=st.npages_S + need_S, free_P=free_P)
 
 
-def admit(st: Slots, rows: Rows, *, page_size: int) -> tuple[Slots, Copy]:
-    """Free slots take the next waiting rows, in row order, while the pool has their pages."""
+def admit(st: Slots, rows: Rows, *, page_size: int, reserve: bool) -> tuple[Slots, Copy]:
+    """Free slots take the next waiting rows, in row order, while the pool has their pages.
+
+    reserve: a row takes every page it may need at once (a pool sized for every slot's
+    longest row: rows then never grow, wait or preempt), else the page of its next token.
+    """
     S, M = st.table_SM.shape
     R, (Q, W) = st.status_R.shape[0], st.ppages_QW.shape
     c_C = jnp.arange(S)
@@ -137,16 +141,21 @@ def admit(st: Slots, rows: Rows, *, page_size: int) -> tuple[Slots, Copy]:
     full_C = plen_C // page_size
     # A prompt's waiting samples are consecutive candidates: the first one copies its pages.
     new_prompt_C = (st.users_Q[q_C] == 0) & ((c_C == 0) | (q_C != jnp.roll(q_C, 1)))
-    need_C = jnp.where(new_prompt_C, full_C, 0) + 1
-    admit_C = (cand_C < R) & (c_C < (~st.live_S).sum()) & (jnp.cumsum(need_C) <= st.free_P.sum())
+    own_C = M - full_C if reserve else jnp.ones_like(full_C)
+    need_C = jnp.where(new_prompt_C, full_C, 0) + own_C
+    # Growing rows are what preempts: keep a spare page for each row admitted before c.
+    spare_C = 0 if reserve else st.live_S.sum() + c_C
+    fits_C = jnp.cumsum(need_C) + spare_C <= st.free_P.sum()
+    admit_C = (cand_C < R) & (c_C < (~st.live_S).sum()) & fits_C
     shared_CW, free_P = pages.take(st.free_P, jnp.where(admit_C & new_prompt_C, full_C, 0), W)
-    own_C1, free_P = pages.take(free_P, admit_C.astype(jnp.int32), 1)
+    own_C = jnp.where(admit_C, own_C, 0)
+    own_CM, free_P = pages.take(free_P, own_C, M)
     fresh_C = admit_C & new_prompt_C
     ppages_QW = st.ppages_QW.at[jnp.where(fresh_C, q_C, Q)].set(shared_CW, mode="drop")
     col_M = jnp.arange(M)[None]
     prompt_CM = jnp.pad(ppages_QW, ((0, 0), (0, M - W)), constant_values=free_P.shape[0])[q_C]
-    table_CM = jnp.where(col_M < full_C[:, None], prompt_CM, free_P.shape[0])
-    table_CM = jnp.where(col_M == full_C[:, None], own_C1, table_CM)
+    own_at_CM = jnp.take_along_axis(own_CM, jnp.clip(col_M - full_C[:, None], 0, M - 1), 1)
+    table_CM = jnp.where(col_M < full_C[:, None], prompt_CM, own_at_CM)
     slot_C = jnp.nonzero(~st.live_S, size=S, fill_value=S)[0]
     s_C = jnp.where(admit_C, slot_C, S)
     put = lambda x, v: x.at[s_C].set(v, mode="drop")
@@ -155,9 +164,9 @@ def admit(st: Slots, rows: Rows, *, page_size: int) -> tuple[Slots, Copy]:
         prev_S=put(st.prev_S, rows.first_R[r_C]), plen_S=put(st.plen_S, plen_C),
         limit_S=put(st.limit_S, rows.limit_R[r_C]), prompt_S=put(st.prompt_S, q_C),
         stamp_S=put(st.stamp_S, st.clock + c_C), shared_S=put(st.shared_S, full_C),
-        npages_S=put(st.npages_S, full_C + 1), table_SM=put(st.table_SM, table_CM),
+        npages_S=put(st.npages_S, full_C + own_C), table_SM=put(st.table_SM, table_CM),
         status_R=st.status_R.at[jnp.where(admit_C, cand_C, R)].set(RUNNING, mode="drop"),
         users_Q=st.users_Q.at[q_C].add(admit_C.astype(jnp.int32)),
         ppages_QW=ppages_QW, free_P=free_P, clock=st.clock + admit_C.sum(dtype=jnp.int32),
     )  # fmt: skip
-    return st, Copy(q_C, shared_CW, own_C1[:, 0], full_C)
+    return st, Copy(q_C, shared_CW, own_CM[:, 0], full_C)
