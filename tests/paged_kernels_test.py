@@ -133,6 +133,18 @@ def test_vmapped_over_shards_runs_each_shard_on_its_devices():
     np.testing.assert_allclose(jax.vmap(per_shard(local))(q, kv, table, lens), want, atol=1e-6)
 
 
+def _topology_mesh(topology: str, shape) -> Mesh:
+    """A (data, tp) mesh over the first devices of a compile-only topology (skips without
+    its compiler)."""
+    reason = aot_report.compiler_unavailable(topology)
+    if reason:
+        pytest.skip(f"no compiler for {topology} here: {reason}")
+    _, _, devices = aot_report.topology_devices(topology)
+    n = shape[0] * shape[1]
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return Mesh(np.array(devices[:n]).reshape(shape), ("data", "tp"), axis_types=auto)
+
+
 def _qwen3_8b_layer(mesh, lead, rows, pages, page_size, pages_per_row):
     """Abstract per-layer decode inputs at Qwen3-8B's head shapes (32 heads, 8 kv heads of
     128), with leading axes `lead` ((D,): the engine's one pool per data shard)."""
@@ -159,18 +171,9 @@ def _qwen3_8b_layer(mesh, lead, rows, pages, page_size, pages_per_row):
 def test_tpu_kernel_compiles_for_v5p(shape, lead):
     """The real kernel, not interpreted: traced under a v5p mesh, compiled for it here, as
     called on one shard or vmapped over the engine's leading shard axis."""
-    reason = aot_report.libtpu_available()
-    if reason:
-        pytest.skip(f"no TPU compiler here: {reason}")
     from ebpo_jax.kernels.ragged_paged_tpu import paged_decode_attention_tpu
 
-    _, _, devices = aot_report.topology_devices("v5p-8")
-    n = shape[0] * shape[1]
-    mesh = Mesh(
-        np.array(devices[:n]).reshape(shape),
-        ("data", "tp"),
-        axis_types=(jax.sharding.AxisType.Auto,) * 2,
-    )
+    mesh = _topology_mesh("v5p-8", shape)
     args = _qwen3_8b_layer(mesh, lead, rows=64, pages=1024, page_size=64, pages_per_row=48)
     fn = jax.vmap(paged_decode_attention_tpu) if lead else paged_decode_attention_tpu
     t0 = time.perf_counter()
@@ -181,7 +184,7 @@ def test_tpu_kernel_compiles_for_v5p(shape, lead):
     text = compiled.as_text()
     assert text.count("tpu_custom_call") >= 1 and "ragged_paged_attention" in text
     assert "all-gather" not in text  # each device attends over its own pool slab
-    pool = int(np.prod(lead)) * 1024 * 64 * 16 * 128 * 2 // n
+    pool = int(np.prod(lead)) * 1024 * 64 * 16 * 128 * 2 // mesh.size
     assert compiled.memory_analysis().temp_size_in_bytes < pool // 4
 
 
@@ -237,19 +240,9 @@ def test_gpu_kernel_in_the_interpreter_equals_the_xla_path(
 
 def test_gpu_kernel_compiles_for_h200():
     """The Triton kernel, vmapped over the engine's shard axis, on a tp=8 H200 node."""
-    from ebpo_jax import gpu_topology
-
-    reason = gpu_topology.cuda_plugin_available()
-    if reason:
-        pytest.skip(f"no CUDA compiler here: {reason}")
     from ebpo_jax.kernels.paged_gpu import paged_decode_attention_gpu
 
-    _, _, devices = aot_report.topology_devices("8xH200")
-    mesh = Mesh(
-        np.array(devices[:8]).reshape(1, 8),
-        ("data", "tp"),
-        axis_types=(jax.sharding.AxisType.Auto,) * 2,
-    )
+    mesh = _topology_mesh("8xH200", (1, 8))
     args = _qwen3_8b_layer(mesh, (1,), rows=64, pages=1024, page_size=16, pages_per_row=96)
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
         compiled = jax.jit(jax.vmap(paged_decode_attention_gpu)).lower(*args).compile()
@@ -260,19 +253,11 @@ def test_gpu_kernel_compiles_for_h200():
 def test_engine_decode_keeps_one_pool_in_the_kernels_layout():
     """The engine's decode loop on v5p with the kernel: its temporaries hold the pool about
     once (no layout conversion around the kernel) at 8 combined kv heads per chip."""
-    reason = aot_report.libtpu_available()
-    if reason:
-        pytest.skip(f"no TPU compiler here: {reason}")
     from ebpo_jax import aot, models
     from ebpo_jax.sampler import SamplerSpec, Sampling
     from ebpo_jax.sharding import param_shardings
 
-    _, _, devices = aot_report.topology_devices("v5p-8")
-    mesh = Mesh(
-        np.array(devices[:4]).reshape(2, 2),
-        ("data", "tp"),
-        axis_types=(jax.sharding.AxisType.Auto,) * 2,
-    )
+    mesh = _topology_mesh("v5p-8", (2, 2))
     mc = models.get_config("tiny", head_dim=128, num_kv_heads=8, num_heads=16, dtype="bfloat16")
     params = models.abstract_params(mc)
     params = aot.abstract(params, param_shardings(mc, params, mesh))

@@ -118,8 +118,5 @@ def test_paged_report_fields_by_hand():
     assert meta["kv_pages"] == 8000 and meta["concurrent_rows"] == 2048
     assert meta["pool_gib_per_chip"] == pytest.approx(1000 * page / gib)
     assert meta["decode_peak_with_train_state_gib_per_chip"] == pytest.approx(34)
-    # Free: 95 - 4 (train state) - (30 - the pool) GiB, in pages.
-    assert (
-        meta["pages_that_fit_per_shard"] == (95 * gib - 4 * gib - (30 * gib - 1000 * page)) // page
-    )
+    assert meta["headroom_gib_per_chip"] == pytest.approx(95 - 4 - 30)
     assert "2048 of 2048 rows at once" in aot.paged_lines({"paged": meta})[0]
