@@ -85,8 +85,10 @@ def _full_logits(mc, params, ro):
 
 def _reference(agg, ro, logits, ref_logits, adv_B):
     """Loss terms in float64 numpy over action tokens only."""
-    lsm = lambda x: x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - (
-        x.max(-1, keepdims=True)
+    lsm = lambda x: (
+        x
+        - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - (x.max(-1, keepdims=True))
     )
     tok = np.asarray(ro.tokens).reshape(-1, N)
     pick = lambda lg: np.take_along_axis(lsm(lg), tok[..., None], -1)[..., 0]
@@ -123,7 +125,14 @@ def setup():
     params = models.init_params(mc, jax.random.key(0))
     ref_params = jax.tree.map(lambda x: x * 1.05, params)
     ro = _episode(mc, params)
-    return mc, params, ref_params, ro, _full_logits(mc, params, ro), _full_logits(mc, ref_params, ro)
+    return (
+        mc,
+        params,
+        ref_params,
+        ro,
+        _full_logits(mc, params, ro),
+        _full_logits(mc, ref_params, ro),
+    )
 
 
 def _run(setup, agg, budget):
