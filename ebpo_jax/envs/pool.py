@@ -15,6 +15,7 @@ import contextlib
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
+import pickle
 import signal
 import sys
 import time
@@ -60,13 +61,21 @@ def _main_hidden():
 
 
 def _worker_loop(conn) -> None:
+    """Messages: ("env", pickled env) -> "loaded"; (index, episode) -> (index, reply)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     conn.send("ready")
+    env = None
     while (msg := conn.recv()) is not None:
-        index, env, episode = msg
-        reply, _ = _safe_step(env, episode)
-        conn.send((index, tuple(reply)))
+        if msg[0] == "env":
+            try:  # importing the environment's module is outside any call's timeout
+                env = pickle.loads(msg[1])
+                conn.send("loaded")
+            except Exception as e:  # noqa: BLE001  e.g. a class workers cannot import
+                conn.send(("unloadable", f"{type(e).__name__}: {e}"))
+            continue
+        index, episode = msg
+        conn.send((index, tuple(_safe_step(env, episode)[0])))
 
 
 class _Worker:
@@ -76,7 +85,8 @@ class _Worker:
         with _main_hidden():
             self.process.start()
         child.close()
-        self.ready, self.item, self.deadline = False, None, 0.0
+        self.ready, self.env, self.loading = False, None, False
+        self.item, self.deadline = None, 0.0
 
     def kill(self) -> None:
         self.process.kill()
@@ -85,14 +95,18 @@ class _Worker:
 
 
 class EnvPool:
-    """`workers` processes answering environment calls (0: in this process, no timeout)."""
+    """`workers` processes answering environment calls (0: in this process, no timeout).
 
-    def __init__(self, workers: int = 2, *, timeout_s: float = 10.0):
+    Each worker loads a map's environment once (within `load_timeout_s`, the time to import
+    its module) before its calls, each cut at `timeout_s`.
+    """
+
+    def __init__(self, workers: int = 2, *, timeout_s: float = 10.0, load_timeout_s=120.0):
         if workers < 0 or timeout_s <= 0:
             raise ValueError(
                 f"EnvPool needs workers >= 0 and timeout_s > 0, got {workers}, {timeout_s}"
             )
-        self.timeout_s = timeout_s
+        self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self._ctx = mp.get_context("forkserver")
         self._ctx.set_forkserver_preload(["ebpo_jax.envs.pool"])
         self._workers = [_Worker(self._ctx) for _ in range(workers)]
@@ -104,33 +118,50 @@ class EnvPool:
             out = [_safe_step(env, e)[0] for e in episodes]
             self.num_errors += sum(r.error for r in out)
             return out
+        blob = pickle.dumps(env)
         out: list[Reply | None] = [None] * len(episodes)
         todo = deque(range(len(episodes)))
-        while todo or any(w.item is not None for w in self._workers):
+        while todo or any(w.item is not None or w.loading for w in self._workers):
             for w in self._workers:
-                if w.ready and w.item is None and todo:
-                    w.item, w.deadline = todo.popleft(), time.monotonic() + self.timeout_s
-                    w.conn.send((w.item, env, episodes[w.item]))
-            deadlines = [w.deadline for w in self._workers if w.item is not None]
-            wait = max(0.0, min(deadlines) - time.monotonic()) + 1e-3 if deadlines else None
+                self._dispatch(w, blob, episodes, todo)
+            busy = [w.deadline for w in self._workers if w.item is not None or w.loading]
+            wait = max(0.0, min(busy) - time.monotonic()) + 1e-3 if busy else None
             ready = mp.connection.wait([w.conn for w in self._workers], timeout=wait)
             for i, w in enumerate(self._workers):
                 if w.conn in ready:
-                    self._receive(i, w, env, out)
-                elif w.item is not None and time.monotonic() > w.deadline:
+                    self._receive(i, w, blob, env, out)
+                elif (w.item is not None or w.loading) and time.monotonic() > w.deadline:
                     self._fail(i, env, out)
         self.num_errors += sum(r.error for r in out)
         return out
 
-    def _receive(self, i: int, w: _Worker, env, out) -> None:
+    def _dispatch(self, w: _Worker, blob: bytes, episodes, todo) -> None:
+        """Give an idle ready worker the environment (if it lacks it), else the next call."""
+        if not w.ready or w.loading or w.item is not None or not todo:
+            return
+        if w.env != blob:
+            w.loading, w.deadline = True, time.monotonic() + self.load_timeout_s
+            w.conn.send(("env", blob))
+            return
+        w.item, w.deadline = todo.popleft(), time.monotonic() + self.timeout_s
+        w.conn.send((w.item, episodes[w.item]))
+
+    def _receive(self, i: int, w: _Worker, blob: bytes, env, out) -> None:
         try:
             msg = w.conn.recv()
         except EOFError:  # the worker died inside the tool (a crash): replace it
             self._fail(i, env, out)
             return
-        if msg == "ready":
+        if msg in ("ready", "loaded"):
             w.ready = True
+            if msg == "loaded":
+                w.env, w.loading = blob, False
             return
+        if msg[0] == "unloadable":
+            raise RuntimeError(
+                f"environment workers cannot load {type(env).__name__} ({msg[1]}); define "
+                "it in an importable module, not in __main__"
+            )
         index, reply = msg
         out[index], w.item = Reply(*reply), None
 
