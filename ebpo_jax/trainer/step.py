@@ -88,6 +88,7 @@ class Step:
             if self.K != 1:
                 raise ValueError(f"a multi-turn task needs steps_per_jit=1, got {self.K}")
             self.episodes = MultiTurnRollout(spec.rollout, task, sh.sampler_mesh)
+            self.host_reward = None  # the episodes score themselves (task + environment)
             self.rollout = lambda params, batch, key: jax.device_put(
                 self.episodes(params, batch, key), sh.sampler_rollout
             )
