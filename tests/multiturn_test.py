@@ -2,6 +2,8 @@
 scripted sampler, and the toy families' problems."""
 
 import dataclasses
+import os
+import pathlib
 import time
 
 import jax
@@ -184,3 +186,21 @@ def test_toy_families_problems():
     found = np.mean([p.completion.endswith("=") for p in gtrain])
     assert 0.5 < found < 1.0  # the SFT transcripts are not all successes
     assert dataclasses.is_dataclass(gtrain[0])
+
+
+@pytest.mark.slow  # the worker imports the trainer (the example registers a task family)
+def test_readme_environment_example_runs_in_the_pool(tmp_path, monkeypatch):
+    """The README's custom environment, written to a module, answers through worker processes."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Tools and multi-turn", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_tools_readme.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    import my_tools_readme
+
+    env = envs.get("lookup")
+    assert isinstance(env, my_tools_readme.Lookup)
+    eps = [Episode("p", "", ("look up [NaCl]",), ()), Episode("p", "", ("[x]",) * 4, ("",) * 3)]
+    with EnvPool(1, timeout_s=5.0) as pool:
+        assert pool.map(env, eps) == [Reply("salt"), Reply("(no more lookups)", done=True)]
