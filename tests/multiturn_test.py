@@ -204,3 +204,24 @@ def test_readme_environment_example_runs_in_the_pool(tmp_path, monkeypatch):
     eps = [Episode("p", "", ("look up [NaCl]",), ()), Episode("p", "", ("[x]",) * 4, ("",) * 3)]
     with EnvPool(1, timeout_s=5.0) as pool:
         assert pool.map(env, eps) == [Reply("salt"), Reply("(no more lookups)", done=True)]
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("rollout.max_turns", 0, "rollout.max_turns must be >= 1"),
+        ("rollout.turn_tokens", 99, "rollout.turn_tokens=99 must be in"),
+        ("rollout.env_workers", -1, "rollout.env_workers must be >= 0"),
+        ("rollout.env_timeout_s", 0.0, "rollout.env_timeout_s must be > 0"),
+    ],
+)
+def test_bad_turn_fields_are_config_errors(field, value, message):
+    from configs import micro
+    from ebpo_jax.spec import resolve
+
+    c = micro.get_config()
+    c.unlock()
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(ConfigError, match=message):
+        resolve(c)
