@@ -187,6 +187,10 @@ def episode_metrics(ep: Episodes, rewards_B, prompt_len_B) -> dict[str, float]:
         "episode/forward_token_ratio": (ep.prefill_tokens + acts)
         / max(int(prompt_len_B.sum()) + total, 1),
     }
+    r_B, called_B = np.asarray(rewards_B), ep.tool_calls > 0
+    for name, rows in (("with_tool", called_B), ("without_tool", ~called_B)):
+        if rows.any():  # the reward of episodes that called the environment, and of the rest
+            out[f"episode/reward_{name}"] = float(r_B[rows].mean())
     for t in np.unique(ep.turns):
         out[f"episode/reward_at_{int(t)}_turns"] = float(
             np.asarray(rewards_B)[ep.turns == t].mean()
