@@ -17,11 +17,11 @@ def get_config():
     c.total_steps = 60
     c.eval_every = 20
     c.checkpoint_every = 20
-    c.sampler.max_new_tokens = 24  # 5 turns of "NN?" + a one-token hint
+    c.sampler.max_new_tokens = 56  # 5 turns of "NN?" + a hint and the open range "<LO-HI="
     c.rollout.max_turns = 5
     c.rollout.turn_tokens = 4
     c.rollout.env_workers = 2
-    c.model.overrides.max_position_embeddings = 48
+    c.model.overrides.max_position_embeddings = 72  # prompt + episode + one turn
     c.optimizer.learning_rate = 1e-4
     c.dapo.overlong_buffer = 0
     return finalize(c)

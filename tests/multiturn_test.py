@@ -35,11 +35,11 @@ def test_calculator_evaluates_exactly_and_rejects_malformed_calls():
     assert env.step(ep("12*3</calc>")) == Reply("?")
 
 
-def test_guess_hints():
-    assert reply_to("10?", 7) == Reply("<")
-    assert reply_to("3?", 7) == Reply(">")
-    assert reply_to("7?", 7) == Reply("=", reward=1.0, done=True)
-    assert reply_to("?", 7) == Reply(" ")
+def test_guess_hints_and_open_range():
+    assert reply_to("0-15=", ("10?",), 7) == Reply("<0-9=")
+    assert reply_to("0-15=", ("10?", "3?"), 7) == Reply(">4-9=")
+    assert reply_to("0-15=", ("10?", "3?", "7?"), 7) == Reply("=", reward=1.0, done=True)
+    assert reply_to("0-15=", ("10?", "x?"), 7) == Reply(" 0-9=")
 
 
 def test_unknown_environment_is_a_config_error():
@@ -144,17 +144,19 @@ def test_guess_episodes_end_when_found_at_max_turns_or_budget():
     tok = guess.make_tokenizer()
     scripts = ["10?5?7?", "1?2?3?4?5?", "10?12?", "11?"]
     ep = _run(
-        tok, envs.get("guess"), ["0-15="] * 4, ["7", "15", "13", "11"], scripts, N=12, turns=4
+        tok, envs.get("guess"), ["0-15="] * 4, ["7", "15", "13", "11"], scripts, N=24, turns=4
     )
-    assert _text(tok, ep, 0) == "10?[[obs: <]]5?[[obs: >]]7?[[obs: =]]"
-    assert _text(tok, ep, 1) == "1?[[obs: >]]2?[[obs: >]]3?[[obs: >]]4?[[obs: >]]"
+    assert _text(tok, ep, 0) == "10?[[obs: <0-9=]]5?[[obs: >6-9=]]7?[[obs: =]]"
+    # The budget (N=24 tokens) ends row 1 after three turns.
+    assert _text(tok, ep, 1) == "1?[[obs: >2-15=]]2?[[obs: >3-15=]]3?[[obs: >4-15=]]"
+    assert _text(tok, ep, 2) == "10?[[obs: >11-15=]]12?[[obs: >13-15=]]"
     assert _text(tok, ep, 3) == "11?[[obs: =]]"
     np.testing.assert_array_equal(ep.env_reward, [1, 0, 0, 1])
-    np.testing.assert_array_equal(ep.turns, [3, 4, 3, 1])
+    np.testing.assert_array_equal(ep.turns, [3, 3, 3, 1])
     m = episodes.episode_metrics(ep, ep.env_reward, np.full(4, 6))
-    assert m["episode/reward_at_1_turns"] == 1.0 and m["episode/reward_at_4_turns"] == 0.0
+    assert m["episode/reward_at_1_turns"] == 1.0 and m["episode/reward_at_3_turns"] == pytest.approx(1 / 3)
     assert m["episode/reward_with_tool"] == 0.5 and "episode/reward_without_tool" not in m
-    assert 0 < m["episode/observation_token_share"] < 0.5
+    assert 0 < m["episode/observation_token_share"] < 0.8
     assert m["episode/forward_token_ratio"] > 1.0  # every turn re-prefills the episode
 
 
@@ -176,15 +178,17 @@ def test_toy_families_problems():
     gtrain, gtest = guess.make_splits(0, train_per_cell=30, test_per_cell=5)
     triple = lambda p: (p.prompt, p.answer)
     assert not {triple(p) for p in gtrain} & {triple(p) for p in gtest}
-    for p in gtrain:
+    for p in gtrain:  # the transcripts are what the environment would answer
         lo, hi = (int(x) for x in p.prompt.removesuffix("=").split("-"))
         assert lo <= int(p.answer) <= hi
-        guesses = p.completion.replace("<", " ").replace(">", " ").replace("=", " ").split("?")
-        hints = [c for c in p.completion if c in "<>="]
-        for g, h in zip(guesses, hints):
-            g = int(g.strip())
-            assert h == ("=" if g == int(p.answer) else "<" if int(p.answer) < g else ">")
-    found = np.mean([p.completion.endswith("=") for p in gtrain])
+        prompt, rest, turns = p.prompt, p.completion, []
+        while rest:
+            turn, _, rest = rest.partition("?")
+            turns.append(turn + "?")
+            obs = reply_to(prompt, turns, int(p.answer)).observation
+            assert rest.startswith(obs), (p, turns, obs)
+            rest = rest[len(obs) :]
+    found = np.mean(["?=" in p.completion for p in gtrain])
     assert 0.5 < found < 1.0  # the SFT transcripts are not all successes
     assert dataclasses.is_dataclass(gtrain[0])
 

@@ -1,5 +1,6 @@
 """Guess the number (ebpo_jax.envs.guess): the prompt is a range "LO-HI=", the secret a number
-in it; the model guesses ("37?"), reads "<", ">" or "=" and guesses again.
+in it; the model guesses ("37?"), reads "<" or ">" and the range still open ("<17-36="),
+or "=", and guesses again.
 
 Topics are range sizes (small 8-15, medium 16-31 numbers); difficulty 1-3 shifts the range
 upwards (more digits to copy). The SFT warm start is a transcript per problem mixing
@@ -14,7 +15,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.envs.guess import ASK, FOUND, LESS, MORE
+from ebpo_jax.envs.guess import ASK, FOUND, LESS, MORE, open_range
 from ebpo_jax.tasks.arithmetic import check_grid
 from ebpo_jax.tasks.tokenizer import CharTokenizer
 
@@ -42,15 +43,16 @@ def make_tokenizer() -> CharTokenizer:
 
 
 def transcript(lo: int, hi: int, secret: int, rng: np.random.Generator) -> str:
-    """Guesses and hints until found (or MAX_SFT_GUESSES): midpoint or random in range."""
+    """Guesses and the environment's replies until found (or MAX_SFT_GUESSES): each guess the
+    midpoint of the open range or, with RANDOM_GUESS_FRAC, a random number in it."""
     out = []
     for _ in range(MAX_SFT_GUESSES):
         g = int(rng.integers(lo, hi + 1)) if rng.random() < RANDOM_GUESS_FRAC else (lo + hi) // 2
-        hint = FOUND if g == secret else (LESS if secret < g else MORE)
-        out.append(f"{g}{ASK}{hint}")
-        if hint == FOUND:
+        if g == secret:
+            out.append(f"{g}{ASK}{FOUND}")
             break
-        lo, hi = (lo, g - 1) if hint == LESS else (g + 1, hi)
+        lo, hi = open_range(lo, hi, [g], secret)
+        out.append(f"{g}{ASK}{LESS if secret < g else MORE}{lo}-{hi}=")
     return "".join(out)
 
 
