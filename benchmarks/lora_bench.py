@@ -53,8 +53,8 @@ def sampler_times(mc, spec, args):
 
     def run(path, seed):
         params = merge(base, adapters) if path == "merged" else lora.attach(base, adapters, spec)
-        spec = sampler.SamplerSpec(max_new_tokens=args.new_tokens, num_samples=args.group)
-        gen = sampler.generate(mc, params, prompts, lengths, spec, rng=jax.random.key(seed))
+        s_spec = sampler.SamplerSpec(max_new_tokens=args.new_tokens, num_samples=args.group)
+        gen = sampler.generate(mc, params, prompts, lengths, s_spec, rng=jax.random.key(seed))
         return jax.block_until_ready(gen.tokens)
 
     times = {"merged": [], "adapter": []}

@@ -9,7 +9,7 @@ temp module: it is no part of the package.
 1. tail: useful tokens/s on long-tailed response lengths (lognormal, mean max_new_tokens / 4,
    5% at the limit, imposed as per-row stop positions `row_limits`) at an equal KV memory
    budget: the old engine's `--slots` x (prompt width + max_new_tokens) tokens, the paged
-   engine's as kv_pages of page_size 16 with 4x the slots. Also the mean concurrent rows.
+   engine's as kv_pages of page_size 16 with `--paged-slots`. Also the mean concurrent rows.
 2. longest: one decode step (all layers) at a fixed number of live tokens when the longest
    live row doubles (the rest get shorter), paged attention vs the old valid-prefix one.
 3. tiny: configs/tiny.py's sampler shapes (32 prompts x 8 samples, 5 new tokens): paged
@@ -97,12 +97,13 @@ def timed(fn):
 
 
 def pairs(a, b, n):
-    """Seconds of n alternating (a, b) runs after one warm-up each: (a_s, b_s, b/a ratios)."""
+    """Seconds of n (a, b) pairs after one warm-up each, run a-b, b-a, a-b, ... so that an
+    order effect cancels: (a_s, b_s, b/a ratios)."""
     a(), b()
     a_s, b_s = [], []
-    for _ in range(n):
-        a_s.append(timed(a)[0])
-        b_s.append(timed(b)[0])
+    for i in range(n):
+        for fn, out in ((a, a_s), (b, b_s))[:: 1 if i % 2 == 0 else -1]:
+            out.append(timed(fn)[0])
     return a_s, b_s, [y / x for x, y in zip(a_s, b_s)]
 
 
@@ -126,7 +127,7 @@ def tail(config, params, old, args):
     old_kw = {"max_new_tokens": N, "rng": key, "num_samples": G, "row_limits": limits}
     budget = args.slots * (width + N)  # tokens of KV the old engine reserves
     spec = sampler.SamplerSpec(
-        N, num_samples=G, slots=4 * args.slots, page_size=16, kv_pages=budget // 16
+        N, num_samples=G, slots=args.paged_slots, page_size=16, kv_pages=budget // 16
     )
     run_old = lambda: old._generate_with_stats(
         config, params, tokens, lengths, slots=args.slots, **old_kw
@@ -293,6 +294,7 @@ def main():
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--slots", type=int, default=16, help="the old engine's slots")
+    ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
     ap.add_argument("--parts", default="tail,longest,tiny,update")
     args = ap.parse_args()

@@ -62,7 +62,9 @@ def compare_with_hf(hf, config, params, batch, prompt_len, new_tokens, runs):
 
     def ours():
         spec = sampler.SamplerSpec(max_new_tokens=new_tokens, sampling=sampler.Sampling(0.0))
-        return sampler.generate(config, params, prompts, lengths, spec, rng=jax.random.key(0)).tokens
+        return sampler.generate(
+            config, params, prompts, lengths, spec, rng=jax.random.key(0)
+        ).tokens
 
     ids = torch.from_numpy(prompts.astype(np.int64))
 

@@ -58,7 +58,7 @@ def reference(params, tokens, prompts, lengths, num_samples=1):
     return np.take_along_axis(logp_BNV, tokens[..., None], -1)[..., 0], logp_BNV.argmax(-1)
 
 
-def check_against_forward(params, gen, prompts, lengths, num_samples=1):
+def check_against_forward(params, gen, prompts, lengths, num_samples=1, atol=1e-4):
     """Each row's log-probs agree with a full forward pass; padding is 0."""
     tokens, logprobs, gen_len = map(np.asarray, gen)
     real = np.arange(tokens.shape[1])[None] < gen_len[:, None]
@@ -66,7 +66,7 @@ def check_against_forward(params, gen, prompts, lengths, num_samples=1):
     np.testing.assert_array_equal(tokens[~real], 0)
     np.testing.assert_array_equal(logprobs[~real], 0.0)
     ref, _ = reference(params, tokens, prompts, lengths, num_samples)
-    np.testing.assert_allclose(logprobs[real], ref[real], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logprobs[real], ref[real], rtol=0, atol=atol)
 
 
 HF_COMMON = {
@@ -293,7 +293,7 @@ def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling)
 # slots refilled (5 for 12 rows), pages of 1-4 tokens, pools too small for every slot
 # (rows wait for pages and are preempted), page size not dividing the prompt width.
 PAGED = [
-    {"slots": 5, "page_size": 4},
+    pytest.param({"slots": 5, "page_size": 4}, marks=pytest.mark.slow),
     pytest.param({"page_size": 1, "kv_pages": 40}, marks=pytest.mark.slow),
     {"slots": 6, "page_size": 3, "kv_pages": 7},
     pytest.param({"slots": 12, "page_size": 2, "kv_pages": 10}, marks=pytest.mark.slow),
@@ -327,7 +327,7 @@ def test_static_batch_draws_by_the_row_and_token_keys(params, static_run):
     sampling = sampler.Sampling(kw["temperature"], kw["top_k"], 1.0)
     want = sampled_reference(params, gen, kw["rng"], PROMPTS, LENGTHS, 3, sampling)
     np.testing.assert_array_equal(gen.tokens, want)
-    check_against_forward(params, gen, PROMPTS, LENGTHS, num_samples=3)
+    check_against_forward(params, gen, PROMPTS, LENGTHS, num_samples=3, atol=1e-5)
 
 
 @pytest.mark.parametrize("layout", PAGED, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))

@@ -192,8 +192,8 @@ def _record(st, out, tok_DS, logp_DS):
     return tokens_DRN, logps_DRN, gen_len_DR
 
 
-def _finish(st, rows, tok_DS, eos_E):
-    """Rows that stopped release their pages and are done; the others move to token t + 1."""
+def _finish(st, rows, tok_DS, eos_E, *, release=True):
+    """Rows that stopped are done (and release their pages); the others move to token t + 1."""
     ends_DS = st.live_S & (jnp.isin(tok_DS, eos_E) | (st.t_S + 1 >= st.limit_S))
     done_DR = jax.vmap(
         lambda s, r, e: s.at[jnp.where(e, r, s.shape[0])].set(schedule.DONE, mode="drop")
@@ -203,6 +203,8 @@ def _finish(st, rows, tok_DS, eos_E):
         t_S=st.t_S + st.live_S,
         prev_S=jnp.where(st.live_S, tok_DS, st.prev_S),
     )
+    if not release:
+        return st._replace(live_S=st.live_S & ~ends_DS)
     return jax.vmap(schedule.release)(st, rows, ends_DS)
 
 
@@ -252,10 +254,13 @@ def decode(
         tok_B, logp_B = selection.select_tokens(keys, logits_BV, **s._asdict())
         tok_DS, logp_DS = tok_B.reshape(D, S), logp_B.reshape(D, S)
         out = _record(st, out, tok_DS, logp_DS)
-        st = _finish(st, rows, tok_DS, eos_E)
-        if not plan.reserve:  # reserved rows hold all their pages from admission on
+        # The static batch with reserved pages: every row was admitted before the loop and
+        # holds all its pages, so nothing is freed, grown or admitted inside it.
+        static = plan.reserve and S == Rd
+        st = _finish(st, rows, tok_DS, eos_E, release=not static)
+        if not plan.reserve:
             st = jax.vmap(functools.partial(schedule.grow, page_size=ps))(st, rows)
-        if not (plan.reserve and S == Rd):  # else every row was admitted before the loop
+        if not static:
             st, pools = admit(st, pools)
         peak = jnp.maximum(peak, plan.pages - st.free_P.sum(-1).min())
         return st, pools, out, steps + 1, busy, peak
