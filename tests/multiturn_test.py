@@ -154,7 +154,8 @@ def test_guess_episodes_end_when_found_at_max_turns_or_budget():
     np.testing.assert_array_equal(ep.env_reward, [1, 0, 0, 1])
     np.testing.assert_array_equal(ep.turns, [3, 3, 3, 1])
     m = episodes.episode_metrics(ep, ep.env_reward, np.full(4, 6))
-    assert m["episode/reward_at_1_turns"] == 1.0 and m["episode/reward_at_3_turns"] == pytest.approx(1 / 3)
+    assert m["episode/reward_at_1_turns"] == 1.0
+    assert m["episode/reward_at_3_turns"] == pytest.approx(1 / 3)
     assert m["episode/reward_with_tool"] == 0.5 and "episode/reward_without_tool" not in m
     assert 0 < m["episode/observation_token_share"] < 0.8
     assert m["episode/forward_token_ratio"] > 1.0  # every turn re-prefills the episode

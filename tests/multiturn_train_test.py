@@ -47,5 +47,6 @@ def test_multiturn_resume_equals_uninterrupted(tmp_path):
     assert any(0 < r["episode/observation_token_share"] < 1 for r in full[1:])
     a, b = (load_params(str(tmp_path / n)) for n in ("full", "resumed"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
-    samples = [json.loads(x) for x in open(tmp_path / "full" / "samples.jsonl")]
+    lines = (tmp_path / "full" / "samples.jsonl").read_text().splitlines()
+    samples = [json.loads(x) for x in lines]
     assert any("[[obs: " in s["completion"] for s in samples)
