@@ -77,6 +77,7 @@ def jax_setup(a):
         group_valid=jnp.ones((P,), bool),
         generated_tokens=jnp.int32(P * G * N),
         all_same_frac=jnp.float32(0),
+        action_mask=jnp.ones((P, G, N), bool),
     )
     spec = resolve(c)
     opt = make_optimizer(spec.optim)

@@ -129,6 +129,13 @@ def default_config() -> ml_collections.ConfigDict:
     # 0: each step samples with the params it updates. 1: rollout t+1 is generated with params
     # t while update t runs, the sampler on the `sampler.mesh` devices after the trainer's.
     c.rollout.max_staleness = 0
+    # Multi-turn episodes (a task with an environment, docs/multiturn.md): model turns at most,
+    # tokens per model turn (0 = sampler.max_new_tokens, the episode's whole budget), and the
+    # environment's worker processes (0 = in the trainer's process) and per-call timeout.
+    c.rollout.max_turns = 1
+    c.rollout.turn_tokens = 0
+    c.rollout.env_workers = 2
+    c.rollout.env_timeout_s = 10.0
     # Decode slots per sampler call: 0 = every row of the call decodes as one static batch
     # until the longest ends; S > 0 = continuous batching, S rows at a time, a slot refilled
     # as soon as its row ends. A multiple of the sampler mesh's data shards.
@@ -511,6 +518,25 @@ def _validate_packing(loss, max_new_tokens: int, need) -> None:
     )
 
 
+def _validate_turns(c, need) -> None:
+    """rollout.max_turns / turn_tokens / env_*: the multi-turn episode's limits."""
+    r = c.rollout
+    need(
+        _is_int(r.max_turns) and r.max_turns >= 1,
+        f"rollout.max_turns must be >= 1, got {r.max_turns!r}",
+    )
+    n = c.sampler.max_new_tokens
+    need(
+        _is_int(r.turn_tokens) and 0 <= r.turn_tokens <= n,
+        f"rollout.turn_tokens={r.turn_tokens!r} must be in [0, sampler.max_new_tokens={n}]",
+    )
+    need(
+        _is_int(r.env_workers) and r.env_workers >= 0,
+        f"rollout.env_workers must be >= 0, got {r.env_workers!r}",
+    )
+    need(r.env_timeout_s > 0, f"rollout.env_timeout_s must be > 0, got {r.env_timeout_s}")
+
+
 def _validate_staleness(c, need, num_devices) -> None:
     """rollout.max_staleness and sampler.param_dtype: what the one-step-off pipeline needs."""
     s = c.rollout.max_staleness
@@ -711,6 +737,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     _validate_positions(c)
     _validate_estimator_options(c, need)
     _validate_staleness(c, need, num_devices)
+    _validate_turns(c, need)
     _validate_lora(c.model.lora, need)
     if num_devices is not None:
         shape = mesh_shape(c, num_devices)

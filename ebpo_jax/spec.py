@@ -38,6 +38,10 @@ class RolloutSpec:
     slots: int = 0  # decode slots per sampler call (continuous batching); 0 = static batch
     page_size: int = 16  # tokens per KV page
     kv_pages: int = 0  # KV pages per sampler call; 0 = enough for every slot's longest row
+    max_turns: int = 1  # model turns per episode (a task with an environment)
+    turn_tokens: int = 0  # tokens per model turn; 0 = max_new_tokens
+    env_workers: int = 2  # environment worker processes (0 = in process)
+    env_timeout_s: float = 10.0  # per environment call
 
     @property
     def rounds(self) -> int:
@@ -133,6 +137,7 @@ class TaskSpec:
     sft: ml_collections.FrozenConfigDict
     workdir: str
     eval: "EvalSpec"
+    rollout: "RolloutSpec | None" = None  # a multi-turn family's evaluator runs episodes too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +212,10 @@ def rollout_spec(c) -> RolloutSpec:
         slots=int(c.sampler.slots),
         page_size=int(c.sampler.get("page_size", 16)),
         kv_pages=int(c.sampler.get("kv_pages", 0)),
+        max_turns=int(c.rollout.get("max_turns", 1)),
+        turn_tokens=int(c.rollout.get("turn_tokens", 0)),
+        env_workers=int(c.rollout.get("env_workers", 2)),
+        env_timeout_s=float(c.rollout.get("env_timeout_s", 10.0)),
     )
 
 
@@ -306,6 +315,7 @@ def task_spec(c, rollout: RolloutSpec, ev: EvalSpec) -> TaskSpec:
         sft=_frozen(c.sft),
         workdir=c.workdir,
         eval=ev,
+        rollout=rollout,
     )
 
 

@@ -17,7 +17,7 @@ from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
-from ebpo_jax.trainer import lora_state
+from ebpo_jax.trainer import episodes, lora_state
 from ebpo_jax.trainer.evaluator import write_per_problem
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.shardings import make_mesh, make_shardings
@@ -238,8 +238,11 @@ class _Log:
         plen = int(ro.prompt_lengths[0])
         prompt = tokenizer.decode(np.asarray(ro.prompt_tokens[0, :plen]).tolist())
         n = min(rows, ro.tokens.shape[1])
+        # Whole episodes, observations marked (a single-turn row is all actions: plain text).
         texts = [
-            tokenizer.decode(np.asarray(ro.tokens[0, g, : ro.lengths[0, g]]).tolist())
+            episodes.episode_text(
+                tokenizer, ro.tokens[0, g], ro.action_mask[0, g], ro.lengths[0, g]
+            )
             for g in range(n)
         ]
         rewards = [float(r) for r in ro.rewards[0, :n]]

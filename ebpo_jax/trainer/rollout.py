@@ -28,6 +28,9 @@ class Rollout(NamedTuple):
     group_valid: jax.Array  # [P] bool: False for a slot no refill round could fill
     generated_tokens: jax.Array  # int32: tokens generated this step, kept or dropped
     all_same_frac: jax.Array  # share of generated groups whose rewards were all equal
+    # [P, G, N] bool: True on tokens the policy sampled, False on environment observations
+    # (multi-turn episodes): only actions get loss, KL, entropy and count in normalisers.
+    action_mask: jax.Array
 
 
 RewardFn = Callable[[Any, Any, Any, Any], jax.Array]  # (tokens, lengths, answers, answer_lengths)
@@ -114,6 +117,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
         group_valid=jnp.ones((P,), bool),
         generated_tokens=gen.lengths.sum().astype(jnp.int32),
         all_same_frac=all_same(rewards_PG).mean(),
+        action_mask=jnp.ones((P, G, N), bool),
     )
 
 

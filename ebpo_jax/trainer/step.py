@@ -21,6 +21,7 @@ import numpy as np
 from ebpo_jax import distributed
 from ebpo_jax.models import lora
 from ebpo_jax.spec import RunSpec
+from ebpo_jax.trainer.multiturn import MultiTurnRollout
 from ebpo_jax.trainer.rollout import make_rollout_fn
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
@@ -82,6 +83,15 @@ class Step:
         update = make_update_fn(spec.update, mc, optimizer, stops)
         out = (sh.state, sh.replicated)
         self.rollout = jax.jit(rollout, out_shardings=sh.sampler_rollout)
+        self.episodes = None  # a task with an environment: the host turn loop samples
+        if task.env is not None:
+            if self.K != 1:
+                raise ValueError(f"a multi-turn task needs steps_per_jit=1, got {self.K}")
+            self.episodes = MultiTurnRollout(spec.rollout, task, sh.sampler_mesh)
+            self.host_reward = None  # the episodes score themselves (task + environment)
+            self.rollout = lambda params, batch, key: jax.device_put(
+                self.episodes(params, batch, key), sh.sampler_rollout
+            )
         # sampler.param_dtype: the sampler's copy of the weights in another dtype (bfloat16).
         dtype = spec.rollout.param_dtype
         self.cast = None
@@ -118,6 +128,8 @@ class Step:
             state, m = self.update(state, ro)
         m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
         times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": time.perf_counter() - t1}
+        if self.episodes is not None:
+            times.update(self.episodes.last_metrics)
         return state, m, times
 
     def _sample(self, params, batch, key):

@@ -38,11 +38,14 @@ class Task(NamedTuple):
     close: Callable[[], None] = lambda: None  # stops reward worker processes
     base_source: str = ""  # what `params` came from (HF folder, SFT cache file, seeded init)
     base_sha256: str = ""  # the initial policy's digest (synthetic families: sft.params_digest)
+    env: Any = None  # an envs.Environment: multi-turn episodes (trainer/multiturn.py)
 
 
 # Built-in families, imported on first use: "module:function".
 _BUILTIN = {
     "arithmetic": "ebpo_jax.trainer.task_arithmetic:build",
+    "calculator": "ebpo_jax.trainer.task_multiturn:build_calculator",
+    "guess": "ebpo_jax.trainer.task_multiturn:build_guess",
     "math": "ebpo_jax.trainer.task_math:build",
     "reasoning": "ebpo_jax.trainer.task_reasoning:build",
 }

@@ -338,7 +338,8 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     valid_PG = jnp.broadcast_to(ro.group_valid[:, None], (P, G)) & finite_PG
     shaped_PG, adv_PG, eb_state, est_metrics = _advantages(spec, state.eb_state, ro, valid_PG)
     trunc_PG = truncated(ro.tokens, ro.lengths, eos_id)
-    loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None]
+    # Observation tokens of multi-turn episodes are context: out of every loss term and count.
+    loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None] & ro.action_mask
     if spec.mask_truncated:
         loss_mask_PGN &= ~trunc_PG[..., None]
     data = {

@@ -1,0 +1,24 @@
+"""Multi-turn CPU task 1: the reasoning problems with a calculator tool (task.family
+"calculator", ebpo_jax.tasks.calc): the policy may write `<calc>47+85</calc>`, reads the
+value from the environment and answers after "#". The SFT warm start shows the tool on a
+quarter of the problems; EBPO can raise the tool-call rate and the pass rate.
+"""
+
+from configs import reasoning
+from ebpo_jax.config import finalize
+
+
+def get_config():
+    c = reasoning.get_config()
+    c.unlock()
+    c.workdir = "/tmp/ebpo_runs/calculator"
+    c.task.family = "calculator"
+    c.total_steps = 60
+    c.eval_every = 20
+    c.checkpoint_every = 20
+    c.rollout.max_turns = 3  # a tool call, the answer, one spare
+    c.rollout.turn_tokens = 64
+    c.rollout.env_workers = 2
+    c.model.overrides.max_position_embeddings = 160  # prompt + episode + one turn
+    c.optimizer.learning_rate = 1e-4
+    return finalize(c)

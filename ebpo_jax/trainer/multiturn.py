@@ -1,0 +1,88 @@
+"""The multi-turn rollout: a step's P x G episodes (trainer/episodes.py) as a `Rollout`.
+
+Replaces the jitted single-turn rollout when the task has an environment (`Task.env`):
+sampler calls run on the sampler mesh from the host turn loop; the episode's reward is the
+task's reward on the whole episode plus the environment's contributions.
+"""
+
+import atexit
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ebpo_jax import sampler
+from ebpo_jax.envs.pool import EnvPool
+from ebpo_jax.spec import RolloutSpec
+from ebpo_jax.trainer import episodes
+from ebpo_jax.trainer.rollout import Rollout, all_same
+
+
+def _generate(model_config, sampler_spec, mesh, params, ctx_BT, len_B, limit_B, key):
+    gen, _ = sampler.generate_with_stats(
+        model_config, params, ctx_BT, len_B, sampler_spec, rng=key, mesh=mesh, row_limits=limit_B
+    )
+    return gen
+
+
+class MultiTurnRollout:
+    """rollout(params, batch, key) -> (Rollout, host metrics): episodes with `task.env`."""
+
+    def __init__(self, spec: RolloutSpec, task, mesh=None):
+        if spec.dynamic_sampling:
+            raise ValueError("dapo.dynamic_sampling is not supported with multi-turn rollouts")
+        self.spec, self.task = spec, task
+        stops = episodes.stop_token_ids(task.tokenizer, task.env)
+        s_spec = episodes.turn_sampler_spec(spec, task.stop_ids, stops)
+        self.generate = functools.partial(_generate, task.model_config, s_spec, mesh)
+        self.pool = EnvPool(spec.env_workers, timeout_s=spec.env_timeout_s)
+        atexit.register(self.pool.close)
+        self.reward = jax.jit(task.reward.fn) if task.reward.jittable else task.reward.fn
+        self.last_metrics: dict[str, float] = {}
+
+    def __call__(self, params, batch, key) -> Rollout:
+        P, G = self.spec.prompts, self.spec.group_size
+        b = jax.device_get(batch)
+        rep = lambda x: np.repeat(np.asarray(x), G, axis=0)
+        tok = self.task.tokenizer
+        ep = episodes.run_episodes(
+            functools.partial(self.generate, params), self.spec, self.task.env, self.pool, tok,
+            rep(b.prompt_tokens), rep(b.prompt_lengths),
+            episodes.answers_text(tok, rep(b.answer_tokens), rep(b.answer_lengths)),
+            key, self.task.stop_ids,
+        )  # fmt: skip
+        ro = self._rollout(b, ep, np.zeros((P, G), np.float32))
+        if self.task.reward.jittable:
+            ans = (rep(b.answer_tokens), rep(b.answer_lengths))
+            task_r = np.asarray(self.reward(ep.tokens, ep.lengths, *ans)).reshape(P, G)
+        else:  # a host reward reads the whole rollout (jit -> host -> jit, as single-turn)
+            task_r = np.asarray(self.reward(jax.device_get(ro)), np.float32)
+        rewards_B = task_r.reshape(-1) + ep.env_reward
+        self.last_metrics = episodes.episode_metrics(ep, rewards_B, rep(b.prompt_lengths))
+        rewards_PG = jnp.asarray(rewards_B.reshape(P, G), jnp.float32)
+        return ro._replace(rewards=rewards_PG, all_same_frac=all_same(rewards_PG).mean())
+
+    def _rollout(self, b, ep: episodes.Episodes, rewards_PG) -> Rollout:
+        """The episodes as a Rollout (prompt-major groups)."""
+        P, G, N = self.spec.prompts, self.spec.group_size, self.spec.max_new_tokens
+        shape = lambda x, dt: jnp.asarray(x.reshape(P, G, N), dt)
+        return Rollout(
+            prompt_tokens=jnp.asarray(b.prompt_tokens),
+            prompt_lengths=jnp.asarray(b.prompt_lengths),
+            answer_tokens=jnp.asarray(b.answer_tokens),
+            answer_lengths=jnp.asarray(b.answer_lengths),
+            index=jnp.asarray(b.index, jnp.int32),
+            cluster_ids=jnp.asarray(self.task.cluster_ids(b), jnp.int32),
+            tokens=shape(ep.tokens, jnp.int32),
+            logprobs=shape(ep.logprobs, jnp.float32),
+            lengths=jnp.asarray(ep.lengths.reshape(P, G), jnp.int32),
+            rewards=jnp.asarray(rewards_PG),
+            group_valid=jnp.ones((P,), bool),
+            generated_tokens=jnp.int32(ep.action_mask.sum()),
+            all_same_frac=jnp.float32(0),
+            action_mask=shape(ep.action_mask, bool),
+        )
+
+    def close(self) -> None:
+        self.pool.close()
