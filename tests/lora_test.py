@@ -353,7 +353,7 @@ def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
     other.model.lora.rank = 8
     with pytest.raises(config_lib.ConfigError, match="rank: checkpoint 4 vs config 8"):
         loop.train(other, log=lambda *_: None)
-    os.remove(tmp_path / "moved" / "config.json")
+    assert not os.path.exists(tmp_path / "moved" / "config.json")  # refused: nothing written
     other.model.lora.rank = 0
     with pytest.raises(config_lib.ConfigError, match="holds LoRA adapters"):
         loop.train(other, log=lambda *_: None)
