@@ -193,7 +193,7 @@ _TINY_MOE = dict(
     vocab_size=256,
     hidden_size=64,
     intermediate_size=128,
-    moe_intermediate_size=64,
+    moe_intermediate_size=192,
     num_experts=8,
     num_experts_per_tok=2,
     num_layers=2,
@@ -243,7 +243,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="float32",
         remat="none",
     ),
-    # Every layer sparse; the CPU MoE policy (configs/tiny_moe.py).
+    # Every layer sparse, k * moe_intermediate_size = the tiny default's intermediate_size
+    # (configs/tiny.py overrides the rest): the CPU MoE policy.
     "tiny_moe": _TINY_MOE,
     # Layer 0 dense, then sparse every other layer: the mixed layout's scan runs.
     "tiny_moe_mixed": dict(_TINY_MOE, num_layers=4, decoder_sparse_step=2, mlp_only_layers=(0,)),
