@@ -60,6 +60,7 @@ PRESET = "qwen3_8b"
 CHECKPOINTS = {
     "qwen3_8b": "checkpoints/Qwen3-8B",
     "qwen3_14b": "checkpoints/Qwen3-14B",
+    "qwen3_30b_a3b": "checkpoints/Qwen3-30B-A3B",
     "llama3_1_8b": "checkpoints/Llama-3.1-8B-Instruct",
 }
 EVAL_SETS = (

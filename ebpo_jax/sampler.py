@@ -90,21 +90,26 @@ def _prefill(
     sampling,
     prompt_sharding,
     row_sharding,
+    record_routing=False,
 ):
-    """Prefills each prompt once, shares its cache over its samples, samples token 0."""
+    """Prefills each prompt once, shares its cache over its samples, samples token 0.
+
+    record_routing: a sixth output, the prompts' experts per row [rows, sparse layers, Tp, k].
+    """
     prompt_len = prompt_PT.shape[1]
     axes = _cache_batch_axes(config, cache_size)
     kv_mask_PS = jnp.arange(cache_size)[None] < lengths_P[:, None]
     # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
     prompt_PT = jnp.where(kv_mask_PS[:, :prompt_len], prompt_PT, PAD_ID)
     # Logits at each prompt's last token only: [P, Tp, V] float32 would not fit at scale.
-    last_PV, cache = models.prefill(
+    last_PV, cache, *route = models.prefill(
         config,
         params,
         prompt_PT,
         mask=kv_mask_PS[:, :prompt_len],
         cache_size=cache_size,
         logits_at=lengths_P - 1,
+        with_router=record_routing,
     )
     cache = _constrain_cache(cache, axes, prompt_sharding)
 
@@ -118,7 +123,10 @@ def _prefill(
     last_BV = _constrain(share(last_PV, 0), row_sharding)
     rows_B = jnp.arange(last_BV.shape[0])
     token_B, logp_B = select_tokens(row_keys(rng, rows_B, 0), last_BV, **sampling._asdict())
-    return cache, kv_mask_BS, lengths_B, token_B, logp_B
+    out = cache, kv_mask_BS, lengths_B, token_B, logp_B
+    if record_routing:
+        out += (share(route[0]["experts"].transpose(1, 0, 2, 3), 0),)
+    return out
 
 
 def _decode(
@@ -138,10 +146,12 @@ def _decode(
     sampling,
     batch_sharding,
     kv_block=models.decode.BLOCK,
+    record_routing=False,
 ):
     """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t.
 
     limit_B: per-row token limits (<= N; benchmarks impose long-tailed lengths with it).
+    record_routing: the Generation's `comp` routing, the experts of each fed-back token.
     """
     batch = token_B.shape[0]
     rows_B = jnp.arange(batch)
@@ -152,18 +162,23 @@ def _decode(
     gen_len_B = jnp.ones((batch,), jnp.int32)
     axes = _cache_batch_axes(config, kv_mask_BS.shape[1])
     layers = models.split_layers(config, params) if _on_cpu(batch_sharding) else None
+    routes_BLNk = None
+    if record_routing:
+        k = config.num_experts_per_tok
+        dtype = models.moe.expert_dtype(config.num_experts)
+        routes_BLNk = jnp.zeros((batch, config.num_sparse_layers, max_new_tokens, k), dtype)
 
     def cond(carry):
         t, done_B = carry[0], carry[4]
         return (t < max_new_tokens) & ~jnp.all(done_B)
 
     def body(carry):
-        t, cache, kv_mask_BS, prev_B, done_B, tokens_BN, logps_BN, gen_len_B = carry
+        t, cache, kv_mask_BS, prev_B, done_B, tokens_BN, logps_BN, gen_len_B, routes = carry
         slot = prompt_len + t - 1
         kv_mask_BS = jax.lax.dynamic_update_slice(
             kv_mask_BS, jnp.ones((batch, 1), bool), (jnp.int32(0), slot)
         )
-        logits_B1V, cache = models.forward_cached(
+        logits_B1V, cache, *route = models.forward_cached(
             config,
             params,
             prev_B[:, None],
@@ -173,7 +188,11 @@ def _decode(
             kv_mask_BS=kv_mask_BS,
             layers=layers,
             kv_block=kv_block,
+            with_router=record_routing,
         )
+        if record_routing:  # completion token t-1 was this step's input
+            new_BL1k = route[0]["experts"].transpose(1, 0, 2, 3)
+            routes = jax.lax.dynamic_update_slice(routes, new_BL1k, (0, 0, t - 1, 0))
         cache = _constrain_cache(cache, axes, batch_sharding)
         tok_B, logp_B = select_tokens(
             row_keys(rng, rows_B, t), logits_B1V[:, 0], **sampling._asdict()
@@ -184,12 +203,15 @@ def _decode(
         logps_BN = jax.lax.dynamic_update_slice(logps_BN, logp_B[:, None], (jnp.int32(0), t))
         gen_len_B = gen_len_B + (~done_B).astype(jnp.int32)
         done_B = done_B | jnp.isin(tok_B, eos_E) | (t + 1 >= limit_B)
-        return t + 1, cache, kv_mask_BS, tok_B, done_B, tokens_BN, logps_BN, gen_len_B
+        return t + 1, cache, kv_mask_BS, tok_B, done_B, tokens_BN, logps_BN, gen_len_B, routes
 
     carry = (jnp.int32(1), cache, kv_mask_BS, token_B, done_B, tokens_BN, logps_BN, gen_len_B)
-    steps, cache, _, _, _, tokens_BN, logps_BN, gen_len_B = jax.lax.while_loop(cond, body, carry)
+    carry = (*carry, routes_BLNk)
+    steps, cache, *_, tokens_BN, logps_BN, gen_len_B, routes_BLNk = jax.lax.while_loop(
+        cond, body, carry
+    )
     # The cache is returned only so that its donated buffer is updated in place.
-    return Generation(tokens_BN, logps_BN, gen_len_B), cache, steps
+    return Generation(tokens_BN, logps_BN, gen_len_B, routes_BLNk), cache, steps
 
 
 _prefill_jit = jax.jit(
@@ -201,6 +223,7 @@ _prefill_jit = jax.jit(
         "sampling",
         "prompt_sharding",
         "row_sharding",
+        "record_routing",
     ),
 )
 # Donating the cache lets the decode loop update the prefill's buffer in place: without
@@ -214,6 +237,7 @@ _decode_jit = jax.jit(
         "sampling",
         "batch_sharding",
         "kv_block",
+        "record_routing",
     ),
     donate_argnums=(1,),
 )
@@ -274,6 +298,7 @@ def generate(
     data_axes=None,
     slots=0,
     kv_block=models.decode.BLOCK,
+    record_routing=False,
 ):
     """Samples `num_samples` completions per right-padded prompt; returns a `Generation`.
 
@@ -287,7 +312,8 @@ def generate(
     decodes that many rows at a time and refills a slot as soon as its row ends (continuous
     batching, ebpo_jax.slots; same output row for row); slots >= rows is the static batch.
     kv_block: cache slots per block of the decode attention, which reads only the blocks
-    below the longest valid prefix.
+    below the longest valid prefix. record_routing (mixture of experts, static batch): the
+    Generation's `routing`, every input token's experts (for routing replay).
     """
     return _generate_with_stats(
         config,
@@ -306,6 +332,7 @@ def generate(
         data_axes=data_axes,
         slots=slots,
         kv_block=kv_block,
+        record_routing=record_routing,
     )[0]
 
 
@@ -346,6 +373,7 @@ def _generate_with_stats(
     slots=0,
     kv_block=models.decode.BLOCK,
     row_limits=None,
+    record_routing=False,
 ):
     """generate, plus the decode steps run (static) or the slots' SlotStats (continuous).
 
@@ -375,13 +403,17 @@ def _generate_with_stats(
         data_axes = _data_axes(mesh, data_axes, rules)
     shards = 1 if row_sharding is None else _data_size(mesh, data_axes)
     slot_plan = _check_slots(slots, num_prompts, num_rows, shards, requested)
+    if record_routing and not config.is_moe:
+        raise ValueError("record_routing needs a mixture-of-experts config (num_experts > 0)")
+    if record_routing and slot_plan is not None:
+        raise ValueError("record_routing is not wired into continuous batching: use slots=0")
     if slot_plan is not None:
         return _generate_slots(
             config, params, prompt_PT, lengths_P, rng, eos_E, limit_R, slot_plan,
             num_samples=num_samples, max_new_tokens=max_new_tokens, sampling=sampling,
             mesh=mesh, data_axes=data_axes, prompt_sharding=prompt_sharding, kv_block=kv_block,
         )  # fmt: skip
-    cache, kv_mask_BS, lengths_B, token_B, logp_B = _prefill_jit(
+    cache, kv_mask_BS, lengths_B, token_B, logp_B, *prompt_routes = _prefill_jit(
         params,
         prompt_PT,
         lengths_P,
@@ -392,6 +424,7 @@ def _generate_with_stats(
         sampling=sampling,
         prompt_sharding=prompt_sharding,
         row_sharding=row_sharding,
+        record_routing=record_routing,
     )
     generation, _, steps = _decode_jit(
         params,
@@ -409,7 +442,11 @@ def _generate_with_stats(
         sampling=sampling,
         batch_sharding=row_sharding,
         kv_block=kv_block,
+        record_routing=record_routing,
     )
+    if record_routing:
+        routing = {"prompt": prompt_routes[0], "comp": generation.routing}
+        generation = generation._replace(routing=routing)
     return generation, steps
 
 

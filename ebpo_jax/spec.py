@@ -35,6 +35,7 @@ class RolloutSpec:
     max_staleness: int = 0  # 1: rollout t+1 sampled with params t while update t runs
     param_dtype: str = ""  # the sampler's copy of the weights; "" = the trainer's dtype
     slots: int = 0  # decode slots per sampler call (continuous batching); 0 = static batch
+    routing_replay: bool = False  # record each token's experts (mixture of experts)
 
     @property
     def rounds(self) -> int:
@@ -81,6 +82,8 @@ class UpdateSpec:
     is_low: float
     is_high: float
     lora: Any = None  # models.lora.LoraSpec: params are adapters on a frozen base; None = full
+    routing_replay: bool = False  # forwards replay the rollout's recorded experts
+    lb_coef: float = 0.0  # router load-balancing loss weight (mixture of experts)
 
     @property
     def updates(self) -> int:
@@ -200,6 +203,7 @@ def rollout_spec(c) -> RolloutSpec:
         max_staleness=int(c.rollout.max_staleness),
         param_dtype=c.sampler.param_dtype,
         slots=int(c.sampler.slots),
+        routing_replay=bool(c.model.get("moe", {}).get("routing_replay", False)),
     )
 
 
@@ -243,6 +247,8 @@ def update_spec(c) -> UpdateSpec:
         is_low=float(lc.is_low),
         is_high=float(lc.is_high),
         lora=lora_spec(c),
+        routing_replay=bool(c.model.get("moe", {}).get("routing_replay", False)),
+        lb_coef=float(c.model.get("moe", {}).get("lb_coef", 0.0)),
     )
 
 

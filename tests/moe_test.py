@@ -231,3 +231,44 @@ def test_bad_moe_configs_are_one_line_errors():
     params = models.init_params(config, jax.random.key(0))
     with pytest.raises(ValueError, match="routing has shape"):
         models.forward(config, params, jnp.zeros((1, 3), jnp.int32), routing=jnp.zeros((2, 1, 3, 1)))
+
+
+def _tie_router(params, first, second):
+    """params whose routers score expert `first` exactly as expert `second` (a routing tie)."""
+    out = jax.tree.map(lambda x: x, params)
+    router = out["moe"]["router"]
+    w = router[...]
+    router.set_value(w.at[..., first].set(w[..., second]))
+    return out
+
+
+def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
+    from ebpo_jax import sampler
+    from ebpo_jax.trainer.update import completion_logprobs
+
+    config = _config(num_experts=4)
+    params = _tie_router(models.init_params(config, jax.random.key(0)), 1, 0)
+    P, G, N = 4, 2, 6
+    prompts = jax.random.randint(jax.random.key(1), (P, 5), 1, config.vocab_size)
+    plen = jnp.array([5, 3, 4, 2])
+    gen = sampler.generate(
+        config, params, prompts, plen, max_new_tokens=N, rng=jax.random.key(2),
+        num_samples=G, record_routing=True,
+    )  # fmt: skip
+    assert gen.routing["comp"].shape == (P * G, 2, N, 2)
+    # The trainer's router differs by a rounding-sized amount that breaks the tie the other
+    # way, as a different batch, kernel or precision can.
+    bumped = jax.tree.map(lambda x: x, params)
+    bumped["moe"]["router"].set_value(bumped["moe"]["router"][...].at[..., 1].add(1e-7))
+    routing = jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), gen.routing)
+    mask = np.arange(N)[None] < np.asarray(gen.lengths)[:, None]
+
+    def gap(routing):
+        logp = completion_logprobs(
+            config, bumped, prompts, plen, gen.tokens, gen.lengths, with_entropy=False,
+            routing=routing,
+        )  # fmt: skip
+        return np.abs(np.where(mask, np.asarray(logp) - np.asarray(gen.logprobs), 0)).max()
+
+    assert gap(None) > 1e-3  # flipped experts: the recomputed log-probs move
+    assert gap(routing) <= 1e-6

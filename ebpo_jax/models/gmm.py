@@ -26,6 +26,16 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return "megablox" if platform == "tpu" else "xla"
 
 
+def _tile(n: int, most: int) -> int:
+    """The largest power-of-two tile <= most dividing n (n itself when it is smaller)."""
+    if n <= most:
+        return n
+    tile = most
+    while n % tile and tile > 8:
+        tile //= 2
+    return tile if n % tile == 0 else most
+
+
 def _megablox(x_MK, w_GKN, group_sizes_G, interpret):
     from jax.experimental.pallas.ops.tpu.megablox import ops  # Pallas TPU import, on demand
 
@@ -33,7 +43,7 @@ def _megablox(x_MK, w_GKN, group_sizes_G, interpret):
     tm = min(TILING[0], -(-M // 8) * 8)
     pad = -M % tm
     x_MK = jnp.pad(x_MK, ((0, pad), (0, 0)))
-    tiling = (tm, min(TILING[1], K), min(TILING[2], w_GKN.shape[-1]))
+    tiling = (tm, _tile(K, TILING[1]), _tile(w_GKN.shape[-1], TILING[2]))
     out = ops.gmm(
         x_MK, w_GKN, group_sizes_G, x_MK.dtype, tiling, None, None, False, interpret
     )

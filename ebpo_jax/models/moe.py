@@ -6,12 +6,22 @@ top k, renormalised over those k when `norm_topk_prob`. Dispatch is dropless: th
 grouped matmuls (models/gmm.py), then scattered back and mixed by the routing weights.
 `replay_BTk` fixes the experts (routing replay: the sampler's choice); the weights are then
 the current router's probabilities of those experts, so the router still gets gradients.
+
+Under a mesh the dispatch is a shard_map whose axes come from the rules table: each
+device sorts its own rows (the `batch` axes) and runs every expert on them, the experts'
+hidden dim split over the `moe_mlp` axes (tensor parallel, one psum after the down
+projection). The expert weights are stored split over the `expert` axes (FSDP-style expert
+sharding) and gathered at the shard_map's boundary, as FSDP gathers a dense layer.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from ebpo_jax import sharding
 from ebpo_jax.models import gmm
 from ebpo_jax.models.config import ModelConfig
 
@@ -66,6 +76,48 @@ def dispatch(x_ND, experts_Nk, weights_Nk, expert_fn, E: int):
     return jnp.einsum("nkd,nk->nd", y_NkD, weights_Nk.astype(y_NkD.dtype))
 
 
+def _axes(rules, name, mesh) -> tuple[str, ...]:
+    entry = sharding.logical_to_spec((name,), rules, mesh)[0]
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def swiglu_experts(x_MD, sizes_E, gate_EDI, up_EDI, down_EID, impl):
+    """The experts' SwiGLU on expert-sorted rows (three grouped matmuls)."""
+    gate_MI = gmm.grouped_matmul(x_MD, gate_EDI, sizes_E, impl)
+    up_MI = gmm.grouped_matmul(x_MD, up_EDI, sizes_E, impl)
+    return gmm.grouped_matmul(jax.nn.silu(gate_MI) * up_MI, down_EID, sizes_E, impl)
+
+
+def sharded_dispatch(x_ND, experts_Nk, weights_Nk, w, impl, rules=None):
+    """`dispatch` through the experts `w` = (gate, up, down): per row shard under a mesh."""
+    E, I = w[0].shape[0], w[0].shape[-1]
+
+    def local(x_ND, experts_Nk, weights_Nk, gate, up, down, tp=()):
+        fn = lambda x_MD, sizes_E: swiglu_experts(x_MD, sizes_E, gate, up, down, impl)
+        y_ND = dispatch(x_ND, experts_Nk, weights_Nk, fn, E)
+        return jax.lax.psum(y_ND, tp) if tp else y_ND
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(x_ND, experts_Nk, weights_Nk, *w)
+    rows = _axes(rules, "batch", mesh)
+    tp = tuple(a for a in _axes(rules, "moe_mlp", mesh) if a not in rows)
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    if x_ND.shape[0] % size(rows):  # e.g. one decode row: rows stay whole
+        rows = ()
+    if I % size(tp):
+        tp = ()
+    r, t = P(rows or None), P(None, None, tp or None)
+    fn = jax.shard_map(
+        lambda *a: local(*a, tp=tp),
+        mesh=mesh,
+        in_specs=(r, r, r, t, t, P(None, tp or None, None)),
+        out_specs=r,
+        check_vma=False,  # pallas_call (megablox) outputs carry no varying-axes type
+    )
+    return fn(x_ND, experts_Nk, weights_Nk, *w)
+
+
 class MoE(nnx.Module):
     """Router [D, E] and stacked experts' SwiGLU weights [E, D, I] / [E, I, D]."""
 
@@ -82,15 +134,8 @@ class MoE(nnx.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.impl = config.moe_impl
         self.dtype = config.dtype
+        self.rules = config.sharding_rules
         self.num_experts = E
-
-    def experts(self, x_MD, sizes_E):
-        """The experts' SwiGLU on expert-sorted rows."""
-        dt, impl = self.dtype, self.impl
-        w = lambda p: p[...].astype(dt)
-        gate_MI = gmm.grouped_matmul(x_MD, w(self.gate), sizes_E, impl)
-        up_MI = gmm.grouped_matmul(x_MD, w(self.up), sizes_E, impl)
-        return gmm.grouped_matmul(jax.nn.silu(gate_MI) * up_MI, w(self.down), sizes_E, impl)
 
     def __call__(self, x_BTD, mask_BT=None, replay_BTk=None):
         """(out [B, T, D], {"experts": [B, T, k] compact ints, "lb_loss", "load_max", "entropy"})."""
@@ -101,7 +146,10 @@ class MoE(nnx.Module):
         )
         replay_Nk = None if replay_BTk is None else replay_BTk.reshape(B * T, self.k)
         weights_Nk, experts_Nk, probs_NE = route(logits_NE, self.k, self.norm_topk_prob, replay_Nk)
-        out_ND = dispatch(x_ND, experts_Nk, weights_Nk.astype(self.dtype), self.experts, self.num_experts)
+        w = tuple(p[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
+        out_ND = sharded_dispatch(
+            x_ND, experts_Nk, weights_Nk.astype(self.dtype), w, self.impl, self.rules
+        )
         mask_N = jnp.ones((B * T,), bool) if mask_BT is None else mask_BT.reshape(-1)
         aux = router_stats(probs_NE, experts_Nk, mask_N)
         aux["experts"] = experts_Nk.astype(expert_dtype(self.num_experts)).reshape(B, T, self.k)

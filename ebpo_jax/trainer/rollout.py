@@ -27,6 +27,9 @@ class Rollout(NamedTuple):
     group_valid: jax.Array  # [P] bool: False for a slot no refill round could fill
     generated_tokens: jax.Array  # int32: tokens generated this step, kept or dropped
     all_same_frac: jax.Array  # share of generated groups whose rewards were all equal
+    # Routing replay (mixture of experts): the sampler's experts per token, Generation.routing
+    # as [P, G, ...] ({"prompt", "comp"}); None when not recorded.
+    routing: Any = None
 
 
 RewardFn = Callable[[Any, Any, Any, Any], jax.Array]  # (tokens, lengths, answers, answer_lengths)
@@ -70,6 +73,7 @@ def _sample(spec: RolloutSpec, model_config, stop_ids, mesh, params, b, rng):
             num_samples=spec.group_size,
             mesh=mesh,
             slots=spec.slots,
+            record_routing=spec.routing_replay,
         )
 
     if chunks == 1:
@@ -109,6 +113,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
         group_valid=jnp.ones((P,), bool),
         generated_tokens=gen.lengths.sum().astype(jnp.int32),
         all_same_frac=all_same(rewards_PG).mean(),
+        routing=jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), gen.routing),
     )
 
 

@@ -16,7 +16,8 @@ from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
 
 METRIC_DEFAULTS = ("eb/shrinkage_mean", "eb/mu_glob", "eb/sigma2", "eb/tau2")
-_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high")
+_ROUTER = ("router/lb_loss", "router/load_max", "router/entropy")
+_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high", *_ROUTER)
 
 
 def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
@@ -42,15 +43,25 @@ def completion_logprobs(
     *,
     with_entropy,
     chunk_size=0,
+    routing=None,
+    with_router=False,
 ):
     """Per-token log-probs [B, N] (and entropy) of each completion given its prompt.
 
     Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
     row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
-    does self-attention, gets packed rows instead.
+    does self-attention, gets packed rows instead. Mixture of experts: `routing` (a
+    Generation's, as [P, G, ...]) replays the sampler's experts; `with_router` returns
+    (out, router metrics of the completions' tokens, means over the sparse layers).
     """
     P, B = prompt_PTp.shape[0], comp_BN.shape[0]
     G, N = B // P, comp_BN.shape[1]
+    if routing is not None or with_router:
+        if attention.resolve(model_config.attention) == "splash":
+            raise ValueError("routing replay and router metrics need attention 'xla' or 'cudnn'")
+        out = _moe_logprobs(model_config, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B,
+                            with_entropy, chunk_size, routing)  # fmt: skip
+        return out if with_router else out[0]
     if attention.resolve(model_config.attention) == "splash":
         prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
         tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
@@ -72,9 +83,36 @@ def completion_logprobs(
             comp_len_B=comp_len_B,
             return_hidden=True,
         )
-        # The prompt's last token predicts completion token 0; completion token n-1, token n.
-        last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
-        h_BND = jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
+        h_BND = _shift(h_PTD, h_BND, prompt_len_P, G)
+    return _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size)
+
+
+def _shift(h_PTD, h_BND, prompt_len_P, G):
+    """The hidden state before each completion token: the prompt's last, then token n-1's."""
+    last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
+    return jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
+
+
+def _moe_logprobs(mc, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, with_entropy,
+                  chunk_size, routing):  # fmt: skip
+    """completion_logprobs' grouped path with routing replay: (out, router metrics)."""
+    G = comp_BN.shape[0] // prompt_PTp.shape[0]
+    replay = None
+    if routing is not None:  # [P, G, layers, T, k] -> [layers, P or B, T, k]
+        to_layers = lambda x: x.reshape(-1, *x.shape[-3:]).transpose(1, 0, 2, 3)
+        replay = (to_layers(routing["prompt"][:, 0]), to_layers(routing["comp"]))
+    h_PTD, h_BND, (_, route_c) = models.forward_grouped(
+        mc, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B=comp_len_B,
+        return_hidden=True, routing=replay, with_router=True,
+    )  # fmt: skip
+    h_BND = _shift(h_PTD, h_BND, prompt_len_P, G)
+    out = _head_logprobs(mc, params, h_BND, comp_BN, with_entropy, chunk_size)
+    names = {"lb_loss": "router/lb_loss", "load_max": "router/load_max", "entropy": "router/entropy"}
+    return out, {name: jnp.mean(route_c[key]) for key, name in names.items()}
+
+
+def _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size):
+    """Log-probs [B, N] (and entropies) of comp_BN from the hidden states before each token."""
     w_DV = models.output_embedding(model_config, params)
     if chunk_size:  # large vocabularies: never hold all [B, N, V] logits at once
         return losses.logprobs_from_hidden(
@@ -105,6 +143,8 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
     """(params, with_entropy) -> log-probs [B, N] of a padded or a packed micro-batch."""
     N = spec.max_new_tokens
     if "packed" in mb:
+        if spec.routing_replay or spec.lb_coef:
+            raise ValueError("routing replay and the router loss need the padded update")
         return functools.partial(
             packing.packed_completion_logprobs,
             model_config,
@@ -120,6 +160,7 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
         comp_BN=mb["tokens"].reshape(-1, N),
         comp_len_B=mb["lengths"].reshape(-1),
         chunk_size=spec.logits_chunk,
+        routing=mb.get("routing"),
     )
 
 
@@ -135,7 +176,10 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     """
     N = spec.max_new_tokens
     logprobs = _logprobs_fn(spec, model_config, mb)
-    logp_BN, ent_BN = logprobs(params=policy(spec, params, ref_params), with_entropy=True)
+    moe = model_config.is_moe and "packed" not in mb  # router metrics on the padded path
+    out = logprobs(params=policy(spec, params, ref_params), with_entropy=True,
+                   **({"with_router": True} if moe else {}))  # fmt: skip
+    (logp_BN, ent_BN), router = out if moe else (out, {})
     if spec.entropy_coef == 0:
         ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
     ref_BN = None
@@ -163,6 +207,9 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     )
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
     share = mask_BN.sum() / jnp.maximum(mb["mb_tokens"], 1.0)
+    if spec.lb_coef:
+        loss = loss + spec.lb_coef * share * router["router/lb_loss"]
+    metrics = dict(metrics, **router)
     metrics = {k: v * share if k in _TOKEN_WEIGHTED else v for k, v in metrics.items()}
     metrics.setdefault("actor/kl", jnp.zeros(()))
     return loss, metrics
@@ -255,7 +302,7 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
     split = lambda x: x.reshape(P // per, per, *x.shape[1:])
 
     def one(mb):
-        prompt_PTp, plen_P, comp_PGN, clen_PG = mb
+        prompt_PTp, plen_P, comp_PGN, clen_PG, routing = mb
         logp_BN = completion_logprobs(
             model_config,
             params,
@@ -265,10 +312,12 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
             clen_PG.reshape(-1),
             with_entropy=False,
             chunk_size=spec.logits_chunk,
+            routing=routing,
         )
         return logp_BN.reshape(per, G, N)
 
-    chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths)
+    routing = ro.routing if spec.routing_replay else None
+    chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths, routing)
     old_CPGN = jax.lax.map(one, jax.tree.map(split, chunks))
     return jax.lax.stop_gradient(old_CPGN.reshape(P, G, N))
 
@@ -337,6 +386,10 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         "adv": adv_PG,
         "loss_mask": loss_mask_PGN,
     }
+    if spec.routing_replay:
+        if ro.routing is None:
+            raise ValueError("model.moe.routing_replay: the rollout recorded no routing")
+        data["routing"] = ro.routing
     off_metrics = {}
     if spec.recompute_old_logprobs:
         params = policy(spec, state.params, state.base)
