@@ -11,9 +11,9 @@ from ebpo_jax import models, sharding
 from ebpo_jax.models import gmm, lora, moe
 
 # Small shapes for every test: 8 experts of width 16, hidden 32, vocab 64.
-SMALL = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, head_dim=8
-)
+SMALL = {
+    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "head_dim": 8
+}
 
 
 def _config(preset="tiny_moe_mixed", **overrides):
@@ -23,18 +23,18 @@ def _config(preset="tiny_moe_mixed", **overrides):
 def _hf_model(tmp_path, **kw):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=24,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        num_experts=5,
-        num_experts_per_tok=2,
-    )
+    fields = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "moe_intermediate_size": 24,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_experts": 5,
+        "num_experts_per_tok": 2,
+    }
     torch.manual_seed(0)
     hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**{**fields, **kw})).eval()
     # transformers' init draws std-0.02 routers: nearly uniform routing. Sharper routers make
@@ -48,14 +48,17 @@ def _hf_model(tmp_path, **kw):
 
 
 LAYOUTS = {
-    "odd_experts_k2": dict(num_experts=5, num_experts_per_tok=2),
-    "k1_normed": dict(num_experts=3, num_experts_per_tok=1, norm_topk_prob=True),
-    "mixed": dict(num_experts=7, num_experts_per_tok=3, decoder_sparse_step=2, norm_topk_prob=True),
-    "dense_first": dict(mlp_only_layers=[0], num_experts=4, num_experts_per_tok=4),
+    "odd_experts_k2": {"num_experts": 5, "num_experts_per_tok": 2},
+    "k1_normed": {"num_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": True},
+    "mixed": {"num_experts": 7, "num_experts_per_tok": 3, "decoder_sparse_step": 2, "norm_topk_prob": True},
+    "dense_first": {"mlp_only_layers": [0], "num_experts": 4, "num_experts_per_tok": 4},
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# The mixed layout (dense and sparse runs, odd expert count, k=3) in the default suite.
+@pytest.mark.parametrize(
+    "layout", [n if n == "mixed" else pytest.param(n, marks=pytest.mark.slow) for n in LAYOUTS]
+)
 def test_logits_match_transformers_and_round_trip(layout, tmp_path):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -101,6 +104,7 @@ def test_router_stats_match_numpy():
     np.testing.assert_allclose(got["entropy"], ent, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_match_forward_with_routes():
     config = _config()
     assert config.layer_kinds == ("dense", "moe", "dense", "moe")
@@ -137,12 +141,13 @@ def test_prefill_and_decode_match_forward_with_routes():
         np.testing.assert_array_equal(r_t["experts"], route["experts"][:, :, t : t + 1])
 
 
+@pytest.mark.slow
 def test_forward_grouped_matches_forward_and_replays():
     config = _config()
     params = models.init_params(config, jax.random.key(0))
     prompt = jax.random.randint(jax.random.key(1), (1, 5), 0, config.vocab_size)
     comp = jax.random.randint(jax.random.key(2), (2, 4), 0, config.vocab_size)
-    p_out, c_out, (r_p, r_c) = models.forward_grouped(
+    _p_out, c_out, (r_p, r_c) = models.forward_grouped(
         config, params, prompt, jnp.array([5]), comp, with_router=True
     )
     full = jnp.concatenate([jnp.repeat(prompt, 2, 0), comp], axis=1)
@@ -168,10 +173,15 @@ def test_megablox_gmm_matches_ragged_dot_values_and_grads():
 
     ref = gmm.grouped_matmul(x, w, sizes, "xla")
     want = np.concatenate(
-        [np.asarray(x[s:e]) @ np.asarray(w[g]) for g, (s, e) in enumerate([(0, 10), (10, 10), (10, 27), (27, 30), (30, 50)])]
+        [
+            np.asarray(x[s:e]) @ np.asarray(w[g])
+            for g, (s, e) in enumerate([(0, 10), (10, 10), (10, 27), (27, 30), (30, 50)])
+        ]
     )
     np.testing.assert_allclose(ref, want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(gmm.grouped_matmul(x, w, sizes, "megablox"), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        gmm.grouped_matmul(x, w, sizes, "megablox"), ref, rtol=1e-5, atol=1e-5
+    )
     g_ref = jax.grad(lambda x, w: loss("xla", x, w), (0, 1))(x, w)
     g_mb = jax.grad(lambda x, w: loss("megablox", x, w), (0, 1))(x, w)
     for a, b in zip(g_mb, g_ref):
@@ -179,6 +189,7 @@ def test_megablox_gmm_matches_ragged_dot_values_and_grads():
     assert gmm.resolve("auto", "tpu") == "megablox" and gmm.resolve("auto", "cpu") == "xla"
 
 
+@pytest.mark.slow
 def test_expert_parallel_fsdp_tp_match_single_device():
     config = _config("tiny_moe", num_layers=2)
     params = models.init_params(config, jax.random.key(0))
@@ -205,6 +216,7 @@ def test_expert_parallel_fsdp_tp_match_single_device():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_lora_on_attention_of_an_moe_model():
     config = _config()
     params = models.init_params(config, jax.random.key(0))
@@ -230,7 +242,9 @@ def test_bad_moe_configs_are_one_line_errors():
     config = _config()
     params = models.init_params(config, jax.random.key(0))
     with pytest.raises(ValueError, match="routing has shape"):
-        models.forward(config, params, jnp.zeros((1, 3), jnp.int32), routing=jnp.zeros((2, 1, 3, 1)))
+        models.forward(
+            config, params, jnp.zeros((1, 3), jnp.int32), routing=jnp.zeros((2, 1, 3, 1))
+        )
 
 
 def _tie_router(params, first, second):

@@ -96,7 +96,9 @@ class ModelConfig:
 
     def _check_moe(self):
         if self.moe_impl not in _MOE_IMPLS:
-            raise ValueError(f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}")
+            raise ValueError(
+                f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}"
+            )
         if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
             raise ValueError(
                 f"model_type={self.model_type!r} with num_experts={self.num_experts}: "

@@ -44,9 +44,7 @@ def _megablox(x_MK, w_GKN, group_sizes_G, interpret):
     pad = -M % tm
     x_MK = jnp.pad(x_MK, ((0, pad), (0, 0)))
     tiling = (tm, _tile(K, TILING[1]), _tile(w_GKN.shape[-1], TILING[2]))
-    out = ops.gmm(
-        x_MK, w_GKN, group_sizes_G, x_MK.dtype, tiling, None, None, False, interpret
-    )
+    out = ops.gmm(x_MK, w_GKN, group_sizes_G, x_MK.dtype, tiling, None, None, False, interpret)
     return out[:M]
 
 

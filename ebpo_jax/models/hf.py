@@ -359,7 +359,9 @@ def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfi
         known = {"model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"}
         names = known | {_TENSORS[p][0] for p in paths}
         pattern = re.compile(
-            "|".join(re.escape(n).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for n in names)
+            "|".join(
+                re.escape(n).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for n in names
+            )
         )
         for name in reader.weight_map:
             if not pattern.fullmatch(name):

@@ -142,7 +142,10 @@ class MoE(nnx.Module):
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
         logits_NE = jnp.einsum(
-            "nd,de->ne", x_ND, self.router[...].astype(self.dtype), preferred_element_type=jnp.float32
+            "nd,de->ne",
+            x_ND,
+            self.router[...].astype(self.dtype),
+            preferred_element_type=jnp.float32,
         )
         replay_Nk = None if replay_BTk is None else replay_BTk.reshape(B * T, self.k)
         weights_Nk, experts_Nk, probs_NE = route(logits_NE, self.k, self.norm_topk_prob, replay_Nk)

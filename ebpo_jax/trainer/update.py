@@ -107,7 +107,11 @@ def _moe_logprobs(mc, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, wit
     )  # fmt: skip
     h_BND = _shift(h_PTD, h_BND, prompt_len_P, G)
     out = _head_logprobs(mc, params, h_BND, comp_BN, with_entropy, chunk_size)
-    names = {"lb_loss": "router/lb_loss", "load_max": "router/load_max", "entropy": "router/entropy"}
+    names = {
+        "lb_loss": "router/lb_loss",
+        "load_max": "router/load_max",
+        "entropy": "router/entropy",
+    }
     return out, {name: jnp.mean(route_c[key]) for key, name in names.items()}
 
 
