@@ -2,7 +2,7 @@
 they return, and how their KV caches and rows are laid out over a mesh."""
 
 import functools
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 from jax.sharding import NamedSharding
@@ -19,10 +19,6 @@ class Generation(NamedTuple):
     tokens: jax.Array  # [B * num_samples, N] int32
     logprobs: jax.Array  # [B * num_samples, N] float32
     lengths: jax.Array  # [B * num_samples] int32, generated tokens including EOS
-    # Mixture of experts with record_routing: {"prompt": [rows, sparse layers, Tp, k],
-    # "comp": [rows, sparse layers, N, k]}, the experts each input token was routed to
-    # (compact ints; a completion's last token, never fed back, stays 0). Else None.
-    routing: Any = None
 
 
 @functools.lru_cache(maxsize=64)

@@ -151,7 +151,8 @@ def _decode(
     """Decodes tokens 1..N-1; token t goes to cache slot prompt_len + t at position len + t.
 
     limit_B: per-row token limits (<= N; benchmarks impose long-tailed lengths with it).
-    record_routing: the Generation's `comp` routing, the experts of each fed-back token.
+    record_routing: the Generation comes as (Generation, routes [rows, sparse layers, N, k]),
+    the experts each fed-back token went to (a row's last token, never fed back, stays 0).
     """
     batch = token_B.shape[0]
     rows_B = jnp.arange(batch)
@@ -211,7 +212,10 @@ def _decode(
         cond, body, carry
     )
     # The cache is returned only so that its donated buffer is updated in place.
-    return Generation(tokens_BN, logps_BN, gen_len_B, routes_BLNk), cache, steps
+    generation = Generation(tokens_BN, logps_BN, gen_len_B)
+    if record_routing:
+        return (generation, routes_BLNk), cache, steps
+    return generation, cache, steps
 
 
 _prefill_jit = jax.jit(
@@ -312,8 +316,10 @@ def generate(
     decodes that many rows at a time and refills a slot as soon as its row ends (continuous
     batching, ebpo_jax.slots; same output row for row); slots >= rows is the static batch.
     kv_block: cache slots per block of the decode attention, which reads only the blocks
-    below the longest valid prefix. record_routing (mixture of experts, static batch): the
-    Generation's `routing`, every input token's experts (for routing replay).
+    below the longest valid prefix. record_routing (mixture of experts, static batch):
+    returns (Generation, routing) with routing = {"prompt": [rows, sparse layers, Tp, k],
+    "comp": [rows, sparse layers, N, k]}, every input token's experts as compact ints (for
+    routing replay; a row's last token, never fed back, has zeros).
     """
     return _generate_with_stats(
         config,
@@ -445,8 +451,8 @@ def _generate_with_stats(
         record_routing=record_routing,
     )
     if record_routing:
-        routing = {"prompt": prompt_routes[0], "comp": generation.routing}
-        generation = generation._replace(routing=routing)
+        generation, comp_routes = generation
+        generation = (generation, {"prompt": prompt_routes[0], "comp": comp_routes})
     return generation, steps
 
 

@@ -265,16 +265,16 @@ def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
     P, G, N = 4, 2, 6
     prompts = jax.random.randint(jax.random.key(1), (P, 5), 1, config.vocab_size)
     plen = jnp.array([5, 3, 4, 2])
-    gen = sampler.generate(
+    gen, recorded = sampler.generate(
         config, params, prompts, plen, max_new_tokens=N, rng=jax.random.key(2),
         num_samples=G, record_routing=True,
     )  # fmt: skip
-    assert gen.routing["comp"].shape == (P * G, 2, N, 2)
+    assert recorded["comp"].shape == (P * G, 2, N, 2)
     # The trainer's router differs by a rounding-sized amount that breaks the tie the other
     # way, as a different batch, kernel or precision can.
     bumped = jax.tree.map(lambda x: x, params)
     bumped["moe"]["router"].set_value(bumped["moe"]["router"][...].at[..., 1].add(1e-7))
-    routing = jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), gen.routing)
+    routing = jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), recorded)
     mask = np.arange(N)[None] < np.asarray(gen.lengths)[:, None]
 
     def gap(routing):

@@ -27,8 +27,8 @@ class Rollout(NamedTuple):
     group_valid: jax.Array  # [P] bool: False for a slot no refill round could fill
     generated_tokens: jax.Array  # int32: tokens generated this step, kept or dropped
     all_same_frac: jax.Array  # share of generated groups whose rewards were all equal
-    # Routing replay (mixture of experts): the sampler's experts per token, Generation.routing
-    # as [P, G, ...] ({"prompt", "comp"}); None when not recorded.
+    # Routing replay (mixture of experts): the sampler's experts per token, sampler.generate's
+    # routing as [P, G, ...] ({"prompt", "comp"}); None when not recorded.
     routing: Any = None
 
 
@@ -93,6 +93,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
     b = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0), batch)
     gen = sample(params, b, jax.random.fold_in(rng, r))
+    gen, routing = gen if spec.routing_replay else (gen, None)
     rep = lambda x: jnp.repeat(x, G, axis=0)
     if reward_fn is None:  # a host reward fills these in between the two jits
         rewards_PG = jnp.zeros((P, G), jnp.float32)
@@ -113,7 +114,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
         group_valid=jnp.ones((P,), bool),
         generated_tokens=gen.lengths.sum().astype(jnp.int32),
         all_same_frac=all_same(rewards_PG).mean(),
-        routing=jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), gen.routing),
+        routing=jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), routing),
     )
 
 
