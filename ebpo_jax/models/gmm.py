@@ -3,7 +3,7 @@
 `grouped_matmul(x_MK, w_GKN, group_sizes_G)` multiplies rows [start_g, start_g + size_g) of
 x by w[g]. "xla" is `jax.lax.ragged_dot` (every backend, partitioned by GSPMD under a mesh);
 "megablox" is `jax.experimental.pallas.ops.tpu.megablox.gmm` (with its custom VJP), whose
-row count must be a multiple of its row tile: rows are padded to it and the pad dropped.
+dims must be multiples of its tiles: rows, K and N are zero-padded and the pad dropped.
 """
 
 import jax
@@ -17,7 +17,10 @@ TILING = (128, 128, 128)
 
 
 def resolve(impl: str, platform: str | None = None) -> str:
-    """The kernel `impl` means: itself, or for "auto" megablox when compiling for TPU, else xla."""
+    """The kernel `impl` means: itself, or for "auto" megablox when compiling for TPU, else xla.
+
+    (grouped_matmul also keeps "auto" on xla where K or N is not a multiple of 128.)
+    """
     if impl not in IMPLS:
         raise ValueError(f"moe_impl={impl!r}; expected one of {IMPLS}")
     if impl != "auto":
@@ -26,26 +29,24 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return "megablox" if platform == "tpu" else "xla"
 
 
-def _tile(n: int, most: int) -> int:
-    """The largest power-of-two tile <= most dividing n (n itself when it is smaller)."""
-    if n <= most:
-        return n
-    tile = most
-    while n % tile and tile > 8:
-        tile //= 2
-    return tile if n % tile == 0 else most
-
-
 def _megablox(x_MK, w_GKN, group_sizes_G, interpret):
     from jax.experimental.pallas.ops.tpu.megablox import ops  # Pallas TPU import, on demand
 
-    M, K = x_MK.shape
+    (M, K), N = x_MK.shape, w_GKN.shape[-1]
     tm = min(TILING[0], -(-M // 8) * 8)
-    pad = -M % tm
-    x_MK = jnp.pad(x_MK, ((0, pad), (0, 0)))
-    tiling = (tm, _tile(K, TILING[1]), _tile(w_GKN.shape[-1], TILING[2]))
+    # TPU blocks are multiples of (8, 128); the backward reuses the tiling with K and N
+    # swapped, so both are zero-padded to the tile (padding adds zeros to the products).
+    pad = lambda n, t: -n % t
+    x_MK = jnp.pad(x_MK, ((0, pad(M, tm)), (0, pad(K, TILING[1]))))
+    w_GKN = jnp.pad(w_GKN, ((0, 0), (0, pad(K, TILING[1])), (0, pad(N, TILING[2]))))
+    tiling = (tm, TILING[1], TILING[2])
     out = ops.gmm(x_MK, w_GKN, group_sizes_G, x_MK.dtype, tiling, None, None, False, interpret)
-    return out[:M]
+    return out[:M, :N]
+
+
+def _fits_tiles(x_MK, w_GKN) -> bool:
+    """K and N are multiples of megablox's tiles: no padding copy of the weights."""
+    return x_MK.shape[1] % TILING[1] == 0 and w_GKN.shape[-1] % TILING[2] == 0
 
 
 def grouped_matmul(x_MK, w_GKN, group_sizes_G, impl: str = "xla", *, interpret=None):
@@ -56,6 +57,8 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, impl: str = "xla", *, interpret=N
     """
     group_sizes_G = group_sizes_G.astype(jnp.int32)
     kernel = resolve(impl)
+    if impl == "auto" and not _fits_tiles(x_MK, w_GKN):
+        kernel = "xla"  # e.g. experts' hidden dim split over tp into a non-multiple of 128
     if kernel == "megablox":
         if interpret is None:
             interpret = attention.compile_platform() != "tpu"
