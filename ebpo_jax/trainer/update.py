@@ -50,31 +50,30 @@ def completion_logprobs(
 
     Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
     row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
-    does self-attention, gets packed rows instead. Mixture of experts: `routing` (a
-    Generation's, as [P, G, ...]) replays the sampler's experts; `with_router` returns
-    (out, router metrics of the completions' tokens, means over the sparse layers).
+    does self-attention, gets packed rows instead. Mixture of experts: `routing` (the
+    sampler's, as [P, G, ...]) replays its experts (not under splash); `with_router`
+    returns (out, router metrics averaged over the sparse layers: of the completion tokens,
+    or under splash of the packed prompt and completion tokens).
     """
     P, B = prompt_PTp.shape[0], comp_BN.shape[0]
     G, N = B // P, comp_BN.shape[1]
-    if routing is not None or with_router:
-        if attention.resolve(model_config.attention) == "splash":
-            raise ValueError("routing replay and router metrics need attention 'xla' or 'cudnn'")
-        out = _moe_logprobs(model_config, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B,
-                            with_entropy, chunk_size, routing)  # fmt: skip
-        return out if with_router else out[0]
+    router = {"with_router": True} if with_router else {}
     if attention.resolve(model_config.attention) == "splash":
+        if routing is not None:
+            raise ValueError("routing replay needs attention 'xla' or 'cudnn' (splash packs rows)")
         prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
         tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
-        hidden_BTD = models.forward(
-            model_config, params, tokens_BT, mask=mask_BT, return_hidden=True
+        out = models.forward(
+            model_config, params, tokens_BT, mask=mask_BT, return_hidden=True, **router
         )
+        hidden_BTD, route = out if with_router else (out, None)
         # The hidden state at slot L-1+n predicts completion token n.
         idx_BN = jnp.minimum(
             prompt_len_B[:, None] - 1 + jnp.arange(N)[None], tokens_BT.shape[1] - 1
         )
         h_BND = jnp.take_along_axis(hidden_BTD, idx_BN[..., None], axis=1)
     else:
-        h_PTD, h_BND = models.forward_grouped(
+        out = models.forward_grouped(
             model_config,
             params,
             prompt_PTp,
@@ -82,37 +81,29 @@ def completion_logprobs(
             comp_BN,
             comp_len_B=comp_len_B,
             return_hidden=True,
+            routing=_replay_layout(routing),
+            **router,
         )
-        h_BND = _shift(h_PTD, h_BND, prompt_len_P, G)
-    return _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size)
+        route = out[2][1] if with_router else None  # the completions' tokens
+        h_BND = _shift(out[0], out[1], prompt_len_P, G)
+    result = _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size)
+    if not with_router:
+        return result
+    return result, {f"router/{k}": jnp.mean(route[k]) for k in ("lb_loss", "load_max", "entropy")}
+
+
+def _replay_layout(routing):
+    """Recorded routing [P, G, layers, T, k] as forward_grouped's (prompt, completion) replay."""
+    if routing is None:
+        return None
+    to_layers = lambda x: x.reshape(-1, *x.shape[-3:]).transpose(1, 0, 2, 3)
+    return to_layers(routing["prompt"][:, 0]), to_layers(routing["comp"])
 
 
 def _shift(h_PTD, h_BND, prompt_len_P, G):
     """The hidden state before each completion token: the prompt's last, then token n-1's."""
     last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
     return jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
-
-
-def _moe_logprobs(mc, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, with_entropy,
-                  chunk_size, routing):  # fmt: skip
-    """completion_logprobs' grouped path with routing replay: (out, router metrics)."""
-    G = comp_BN.shape[0] // prompt_PTp.shape[0]
-    replay = None
-    if routing is not None:  # [P, G, layers, T, k] -> [layers, P or B, T, k]
-        to_layers = lambda x: x.reshape(-1, *x.shape[-3:]).transpose(1, 0, 2, 3)
-        replay = (to_layers(routing["prompt"][:, 0]), to_layers(routing["comp"]))
-    h_PTD, h_BND, (_, route_c) = models.forward_grouped(
-        mc, params, prompt_PTp, prompt_len_P, comp_BN, comp_len_B=comp_len_B,
-        return_hidden=True, routing=replay, with_router=True,
-    )  # fmt: skip
-    h_BND = _shift(h_PTD, h_BND, prompt_len_P, G)
-    out = _head_logprobs(mc, params, h_BND, comp_BN, with_entropy, chunk_size)
-    names = {
-        "lb_loss": "router/lb_loss",
-        "load_max": "router/load_max",
-        "entropy": "router/entropy",
-    }
-    return out, {name: jnp.mean(route_c[key]) for key, name in names.items()}
 
 
 def _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size):
