@@ -12,7 +12,11 @@ from ebpo_jax.models import gmm, lora, moe
 
 # Small shapes for every test: 8 experts of width 16, hidden 32, vocab 64.
 SMALL = {
-    "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "head_dim": 8
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 16,
+    "head_dim": 8,
 }
 
 
@@ -50,7 +54,12 @@ def _hf_model(tmp_path, **kw):
 LAYOUTS = {
     "odd_experts_k2": {"num_experts": 5, "num_experts_per_tok": 2},
     "k1_normed": {"num_experts": 3, "num_experts_per_tok": 1, "norm_topk_prob": True},
-    "mixed": {"num_experts": 7, "num_experts_per_tok": 3, "decoder_sparse_step": 2, "norm_topk_prob": True},
+    "mixed": {
+        "num_experts": 7,
+        "num_experts_per_tok": 3,
+        "decoder_sparse_step": 2,
+        "norm_topk_prob": True,
+    },
     "dense_first": {"mlp_only_layers": [0], "num_experts": 4, "num_experts_per_tok": 4},
 }
 
