@@ -1,15 +1,14 @@
-# Each target sets up its own virtual environment, so both work on a fresh clone.
+# Each target sets up its own virtual environment, so every one works on a fresh clone.
 PY ?= python3
+# `make train`, `make plot` and library use: the package alone (no torch, no libtpu).
 VENV := .venv
-STAMP := $(VENV)/.installed
-# `make train` needs only the package itself: no torch, no libtpu (the [test] extra's).
 TRAIN_STAMP := $(VENV)/.installed-train
-
-$(STAMP): setup.py
-	test -d $(VENV) || $(PY) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
-	touch $(STAMP) $(TRAIN_STAMP)
+# `make test`: a venv of its own, because the [test] extra brings libtpu (jax[tpu], for the
+# AOT tests), which makes every `import jax` of a CPU machine print TPU probe errors.
+TEST_VENV := .venv-test
+TEST_STAMP := $(TEST_VENV)/.installed-test
+# The run `make plot` draws (RUN=<workdir> for another one).
+RUN ?= runs/tiny
 
 $(TRAIN_STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -17,19 +16,34 @@ $(TRAIN_STAMP): setup.py
 	$(VENV)/bin/pip install -q -e .
 	touch $(TRAIN_STAMP)
 
+$(TEST_STAMP): setup.py
+	test -d $(TEST_VENV) || $(PY) -m venv $(TEST_VENV)
+	$(TEST_VENV)/bin/pip install -q --upgrade pip
+	$(TEST_VENV)/bin/pip install -q -e '.[test]'
+	touch $(TEST_STAMP)
+
 # Two pytest workers (pytest-xdist), one test file each: XLA compiles on one thread, so a
 # second worker fills the idle core (default suite 11m47s -> 8m56s on a 2-core CPU).
 TEST_WORKERS ?= 2
-PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(TEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: install train test test-all
-install: $(STAMP)
+.PHONY: install install-tpu install-test train plot test test-all
+install: $(TRAIN_STAMP)
+
+# TPU VMs: the package and libtpu in .venv.
+install-tpu: $(TRAIN_STAMP)
+	$(VENV)/bin/pip install -q -e '.[tpu]'
+
+install-test: $(TEST_STAMP)
 
 train: $(TRAIN_STAMP)
 	$(VENV)/bin/python experiments/train.py $(ARGS)
 
-test: $(STAMP)
+plot: $(TRAIN_STAMP)
+	$(VENV)/bin/python experiments/plot_run.py $(RUN) $(ARGS)
+
+test: $(TEST_STAMP)
 	$(PYTEST) tests $(ARGS)
 
-test-all: $(STAMP)
+test-all: $(TEST_STAMP)
 	$(PYTEST) -m "" tests $(ARGS)

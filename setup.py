@@ -25,6 +25,8 @@ setuptools.setup(
         "tqdm>=4.66.0",
         "matplotlib>=3.9.0",
         "tensorboardX>=2.6",
+        # The viewer: `tensorboard --logdir <workdir>` works from the `make train` venv.
+        "tensorboard>=2.18",
     ],
     extras_require={
         # `make train` installs none of these. torch only serves the HF parity tests; pinned

@@ -53,10 +53,8 @@ def sampler_times(mc, spec, args):
 
     def run(path, seed):
         params = merge(base, adapters) if path == "merged" else lora.attach(base, adapters, spec)
-        gen = sampler.generate(
-            mc, params, prompts, lengths, max_new_tokens=args.new_tokens,
-            rng=jax.random.key(seed), num_samples=args.group,
-        )  # fmt: skip
+        s_spec = sampler.SamplerSpec(max_new_tokens=args.new_tokens, num_samples=args.group)
+        gen = sampler.generate(mc, params, prompts, lengths, s_spec, rng=jax.random.key(seed))
         return jax.block_until_ready(gen.tokens)
 
     times = {"merged": [], "adapter": []}

@@ -1,25 +1,31 @@
-"""Rollout speed on long-tailed lengths: static vs continuous batching, decode vs cache size.
+"""Rollout speed: the paged engine vs the previous slot engine, and decode cost vs the longest row.
 
-Run: .venv/bin/python benchmarks/rollout_bench.py [--runs 2] [--parts tail,cache,tiny,update]
-Prints, in one process (ratios, since this CPU's speed drifts):
-1. Useful tokens/s of `generate` with one static batch vs `sampler.slots` continuous
-   batching, on response lengths drawn from a lognormal with mean max_new_tokens / 4 and
-   5% at the limit, imposed as per-row stop positions (`row_limits`: the row ends there as
-   if it drew a stop id). Random weights, temperature 1; both give the same rows.
-2. Slot utilisation: slot-steps that decoded a live row / all slot-steps.
-3. One decode step (forward_cached) at a fixed valid length for cache_size x1, x2, x4:
-   the valid-prefix attention vs reading the whole cache (kv_block = cache_size).
-4. The tiny default's shapes (configs/tiny.py: 32 prompts x 8 samples, 5 new tokens):
-   continuous batching with a slot per row vs the static batch, short uniform lengths.
-5. Update tokens/s padded vs packed (benchmarks/packed_bench.py, long-tail case).
+Run: .venv/bin/python benchmarks/rollout_bench.py [--pairs 5] [--parts tail,longest,tiny,update]
+Each part prints ratios measured in this one process, as the median and range over
+`--pairs` alternating pairs (drift and load hit both sides alike), and the CPU model.
+The previous engine (static batch + `slots` continuous batching, one max-length KV cache per
+slot) is checked out of git (`--old-ref`, default the commit before the paged engine) into a
+temp module: it is no part of the package.
+1. tail: useful tokens/s on long-tailed response lengths (lognormal, mean max_new_tokens / 4,
+   5% at the limit, imposed as per-row stop positions `row_limits`) at an equal KV memory
+   budget: the old engine's `--slots` x (prompt width + max_new_tokens) tokens, the paged
+   engine's as kv_pages of page_size 16 with `--paged-slots`. Also the mean concurrent rows.
+2. longest: one decode step (all layers) at a fixed number of live tokens when the longest
+   live row doubles (the rest get shorter), paged attention vs the old valid-prefix one.
+3. tiny: configs/tiny.py's sampler shapes (32 prompts x 8 samples, 5 new tokens): paged
+   generate vs the old static generate, seconds per call.
+4. update: update tokens/s padded vs packed (benchmarks/packed_bench.py, long-tail case).
 Compile time is excluded (one warm-up call each).
 """
 
 import argparse
-import itertools
+import importlib
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -28,6 +34,7 @@ import numpy as np
 
 from ebpo_jax import models, sampler
 from ebpo_jax.aot_report import Lengths
+from ebpo_jax.sampler import attention, pages
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 
@@ -41,6 +48,41 @@ BENCH_MODEL = {
     "head_dim": 64,
     "max_position_embeddings": 8192,
 }
+OLD_REF = "1504a37"  # main before the paged engine: sampler.py, slots.py, generation.py
+OLD_MODULES = ("generation", "sampling", "slots", "sampler")
+
+
+def old_engine(ref: str):
+    """The previous sampler (git `ref`) as temp modules old_sampler, old_slots, ...; returns
+    old_sampler."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tempfile.mkdtemp(prefix="old_sampler_")
+    for name in OLD_MODULES:
+        src = subprocess.check_output(
+            ["git", "show", f"{ref}:ebpo_jax/{name}.py"], cwd=root, text=True
+        )
+        src = src.replace(
+            "from ebpo_jax import slots as slots_lib", "import old_slots as slots_lib"
+        )
+        src = re.sub(
+            r"from ebpo_jax\.(generation|sampling|slots) import", r"from old_\1 import", src
+        )
+        with open(os.path.join(tmp, f"old_{name}.py"), "w") as f:
+            f.write(src)
+    sys.path.insert(0, tmp)
+    return importlib.import_module("old_sampler")
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.check_output(["lscpu"], text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown CPU"
+    found = re.search(r"Model name:\s*(.+)", out)
+    cores = re.search(r"^CPU\(s\):\s*(\d+)", out, re.MULTILINE)
+    return (
+        f"{found.group(1).strip() if found else 'unknown'}, {cores.group(1) if cores else '?'} CPUs"
+    )
 
 
 def long_tail_lengths(rows, limit, seed=0):
@@ -54,6 +96,21 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
+def pairs(a, b, n):
+    """Seconds of n (a, b) pairs after one warm-up each, run a-b, b-a, a-b, ... so that an
+    order effect cancels: (a_s, b_s, b/a ratios)."""
+    a(), b()
+    a_s, b_s = [], []
+    for i in range(n):
+        for fn, out in ((a, a_s), (b, b_s))[:: 1 if i % 2 == 0 else -1]:
+            out.append(timed(fn)[0])
+    return a_s, b_s, [y / x for x, y in zip(a_s, b_s)]
+
+
+def spread(ratios):
+    return f"median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
+
+
 def prompts_for(config, prompts, width, seed=0):
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, config.vocab_size, (prompts, width), dtype=np.int32)
@@ -61,95 +118,161 @@ def prompts_for(config, prompts, width, seed=0):
     return tokens, lengths
 
 
-def static_vs_continuous(config, params, *, prompts, group, width, new_tokens, slots, runs):
-    """Useful tokens/s of both samplers on long-tailed lengths, and the slots' utilisation."""
-    tokens, lengths = prompts_for(config, prompts, width)
-    limits = long_tail_lengths(prompts * group, new_tokens)
-    kw = {"max_new_tokens": new_tokens, "rng": jax.random.key(0), "num_samples": group}
-    kw["row_limits"] = limits
-    run = lambda s: sampler._generate_with_stats(config, params, tokens, lengths, slots=s, **kw)
-    static, _ = run(0)
-    cont, stats = run(slots)
-    same = bool(np.array_equal(static.tokens, cont.tokens))
-    assert np.array_equal(np.asarray(cont.lengths), limits), "row limits not imposed"
-    static_s, cont_s = [], []
-    for _ in range(runs):  # alternating, so drift hits both alike
-        static_s.append(timed(lambda: run(0))[0])
-        cont_s.append(timed(lambda: run(slots))[0])
+def tail(config, params, old, args):
+    """Useful tokens/s and mean concurrent rows, paged vs old slots, at one KV budget."""
+    width, N, G = 32, args.new_tokens, args.group
+    tokens, lengths = prompts_for(config, args.prompts, width)
+    limits = long_tail_lengths(args.prompts * G, N)
+    key = jax.random.key(0)
+    old_kw = {"max_new_tokens": N, "rng": key, "num_samples": G, "row_limits": limits}
+    budget = args.slots * (width + N)  # tokens of KV the old engine reserves
+    spec = sampler.SamplerSpec(
+        N, num_samples=G, slots=args.paged_slots, page_size=16, kv_pages=budget // 16
+    )
+    run_old = lambda: old._generate_with_stats(
+        config, params, tokens, lengths, slots=args.slots, **old_kw
+    )
+    run_new = lambda: sampler.generate_with_stats(
+        config, params, tokens, lengths, spec, rng=key, row_limits=limits
+    )
+    (g_old, s_old), (g_new, s_new) = run_old(), run_new()
+    assert np.array_equal(np.asarray(g_new.lengths), limits), "row limits not imposed"
+    same = bool(np.array_equal(g_old.tokens, g_new.tokens))
+    a_s, b_s, ratios = pairs(run_old, run_new, args.pairs)
     useful = int(limits.sum())
-    util = int(stats.busy) / (int(stats.steps) * slots)
-    return {
-        "rows": prompts * group,
-        "mean_len": float(limits.mean()),
-        "at_limit": float((limits == new_tokens).mean()),
-        "static_tok_s": useful / statistics.median(static_s),
-        "cont_tok_s": useful / statistics.median(cont_s),
-        "ratio": statistics.median([s / c for s, c in zip(static_s, cont_s)]),
-        "util": util,
-        "steps": int(stats.steps),
-        "same_rows": same,
-    }
+    print(
+        f"long tail: {len(limits)} rows, mean length {limits.mean():.1f} of {N}, "
+        f"{100 * (limits == N).mean():.1f}% at the limit; KV budget {budget} tokens; "
+        f"same rows old vs paged: {same}"
+    )
+    print(
+        f"useful tokens/s old slots ({args.slots} slots) {useful / statistics.median(a_s):.0f} "
+        f"vs paged ({spec.slots} slots, {spec.kv_pages} pages of 16) "
+        f"{useful / statistics.median(b_s):.0f}: speed-up {spread([1 / r for r in ratios])} "
+        f"over {args.pairs} pairs (target >= 1.5x)"
+    )
+    conc_old = int(s_old.busy) / int(s_old.steps)
+    conc_new = int(s_new.busy) / int(s_new.steps)
+    print(
+        f"mean concurrent rows: old {conc_old:.1f}, paged {conc_new:.1f}; decode steps "
+        f"{int(s_old.steps)} vs {int(s_new.steps)}; paged preemptions {int(s_new.preempted)}, "
+        f"peak pages {int(s_new.peak_pages)} of {s_new.pages}"
+    )
 
 
-def decode_loop(config, params, *, batch, valid, cache_size, kv_block, steps=8):
-    """(jitted loop of `steps` decode steps at per-row slot `valid`, its initial cache)."""
-    tokens_B1 = jnp.ones((batch, 1), jnp.int32)
-    start_B = jnp.full((batch,), valid, jnp.int32)
+def _paged_step(config, params, lens_R, page_size, steps=4):
+    """(jitted `steps` decode steps over a paged cache at per-row lengths lens_R, pools)."""
+    R = len(lens_R)
+    M = int(pages.pages_for(max(lens_R) + steps + 1, page_size))
+    pools = pages.init_pools(config, 1, R * M, page_size)
+    table_RM = jnp.arange(R * M, dtype=jnp.int32).reshape(R, M)
+    lens0_R = jnp.asarray(lens_R, jnp.int32)
     layers = models.split_layers(config, params)
+    tok_R = jnp.ones((R,), jnp.int32)
+
+    def loop(pools):
+        def body(i, carry):
+            pools, acc = carry
+            kv_R = lens0_R + i
+            new = []
+
+            def attend(layer, attn, q, k, v):
+                kv = pages.interleave(k[:, 0], v[:, 0])
+                pool = pages.write_token(
+                    pools[layer][0],
+                    kv,
+                    table_RM[jnp.arange(R), kv_R // page_size],
+                    kv_R % page_size,
+                )
+                new.append(pool[None])
+                out = attention.paged_decode_attention(q[:, 0], pool, table_RM, kv_R + 1)
+                return attn.output(out[:, None])
+
+            logits = models.decode_step(config, params, tok_R, kv_R, attend, layers=layers)
+            return tuple(new), acc + logits[:, 0].sum()
+
+        return jax.lax.fori_loop(0, steps, body, (pools, jnp.float32(0)))
+
+    jitted = jax.jit(loop, donate_argnums=0)
+    return jitted, pools
+
+
+def _old_step(config, params, lens_R, steps=4):
+    """The old engine's decode step (valid-prefix blocked attention over a [B, K, S, d] cache)."""
+    R = len(lens_R)
+    cache = models.init_cache(config, R, max(lens_R) + steps + 1)
+    start0_R = jnp.asarray(lens_R, jnp.int32)
+    layers = models.split_layers(config, params)
+    tok_R1 = jnp.ones((R, 1), jnp.int32)
 
     def loop(cache):
-        def body(_, carry):
+        def body(i, carry):
             cache, acc = carry
+            start = start0_R + i
             logits, cache = models.forward_cached(
-                config, params, tokens_B1, start_B[:, None], cache,
-                start=start_B, kv_len_B=start_B + 1, layers=layers, kv_block=kv_block,
+                config, params, tok_R1, start[:, None], cache,
+                start=start, kv_len_B=start + 1, layers=layers,
             )  # fmt: skip
             return cache, acc + logits[:, 0, 0].sum()
 
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
 
-    jitted = jax.jit(loop, donate_argnums=0)
-    cache, _ = jax.block_until_ready(jitted(models.init_cache(config, batch, cache_size)))
-    return jitted, cache
+    return jax.jit(loop, donate_argnums=0), cache
 
 
-def cache_size_scaling(config, params, *, batch=32, valid=256, sizes=(1024, 2048, 4096), rounds=5):
-    """Per-step seconds at a fixed valid length: valid-prefix reads vs whole-cache reads."""
-    steps = 8
-    loops = {}
-    for size in sizes:
-        for kind, block in (("prefix", 256), ("whole", size)):
-            loops[(kind, size)] = decode_loop(
-                config, params, batch=batch, valid=valid, cache_size=size, kv_block=block
-            )
-    times = {key: [] for key in loops}
-    for _ in range(rounds):  # every variant once per round, so drift hits all alike
-        for key, (jitted, cache) in loops.items():
-            start = time.perf_counter()
-            cache, _ = jax.block_until_ready(jitted(cache))
-            times[key].append((time.perf_counter() - start) / steps)
-            loops[key] = (jitted, cache)
-    return {key: statistics.median(t) for key, t in times.items()}
+def longest(config, params, args, rows=32, live=32 * 256):
+    """Decode step seconds at `live` tokens over `rows` rows, longest row L vs 2L."""
+    results = {}
+    for name in ("paged", "old"):
+        loops = {}
+        for top in (1024, 2048):
+            rest = (live - top) // (rows - 1)
+            lens = [top] + [rest] * (rows - 1)
+            if name == "paged":
+                loops[top] = list(_paged_step(config, params, lens, 16))
+            else:
+                loops[top] = list(_old_step(config, params, lens))
+
+        def run(top, loops=loops):
+            def go():
+                jitted, state = loops[top]
+                state, acc = jitted(state)
+                loops[top][1] = state
+                return acc
+
+            return go
+
+        results[name] = pairs(run(1024), run(2048), args.pairs)
+    for name, (a_s, b_s, ratios) in results.items():
+        print(
+            f"decode step, {live} live tokens over {rows} rows, longest row 1024 -> 2048, "
+            f"{name} attention: {1e3 * statistics.median(a_s) / 4:.2f} -> "
+            f"{1e3 * statistics.median(b_s) / 4:.2f} ms; {spread(ratios)} over {args.pairs} pairs"
+            + (" (target <= 1.15x)" if name == "paged" else " (previous engine)")
+        )
 
 
-def tiny_default(runs):
-    """configs/tiny.py's sampler shapes: continuous (a slot per row) vs static, seconds."""
-    from configs import tiny
+def tiny(old, args):
+    """configs/tiny.py's sampler shapes: paged generate vs the old static generate."""
+    from configs import tiny as tiny_config
 
-    c = tiny.get_config()
+    c = tiny_config.get_config()
     config = models.get_config(c.model.preset, **dict(c.model.overrides))
     params = models.init_params(config, jax.random.key(0))
-    rows = c.prompts_per_step * c.group_size
     tokens, lengths = prompts_for(config, c.prompts_per_step, 16)
-    kw = {"max_new_tokens": c.sampler.max_new_tokens, "rng": jax.random.key(1)}
-    kw |= {"num_samples": c.group_size, "temperature": c.sampler.temperature}
-    run = lambda s: sampler.generate(config, params, tokens, lengths, slots=s, **kw)
-    assert np.array_equal(run(0).tokens, run(rows).tokens)
-    static_s, cont_s = [], []
-    for _ in range(runs):
-        static_s.append(timed(lambda: run(0))[0])
-        cont_s.append(timed(lambda: run(rows))[0])
-    return statistics.median(static_s), statistics.median(cont_s), rows
+    N, G, key = c.sampler.max_new_tokens, c.group_size, jax.random.key(1)
+    spec = sampler.SamplerSpec(N, num_samples=G, eos_ids=(2,))
+    run_old = lambda: old.generate(
+        config, params, tokens, lengths, max_new_tokens=N, rng=key, num_samples=G, eos_id=2
+    )
+    run_new = lambda: sampler.generate(config, params, tokens, lengths, spec, rng=key)
+    assert np.array_equal(run_old().tokens, run_new().tokens)
+    a_s, b_s, ratios = pairs(run_old, run_new, args.tiny_pairs)
+    print(
+        f"tiny default shapes ({c.prompts_per_step * G} rows, {N} new tokens): old static "
+        f"{1e3 * statistics.median(a_s):.1f} ms, paged {1e3 * statistics.median(b_s):.1f} ms: "
+        f"paged/old time {spread(ratios)} over {args.tiny_pairs} pairs (target <= 1.05x)"
+    )
 
 
 def update_line(runs: int = 2):
@@ -165,63 +288,29 @@ def update_line(runs: int = 2):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=2)
-    ap.add_argument("--prompts", type=int, default=128)
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--tiny-pairs", type=int, default=15)
+    ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--slots", type=int, default=16)
-    ap.add_argument("--tiny-runs", type=int, default=15)
-    ap.add_argument("--parts", default="tail,cache,tiny,update", help="which of the five lines")
+    ap.add_argument("--slots", type=int, default=16, help="the old engine's slots")
+    ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
+    ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
+    ap.add_argument("--parts", default="tail,longest,tiny,update")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     config = models.get_config("tiny", **BENCH_MODEL)
     params = models.init_params(config, jax.random.key(0))
-    print(f"backend {jax.default_backend()}, {jax.device_count()} device(s); model {BENCH_MODEL}")
-
+    print(f"{cpu_model()}; backend {jax.default_backend()}; model {BENCH_MODEL}")
+    old = old_engine(args.old_ref) if parts & {"tail", "tiny"} else None
     if "tail" in parts:
-        print_long_tail(config, params, args)
-    if "cache" in parts:
-        print_cache_scaling(config, params)
+        tail(config, params, old, args)
+    if "longest" in parts:
+        longest(config, params, args)
     if "tiny" in parts:
-        static_s, cont_s, rows = tiny_default(args.tiny_runs)
-        print(
-            f"tiny default shapes ({rows} rows, uniform short lengths): static "
-            f"{1e3 * static_s:.1f} ms, continuous ({rows} slots) {1e3 * cont_s:.1f} ms: "
-            f"{cont_s / static_s:.3f}x the time (target <= 1.05x)"
-        )
+        tiny(old, args)
     if "update" in parts:
         print(update_line())
-
-
-def print_long_tail(config, params, args):
-    """Lines 1-2: useful tokens/s static vs continuous, and slot utilisation."""
-    r = static_vs_continuous(
-        config, params, prompts=args.prompts, group=args.group, width=32,
-        new_tokens=args.new_tokens, slots=args.slots, runs=args.runs,
-    )  # fmt: skip
-    print(
-        f"long tail: {r['rows']} rows, mean length {r['mean_len']:.1f} of {args.new_tokens}, "
-        f"{100 * r['at_limit']:.1f}% at the limit; same rows static vs continuous: {r['same_rows']}"
-    )
-    print(
-        f"useful tokens/s static {r['static_tok_s']:.0f} vs continuous ({args.slots} slots) "
-        f"{r['cont_tok_s']:.0f}: {r['ratio']:.2f}x (target >= 2.5x)"
-    )
-    print(f"slot utilisation {100 * r['util']:.1f}% over {r['steps']} steps (target >= 90%)")
-
-
-def print_cache_scaling(config, params):
-    """Line 3: one decode step vs cache_size at a fixed valid length."""
-    t = cache_size_scaling(config, params)
-    sizes = sorted({size for _, size in t})
-    for kind in ("prefix", "whole"):
-        cells = ", ".join(f"{s}: {1e3 * t[(kind, s)]:.2f} ms" for s in sizes)
-        doubling = [t[(kind, b)] / t[(kind, a)] for a, b in itertools.pairwise(sizes)]
-        print(
-            f"decode step, valid length 256, batch 32, {kind}-cache attention: {cells}; "
-            f"doubling cache_size: {', '.join(f'{d:.2f}x' for d in doubling)}"
-            + (" (target <= 1.15x)" if kind == "prefix" else " (before this change)")
-        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sampler speed: generate vs transformers generate, and decode FLOP/s vs a large matmul.
 
-Run: .venv/bin/python benchmarks/sampler_bench.py [--runs 5] [--decode-runs 3]
+Run: .venv-test/bin/python benchmarks/sampler_bench.py [--runs 5] [--decode-runs 3]  (torch: make install-test)
 Both generators run greedy on the same random checkpoint (hidden 256, 4 layers, vocab 512),
 batch 64, prompt 32, 64 new tokens, in alternating runs; compile time is excluded (one
 warm-up call each). HF's own model FLOP/s is compared with a large f32 matmul's FLOP/s
@@ -20,6 +20,7 @@ import torch
 import transformers
 
 from ebpo_jax import models, sampler
+from ebpo_jax.sampler import engine
 
 HF_CONFIG = {
     "vocab_size": 512,
@@ -60,14 +61,9 @@ def compare_with_hf(hf, config, params, batch, prompt_len, new_tokens, runs):
     lengths = np.full((batch,), prompt_len, np.int32)
 
     def ours():
+        spec = sampler.SamplerSpec(max_new_tokens=new_tokens, sampling=sampler.Sampling(0.0))
         return sampler.generate(
-            config,
-            params,
-            prompts,
-            lengths,
-            max_new_tokens=new_tokens,
-            rng=jax.random.key(0),
-            temperature=0.0,
+            config, params, prompts, lengths, spec, rng=jax.random.key(0)
         ).tokens
 
     ids = torch.from_numpy(prompts.astype(np.int64))
@@ -135,24 +131,15 @@ def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
     """Median FLOP/s of the decode loop alone (prefill excluded) at `batch` rows."""
     prompts = jnp.ones((batch, prompt_len), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
-    sampling = sampler._Sampling(0.0, 0, 1.0)
-    common = {"config": config, "sampling": sampling}
-    prefill_kw = dict(
-        num_samples=1,
-        cache_size=prompt_len + new_tokens,
-        prompt_sharding=None,
-        row_sharding=None,
-        **common,
-    )
-    decode_kw = dict(
-        prompt_len=prompt_len, max_new_tokens=new_tokens, batch_sharding=None, **common
-    )
+    spec = sampler.SamplerSpec(max_new_tokens=new_tokens, sampling=sampler.Sampling(0.0))
+    static = {"config": config, "spec": spec, "plan": engine.make_plan(spec, batch, prompt_len)}
     eos = jnp.zeros((0,), jnp.int32)
     times = []
     for _ in range(runs + 1):
-        state = sampler._prefill_jit(params, prompts, lengths, jax.random.key(0), **prefill_kw)
+        state = engine.prefill_jit(params, prompts, lengths, jax.random.key(0), **static)
         jax.block_until_ready(state)
-        seconds, _ = timed(sampler._decode_jit, params, *state, jax.random.key(0), eos, **decode_kw)
+        key = jax.random.key(0)
+        seconds, _ = timed(engine.decode_jit, params, *state, lengths, key, eos, **static)
         times.append(seconds)
     return batch * decode_flops(config, prompt_len, new_tokens) / statistics.median(times[1:])
 

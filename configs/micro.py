@@ -5,7 +5,7 @@ from ebpo_jax.config import default_config, finalize
 
 def get_config():
     c = default_config()
-    c.workdir = "/tmp/ebpo_runs/micro"
+    c.workdir = "runs/micro"
     c.total_steps = 4
     c.prompts_per_step = 4
     c.group_size = 4

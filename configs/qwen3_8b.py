@@ -43,13 +43,18 @@ How each number was chosen:
   instead of 4.6 GiB for all 8192 completion positions at once.
 - attention "splash": the Pallas kernel never holds the [T, T] scores (12288^2 x 32 heads
   x 4 bytes = 18 GiB per row and layer with the plain XLA attention).
-- Sampler: all 512 prompts x 4 samples in one call, through 256 continuous-batching slots
-  (sampler.slots; 32 per data shard, each refilled as soon as its row ends) on a data=8 x
-  tp=4 mesh of the same 32 chips. The KV cache is the 512 prompts' (4096 tokens each, once
-  per prompt) plus the 256 slots' (12288 tokens): a static batch of all 2048 rows of 12288
-  tokens does not fit, and 4 static calls of 512 rows each decode to 8192 tokens 4 times.
-  tp=4 splits the cache's kv heads and the weights, data=8 the rows and slots.
-The AOT report for these choices is in the README (experiments/aot_compile.py).
+- Sampler: all 512 prompts x 4 samples in one call, every row at once (sampler.slots = 0)
+  on the paged engine, on a data=16 x tp=2 mesh of the same 32 chips (tp=2 splits the kv
+  heads and the weights, data=16 the rows and the page pools). Each row holds pages of 128
+  tokens only for the tokens it has; the pool is 4096 pages per data shard (36 GiB per chip
+  for Qwen3-8B: 128 tokens x 36 layers x 8 of 16 combined kv heads x 128 x 2 bytes per
+  page), about 3x the estimated peak of the 128 rows a shard decodes (docs/pods.md); a static
+  cache of 2048 rows x 12288 tokens would be 108 GiB per chip. tp=2, not 4: with 4 combined
+  kv heads per chip (tp=4) the compiled decode keeps the pool in another tiled layout than
+  the TPU kernel's and converts it around the kernel at every step (3x the pool in memory,
+  two pool copies per step); 8 per chip share one layout. Pages of 128 tokens are 4 per
+  block of the TPU kernel (kernels/ragged_paged_tpu.py), half a page unused per row on average.
+The AOT reports for these choices are in docs/pods.md (experiments/aot_compile.py).
 """
 
 from ebpo_jax.config import default_config, finalize
@@ -70,6 +75,10 @@ EVAL_SETS = (
 
 
 VARIANTS = ("paper", "authors", "aot")
+# KV pages of 128 tokens per data shard of the v5p-64 sampler mesh (data=16 x tp=2).
+# Qwen3-30B-A3B: half the pool, as its weights take twice the 8B's per chip on tp=2 (its
+# paged-engine AOT compile is still to run; docs/pods.md).
+POOL_PAGES = {"qwen3_8b": 4096, "llama3_1_8b": 4096, "qwen3_14b": 4096, "qwen3_30b_a3b": 2048}
 
 
 def _variants(variant: str | None) -> set[str]:
@@ -136,8 +145,10 @@ def recipe(preset: str, variant: str | None = None):
     c.sampler.top_p = 1.0
     c.sampler.top_k = 0
     c.sampler.prompts_per_call = 512  # one call per step: see the comment block
-    c.sampler.slots = 256  # continuous batching, 32 slots per data shard
-    c.sampler.mesh = "data=8,tp=4"
+    c.sampler.slots = 0  # every row of the call at once: pages, not slots, bound concurrency
+    c.sampler.page_size = 128
+    c.sampler.kv_pages = 16 * POOL_PAGES[preset]  # per data shard x 16: see the comment block
+    c.sampler.mesh = "data=16,tp=2"
 
     c.optimizer.learning_rate = 1e-6
     c.optimizer.weight_decay = 0.01

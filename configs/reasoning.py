@@ -19,7 +19,7 @@ from ebpo_jax.config import default_config, finalize
 
 def get_config():
     c = default_config()
-    c.workdir = "/tmp/ebpo_runs/reasoning"
+    c.workdir = "runs/reasoning"
     c.seed = 0
     c.total_steps = 200
     c.prompts_per_step = 16
@@ -60,6 +60,6 @@ def get_config():
     c.sft.steps = 300
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
-    c.sft.cache_dir = "/tmp/ebpo_runs/sft_cache"
+    c.sft.cache_dir = "runs/sft_cache"
     c.sft.seed = 0
     return finalize(c)

@@ -15,7 +15,7 @@ from ebpo_jax.config import default_config, finalize
 
 def get_config():
     c = default_config()
-    c.workdir = "/tmp/ebpo_runs/tiny"
+    c.workdir = "runs/tiny"
     c.seed = 0
     c.total_steps = 250
     c.prompts_per_step = 32
@@ -55,5 +55,5 @@ def get_config():
     c.sft.steps = 120
     c.sft.batch_size = 64
     c.sft.learning_rate = 3e-3
-    c.sft.cache_dir = "/tmp/ebpo_runs/sft_cache"
+    c.sft.cache_dir = "runs/sft_cache"
     return finalize(c)

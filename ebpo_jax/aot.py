@@ -25,8 +25,9 @@ from ebpo_jax.aot_report import (
     total_params,
     update_flops,
 )
-from ebpo_jax.spec import RolloutSpec, RunSpec, resolve
-from ebpo_jax.trainer.rollout import make_rollout_fn
+from ebpo_jax.hardware import GiB
+from ebpo_jax.spec import RunSpec, resolve
+from ebpo_jax.trainer.rollout import make_rollout_fn, sampler_spec_of
 from ebpo_jax.trainer.shardings import make_mesh, make_sampler_mesh, make_shardings
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step
@@ -115,94 +116,81 @@ def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
-def compile_slot_sampler(s: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
-    """The continuous-batching sampler's prefill and slot decode (sampler.slots > 0)."""
-    from ebpo_jax import sampler, slots
+def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
+    """The engine's jitted prefill and decode (sampler.SamplerSpec `spec`) on `mesh`.
 
-    G, N, rules = s.group_size, s.max_new_tokens, mc.sharding_rules
-    sampling = sampler._Sampling(s.temperature, s.top_k, s.top_p)
-    shards = sampler._data_size(mesh, None, rules)
-    sampler._check_slots(s.slots, prompts, prompts * G, shards, None)
+    Returns (prefill, decode, plan): the Plan says the pool's pages per shard and the slots.
+    """
+    from ebpo_jax.sampler import engine
+
+    plan = engine.make_plan(spec, prompts, prompt_len, mesh, None, mc.sharding_rules)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    prompt_sh = sampler._batch_sharding(mesh, None, prompts, True, rules)
+    prompt_sh = plan.prompt_lead or rep
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
     prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=prompt_sh)
     lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=prompt_sh)
-    static = {"config": mc, "sampling": sampling, "num_samples": G}
+    static = {"config": mc, "spec": spec, "plan": plan}
     with jax.set_mesh(mesh):
-        prefill = slots.prefill_jit.lower(
-            params, prompt_PT, lengths_P, rng, prompt_sharding=prompt_sh, **static
-        )
+        prefill = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
         out = prefill.out_info
         prefill = prefill.compile()
         outs = [
             jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
             for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
         ]
-        cache, first_R, first_logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
-        eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
-        decode = slots.decode_jit.lower(
-            params, cache, first_R, first_logp_R, lengths_P, rng, eos,
-            slots=s.slots, shards=shards, max_new_tokens=N,
-            slot_sharding=sampler._batch_sharding(mesh, None, s.slots, True, rules), **static,
-        ).compile()  # fmt: skip
-    return prefill, decode
-
-
-def compile_sampler(spec: RolloutSpec, mc, mesh, params, prompts: int, prompt_len: int):
-    """The sampler's own jitted prefill and decode for `prompts` prompts x G samples."""
-    from ebpo_jax import sampler
-
-    G, N = spec.group_size, spec.max_new_tokens
-    if 0 < spec.slots < prompts * G:
-        return compile_slot_sampler(spec, mc, mesh, params, prompts, prompt_len)
-    sampling = sampler._Sampling(spec.temperature, spec.top_k, spec.top_p)
-    rules = mc.sharding_rules
-    row_sh = sampler._batch_sharding(mesh, None, prompts * G, True, rules)
-    prompt_sh = sampler._batch_sharding(mesh, None, prompts, False, rules)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
-    tok_sh = prompt_sh or rep
-    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=tok_sh)
-    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=tok_sh)
-    static = {"config": mc, "sampling": sampling}
-    with jax.set_mesh(mesh):
-        prefill = sampler._prefill_jit.lower(
-            params,
-            prompt_PT,
-            lengths_P,
-            rng,
-            num_samples=G,
-            cache_size=prompt_len + N,
-            prompt_sharding=prompt_sh,
-            row_sharding=row_sh,
-            **static,
-        )
-        out = prefill.out_info
-        prefill = prefill.compile()
-        carried = [
-            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
-            for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
-        ]
-        cache = jax.tree.unflatten(
-            jax.tree.structure(out[0]), carried[: len(jax.tree.leaves(out[0]))]
-        )
-        rest = carried[len(jax.tree.leaves(out[0])) :]
-        eos = jax.ShapeDtypeStruct((1,), np.int32, sharding=rep)
-        decode = sampler._decode_jit.lower(
-            params,
-            cache,
-            *rest,
-            rng,
-            eos,
-            prompt_len=prompt_len,
-            max_new_tokens=N,
-            batch_sharding=row_sh,
-            **static,
+        staged, first_R, logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
+        eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
+        decode = engine.decode_jit.lower(
+            params, staged, first_R, logp_R, lengths_P, rng, eos, **static
         ).compile()
-    return prefill, decode
+    return prefill, decode, plan
+
+
+def page_bytes_per_chip(mc, page_size: int, tp: int) -> int:
+    """One page of every layer's pool on one chip: its kv heads split over tp."""
+    heads = 2 * mc.num_kv_heads // tp
+    return page_size * heads * mc.head_dim * mc.num_layers * np.dtype(mc.dtype).itemsize
+
+
+def paged_meta(plan, spec, mc, mesh, reports) -> dict:
+    """The paged engine's layout in the report: pages, concurrency, pool and peak per chip.
+
+    `headroom_gib_per_chip`: HBM left with the decode program and the resident train state
+    (the decode's temporaries may hold the pool more than once: its peak is the measure).
+    """
+    tp = dict(mesh.shape).get("tp", 1)
+    page = page_bytes_per_chip(mc, spec.page_size, tp)
+    pool = plan.pages * page
+    meta = {
+        "page_size": spec.page_size,
+        "pages_per_shard": plan.pages,
+        "kv_pages": plan.pages * plan.shards,
+        "data_shards": plan.shards,
+        "concurrent_rows": plan.slots * plan.shards,
+        "rows_per_call": plan.rows * plan.shards,
+        "attention": plan.impl,
+        "pool_gib_per_chip": pool / GiB,
+    }
+    decode = next((r for r in reports if r.name == "sampler decode" and not r.error), None)
+    update = next((r for r in reports if r.name == "train update" and not r.error), None)
+    if decode is not None:
+        resident = update.argument_bytes if update is not None else 0
+        meta["decode_peak_gib_per_chip"] = decode.peak_bytes / GiB
+        meta["decode_peak_with_train_state_gib_per_chip"] = (decode.peak_bytes + resident) / GiB
+        free = decode.hbm_bytes - decode.code_bytes - resident - decode.peak_bytes
+        meta["headroom_gib_per_chip"] = free / GiB
+    return meta
+
+
+def paged_note(plan, spec, mc, mesh) -> str:
+    """One line: the pool and the rows decoded at once."""
+    tp = dict(mesh.shape).get("tp", 1)
+    pool = plan.pages * page_bytes_per_chip(mc, spec.page_size, tp) / GiB
+    return (
+        f"{plan.pages} pages of {spec.page_size} tokens per data shard ({pool:.1f} GiB per "
+        f"chip), {plan.slots * plan.shards} rows at once, attention {plan.impl}"
+    )
 
 
 def compile_lora_merge(state, state_sh, dst_shardings, mesh, spec, dtype):
@@ -302,9 +290,11 @@ def run(
     note = f"{prompts} prompts x {G} per call, {calls} call(s) per step"
     compiled = {}
 
+    s_spec = sampler_spec_of(spec.rollout, 1)  # the stop id's value does not change the program
+
     def sampler_programs():
-        compiled["prefill"], compiled["decode"] = compile_sampler(
-            spec.rollout, mc, s_mesh, abstract(params, samp_sh), prompts, prompt_len
+        compiled["prefill"], compiled["decode"], compiled["plan"] = compile_sampler(
+            s_spec, mc, s_mesh, abstract(params, samp_sh), prompts, prompt_len
         )
         return compiled["prefill"]
 
@@ -312,11 +302,11 @@ def run(
         log("update_only: no weight move or sampler programs compiled")
     elif attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is not None:
         attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
-        # Decoding is bound by HBM bandwidth: every step reads the weights and the whole cache.
-        r = reports[-1]
-        r.note += f"; >= {(N - 1) * r.argument_bytes * per_chip / hw.hbm_bandwidth:.0f} s at HBM bandwidth"
+        reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
     meta = _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh,
                         prompt_len=prompt_len)  # fmt: skip
+    if "plan" in compiled:
+        meta["paged"] = paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
     return reports, meta
 
 
@@ -352,9 +342,9 @@ def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
 
 def _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh, *, prompt_len):
     """The report's JSON fields besides the programs: the step estimate and the layout."""
-    from ebpo_jax.sampler import _data_size
+    from ebpo_jax.sampler import layout
 
-    shards = _data_size(s_mesh, None, mc.sharding_rules)
+    shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
     return {
         "step_estimate": step_time_estimate(

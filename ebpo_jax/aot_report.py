@@ -290,6 +290,32 @@ def resident_check(reports: list[ProgramReport]) -> tuple[list[str], list[str]]:
     return lines, bad
 
 
+def paged_lines(meta: dict) -> list[str]:
+    """The paged engine's layout and the step estimate, as the report's summary lines."""
+    lines = []
+    if p := meta.get("paged"):
+        lines.append(
+            f"paged KV: {p['pages_per_shard']} pages x {p['page_size']} tokens per data shard "
+            f"({p['data_shards']} shards, {p['pool_gib_per_chip']:.1f} GiB per chip), "
+            f"{p['concurrent_rows']} of {p['rows_per_call']} rows at once, attention "
+            f"{p['attention']}"
+        )
+        if "decode_peak_gib_per_chip" in p:
+            lines.append(
+                f"sampler decode peak {p['decode_peak_gib_per_chip']:.1f} GiB per chip, "
+                f"{p['decode_peak_with_train_state_gib_per_chip']:.1f} with the train state; "
+                f"{p['headroom_gib_per_chip']:.1f} GiB of HBM left"
+            )
+    if e := meta.get("step_estimate"):
+        lines.append(
+            f"estimate: decode {e['decode_s_before']:.0f} s static, "
+            f"{e['decode_s_slots_blocked']:.0f} s blocked slots, {e['decode_s_after']:.0f} s "
+            f"paged; step {e['step_s_slots_blocked']:.0f} s -> {e['step_s_after']:.0f} s "
+            "(assumptions in step_estimate.assumptions)"
+        )
+    return lines
+
+
 def write_json(path: str, reports: list[ProgramReport], **meta) -> None:
     with open(path, "w") as f:
         json.dump({**meta, "programs": [r.as_dict() for r in reports]}, f, indent=2)
@@ -367,42 +393,137 @@ def _slot_schedule(lengths_DR, slots_per_shard: int, prompt_tokens: int, block: 
     return np.array(blocks), np.array(refills)
 
 
-def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
-    """Seconds per RL step at HBM bandwidth (decode) / bf16 peak (update), before and after.
+@dataclasses.dataclass(frozen=True)
+class PagedDecode:
+    """Per decode step of the paged engine, per shard: live rows, KV tokens read, pages held."""
 
-    before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
-    each running to max_new_tokens (some row reaches it), and the update at the padded width.
-    after: `sampler.slots` continuous batching per call (a slot per row: static) with valid-prefix
-    decode attention (blocks below the longest live row), and a packed update over the real
-    tokens (the packed-update work of issue 17). Decode bytes per chip: the weights (bf16,
-    split over tp) at every step plus the KV blocks read; refills copy prompt caches.
+    live_SD: object  # [steps, shards] rows decoding
+    read_SD: object  # [steps, shards] KV tokens the kernel reads (each row's, block-rounded)
+    kv_SD: object  # [steps, shards] KV tokens attended (each row's exact length)
+    pages_SD: object  # [steps, shards] pages held by live rows (prompt pages counted apart)
+
+
+def _paged_schedule(lengths_DR, slots_per_shard, prompt_tokens, page_size, block_tokens):
+    """The slot schedule (refill in row order) with each row's own length instead of a block
+    loop to the longest row: what the ragged paged kernel reads and the pages rows hold.
+
+    A row of kv_len tokens reads ceil(kv_len / block_tokens) kernel blocks (the kernel copies
+    whole blocks); it holds its own pages from its prompt's last partial page on (the
+    prompt's full pages are shared by its samples and counted apart).
     """
+    import numpy as np
 
-    P, G, N = config.prompts_per_step, config.group_size, config.sampler.max_new_tokens
-    kv_token = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / tp  # bytes, bf16
-    weights = 2 * total_params(mc) / tp
-    bw = spec.hbm_bandwidth
-    per_call = config.sampler.prompts_per_call or P
-    rows = lengths.draw(P * G, N)
-    prompt_tokens = min(lengths.prompt_tokens, prompt_len)  # real prompts fit the width
-    # Before: every call decodes N - 1 steps over its rows' whole caches.
-    static_rows = per_call * G // shards
-    before = (P // per_call) * (N - 1) * (weights + static_rows * (prompt_len + N) * kv_token) / bw
-    slots = min(config.sampler.get("slots", 0) or per_call * G, per_call * G)
-    after, steps = 0.0, 0
-    for call in rows.reshape(P // per_call, shards, -1):
-        # A slot per row is the static batch: prompts padded to prompt_len in its cache.
-        width = prompt_len if slots == per_call * G else prompt_tokens
-        blocks, refills = _slot_schedule(call, slots // shards, width, block)
-        kv = (slots // shards) * block * blocks.sum() * kv_token
-        copies = 2 * refills.sum() * (slots // shards) * prompt_len * kv_token
-        after += (len(blocks) * weights + kv + copies) / bw
+    D, R = lengths_DR.shape
+    left = np.zeros((D, slots_per_shard), int)
+    done = np.zeros((D, slots_per_shard), int)
+    nxt = np.zeros(D, int)
+    shared = prompt_tokens // page_size
+    out = {"live": [], "read": [], "kv": [], "pages": []}
+    while True:
+        for d in range(D):  # refill free slots in order
+            idx = np.flatnonzero(left[d] == 0)[: R - nxt[d]]
+            left[d, idx], done[d, idx] = lengths_DR[d, nxt[d] : nxt[d] + len(idx)] - 1, 1
+            nxt[d] += len(idx)
+        live = left > 0
+        if not live.any():
+            break
+        kv = np.where(live, prompt_tokens + done, 0)
+        out["live"].append(live.sum(1))
+        out["kv"].append(kv.sum(1))
+        out["read"].append((-(-kv // block_tokens) * block_tokens).sum(1))
+        out["pages"].append(np.where(live, -(-kv // page_size) - shared, 0).sum(1))
+        left = np.where(live, left - 1, 0)
+        done = done + live
+    return PagedDecode(*(np.array(out[k]) for k in ("live", "read", "kv", "pages")))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCost:
+    """Bytes and FLOPs of one decode step on one chip: weights once, then per row."""
+
+    weight_bytes: float  # the shard's weights (bf16, split over tp), read once per step
+    kv_token_bytes: float  # one cached token's K and V over all layers, on this chip
+    row_flops: float  # matmul FLOPs per decoded row (weights x 2), on this chip
+    kv_token_flops: float  # attention FLOPs per cached token a row attends to, on this chip
+
+    def seconds(self, spec, live, read, kv):
+        """Per step: the slower of HBM traffic and compute (a roofline), arrays per shard."""
+        import numpy as np
+
+        bytes_ = self.weight_bytes + read * self.kv_token_bytes
+        flops = live * self.row_flops + kv * self.kv_token_flops
+        return np.maximum(bytes_ / spec.hbm_bandwidth, flops / spec.peak_flops)
+
+
+def decode_cost(mc, tp: int) -> DecodeCost:
+    """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips."""
+    m = matmul_params(mc)
+    return DecodeCost(
+        weight_bytes=2 * total_params(mc) / tp,
+        kv_token_bytes=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / tp,
+        row_flops=2.0 * (m["layers"] + m["head"]) / tp,
+        kv_token_flops=4.0 * mc.num_layers * mc.num_heads * mc.head_dim / tp,
+    )
+
+
+def paged_decode_estimate(config, mc, spec, rows_C, *, shards, tp, prompt_tokens, page_size,
+                          kv_pages, block_tokens):  # fmt: skip
+    """Seconds and page use of the paged engine over one sampler call's rows `rows_C`.
+
+    The SPMD step waits for its slowest shard: per step the maximum over shards of the
+    roofline time. kv_pages: the pool over all shards (0: not checked).
+    """
+    per_call = rows_C.size
+    slots = min(config.sampler.get("slots", 0) or per_call, per_call)
+    sched = _paged_schedule(rows_C.reshape(shards, -1), slots // shards, prompt_tokens,
+                            page_size, block_tokens)  # fmt: skip
+    cost = decode_cost(mc, tp)
+    step_SD = cost.seconds(spec, sched.live_SD, sched.read_SD, sched.kv_SD)
+    prompts = config.sampler.get("prompts_per_call", 0) or config.prompts_per_step
+    prompt_pages = prompts // shards * -(-prompt_tokens // page_size)
+    peak = int(sched.pages_SD.max()) + prompt_pages
+    bw_only = (cost.weight_bytes + sched.read_SD * cost.kv_token_bytes) / spec.hbm_bandwidth
+    return {
+        "decode_s": float(step_SD.max(1).sum()),
+        "decode_s_bandwidth_only": float(bw_only.max(1).sum()),
+        "steps": len(step_SD),
+        "concurrent_rows": slots,
+        "peak_pages_per_shard": peak,
+        "pool_pages_per_shard": kv_pages // shards,
+        "pages_fit": bool(kv_pages == 0 or peak <= kv_pages // shards),
+    }
+
+
+ASSUMPTIONS = (
+    (
+        "decode per step and chip: the slower of HBM traffic (bf16 weights / tp once, plus the "
+        "KV bytes read) and bf16 compute (2 x matmul params / tp per row, plus attention); "
+        "the SPMD step waits for its slowest data shard"
+    ),
+    (
+        "paged: each row reads only its own tokens, rounded up to the TPU kernel's KV block; "
+        "rows refill their slot in row order; prompt pages are shared by a prompt's samples"
+    ),
+    "update: model FLOPs at bf16 peak (padded width before, each row's real tokens after)",
+    "not counted: prefill, sampling, the host reward, weight moves, collectives",
+)
+
+
+def _blocked_decode(rows_CDR, cost, spec, *, slots, width, prompt_len, block):
+    """(seconds, steps) of today's slot sampler: each step reads every slot's cache blocks up
+    to the longest live row; a refill copies a prompt cache (bandwidth only)."""
+    total, steps = 0.0, 0
+    for call in rows_CDR:
+        blocks, refills = _slot_schedule(call, slots, width, block)
+        kv = slots * block * blocks.sum() * cost.kv_token_bytes
+        copies = 2 * refills.sum() * slots * prompt_len * cost.kv_token_bytes
+        total += (len(blocks) * cost.weight_bytes + kv + copies) / spec.hbm_bandwidth
         steps += len(blocks)
-    ragged = (
-        steps * weights + (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * kv_token / shards
-    ) / bw
-    util = (rows - 1).sum() / (steps * slots)
-    # The update: padded width prompt_len + N vs each row's real tokens.
+    return total, steps
+
+
+def _update_seconds(config, mc, rows, prompt_tokens, devices, peak):
+    """The packed update's model FLOPs over each row's real tokens, at bf16 peak."""
     m = matmul_params(mc)
     T_r = prompt_tokens + rows
     per_row = (
@@ -411,18 +532,74 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
         + 2.0 * m["head"] * rows
     )
     ref = 1.0 if config.loss.kl_coef > 0 else 0.0
-    packed = config.loss.ppo_epochs * (3.0 + ref) * per_row.sum()
-    devices = shards * tp
-    peak = spec.peak_flops
+    return float(config.loss.ppo_epochs * (3.0 + ref) * per_row.sum()) / devices / peak
+
+
+def kernel_block_tokens(page_size: int, pages_per_row: int, rows: int) -> int:
+    """KV tokens per block of the TPU ragged paged kernel, as `kernels.ragged_paged_tpu` sets it."""
+    from ebpo_jax.kernels.ragged_paged_tpu import block_sizes
+
+    return block_sizes(page_size, pages_per_row, rows)[0] * page_size
+
+
+def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
+    """Seconds per RL step (decode and update), for today's samplers and the paged engine.
+
+    before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
+    each to max_new_tokens, and the update at the padded width. slots_blocked: today's
+    `sampler.slots` continuous batching with valid-prefix attention (blocks up to the
+    longest live row). after: the paged engine (`sampler.slots` rows at once, pages of
+    `sampler.page_size`, a pool of `sampler.kv_pages`) with the ragged kernel, and the packed
+    update over the real tokens. ASSUMPTIONS (also in the output) say what is modelled.
+    """
+    P, G, N = config.prompts_per_step, config.group_size, config.sampler.max_new_tokens
+    cost = decode_cost(mc, tp)
+    per_call = config.sampler.prompts_per_call or P
+    rows = lengths.draw(P * G, N)
+    prompt_tokens = min(lengths.prompt_tokens, prompt_len)  # real prompts fit the width
+    # Before: every call decodes N - 1 steps over its rows' whole caches.
+    static = per_call * G // shards * (prompt_len + N) * cost.kv_token_bytes
+    before = (P // per_call) * (N - 1) * (cost.weight_bytes + static) / spec.hbm_bandwidth
+    slots = min(config.sampler.get("slots", 0) or per_call * G, per_call * G)
+    width = prompt_len if slots == per_call * G else prompt_tokens  # static: padded prompts
+    calls_CDR = rows.reshape(P // per_call, shards, -1)
+    blocked, steps = _blocked_decode(calls_CDR, cost, spec, slots=slots // shards, width=width,
+                                     prompt_len=prompt_len, block=block)  # fmt: skip
+    # The issue-29 "ideal": each row its own tokens, bandwidth only, shards averaged.
+    own = (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * cost.kv_token_bytes / shards
+    ideal = (steps * cost.weight_bytes + own) / spec.hbm_bandwidth
+    page_size = int(config.sampler.get("page_size", 0) or 16)
+    block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
+    kv_pages = int(config.sampler.get("kv_pages", 0))
+    paged = [
+        paged_decode_estimate(
+            config, mc, spec, call.reshape(-1), shards=shards, tp=tp, kv_pages=kv_pages,
+            prompt_tokens=prompt_tokens, page_size=page_size, block_tokens=block_tokens,
+        )
+        for call in calls_CDR
+    ]  # fmt: skip
+    after = sum(c["decode_s"] for c in paged)
+    paged_meta = {
+        "page_size": page_size,
+        "kernel_block_tokens": block_tokens,
+        "decode_s_bandwidth_only": sum(c["decode_s_bandwidth_only"] for c in paged),
+    }
+    devices, peak = shards * tp, spec.peak_flops
+    update_after = _update_seconds(config, mc, rows, prompt_tokens, devices, peak)
     return {
         "lengths": dataclasses.asdict(lengths)
         | {"drawn_mean": float(rows.mean()), "drawn_at_limit": float((rows == N).mean())},
         "slots": slots,
-        "decode_steps_after": steps,
-        "slot_utilisation": float(util),
+        "decode_steps_slots": steps,
+        "slot_utilisation": float((rows - 1).sum() / (steps * slots)),
         "decode_s_before": float(before),
+        "decode_s_slots_blocked": float(blocked),
+        "decode_s_ragged_ideal": float(ideal),
         "decode_s_after": float(after),
-        "decode_s_after_ragged_kernel": float(ragged),
+        "paged": paged[0] | paged_meta,
         "update_s_before": update_flops(config, mc, prompt_len) / devices / peak,
-        "update_s_after_packed": float(packed) / devices / peak,
+        "update_s_after_packed": update_after,
+        "step_s_slots_blocked": float(blocked) + update_after,
+        "step_s_after": float(after) + update_after,
+        "assumptions": list(ASSUMPTIONS),
     }

@@ -5,14 +5,18 @@ Knows nothing of the model or the trainer. Saves are atomic: orbax writes each s
 mid-save leaves the previous checkpoint as the latest.
 
 Orbax does not verify what it reads back (one flipped byte in a parameter file restores
-silently), so once a save is committed each file of the step gets a SHA-256 in
-`<step>/ebpo_manifest.json`, checked before restoring. `restore_intact` walks back from the
-newest step past unreadable or corrupt ones (naming each), moving them to
-`<directory>.corrupt/` so a later save of the same step can happen.
+silently), so each file of a step gets a SHA-256 in `<step>/ebpo_manifest.json`, written into
+the temporary folder just before orbax's commit renames it (`_ManifestedRename`): every
+committed step carries its manifest, also the newest one after a kill -9. It is checked
+before restoring. `restore_intact` walks back from the newest step past unreadable or corrupt
+ones (naming each), moving them to `<directory>.corrupt/` so a later save of the same step
+can happen.
 """
 
+import asyncio
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -24,6 +28,29 @@ from typing import Any, Self
 import orbax.checkpoint as ocp
 
 MANIFEST = "ebpo_manifest.json"
+# Rewritten by orbax's commit itself (commit time, commit marker): not hashed.
+_UNHASHED = (MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt")
+
+
+class _NoItemMetadataWarning(logging.Filter):
+    """Drops orbax's "Metadata file does not exist: <step>/state/_CHECKPOINT_METADATA".
+
+    A Composite checkpoint (state + extra) writes that file once per step, not per item; on
+    every restore orbax still looks for it inside the item and warns, which reads like a
+    corrupt checkpoint. Integrity is checked by the SHA-256 manifest instead.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (
+            msg.startswith("Metadata file does not exist") and "_CHECKPOINT_METADATA" in msg
+        )
+
+
+def _hide_item_metadata_warning() -> None:
+    logger = logging.getLogger("absl")  # orbax logs through absl.logging
+    if not any(isinstance(f, _NoItemMetadataWarning) for f in logger.filters):
+        logger.addFilter(_NoItemMetadataWarning())
 
 
 class CheckpointError(RuntimeError):
@@ -35,12 +62,13 @@ def _one_line(e: BaseException) -> str:
 
 
 def _step_files(step_dir: str) -> list[str]:
-    """Every file under a step folder, relative to it, sorted (the manifest excepted)."""
+    """Every file under a step folder, relative to it, sorted (the manifest and orbax's
+    commit records excepted)."""
     out = []
     for root, _, files in os.walk(step_dir):
         for name in files:
             rel = os.path.relpath(os.path.join(root, name), step_dir)
-            if rel != MANIFEST:
+            if rel not in _UNHASHED:
                 out.append(rel)
     return sorted(out)
 
@@ -72,11 +100,25 @@ def write_manifest(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, MANIFEST))
 
 
+class _ManifestedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """Orbax's atomic rename, with the step's manifest written just before the rename.
+
+    Orbax calls `finalize` on the primary process once every process's writes are done, so
+    the manifest is part of the same atomic commit as the arrays it hashes.
+    """
+
+    async def finalize(self):
+        final = self.get_final()
+        if final.name.isdigit():  # a step folder, not one of its items
+            await asyncio.to_thread(write_manifest, os.fspath(self.get()))
+        await super().finalize()
+
+
 def verify_manifest(step_dir: str) -> str | None:
-    """None if every file matches the manifest (or there is none), else what is wrong."""
+    """None if every file matches the manifest, else what is wrong (a missing one too)."""
     path = os.path.join(step_dir, MANIFEST)
     if not os.path.exists(path):
-        return None  # saved before manifests existed, or the process died right after commit
+        return f"no {MANIFEST} (every committed step has one)"
     try:
         with open(path) as f:
             digests = json.load(f)["sha256"]
@@ -94,8 +136,9 @@ def verify_manifest(step_dir: str) -> str | None:
 class Checkpointer:
     """Saves `(pytree, extra)` every `save_every` steps into `directory`, keeping the last `max_to_keep`.
 
-    `checksums=True` writes and checks the per-step SHA-256 manifest; multi-host runs on a
-    storage that one process cannot list whole should pass it only on process 0 (or False).
+    Every committed step carries its SHA-256 manifest; `checksums=True` checks it before a
+    restore (multi-host runs on a storage that one process cannot list whole should pass it
+    only on process 0).
     """
 
     def __init__(
@@ -118,10 +161,11 @@ class Checkpointer:
             save_interval_steps=save_every,
             create=True,
             enable_async_checkpointing=async_save,
+            temporary_path_class=_ManifestedRename,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        _hide_item_metadata_warning()
         self.checksums = checksums
-        self._unhashed: list[int] = []  # saved steps whose manifest is not written yet
 
     def should_save(self, step: int) -> bool:
         """Whether `save(step, ...)` would write (the interval is met and the step is new)."""
@@ -140,37 +184,12 @@ class Checkpointer:
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(pytree), extra=ocp.args.JsonSave(dict(extra or {}))
         )
-        self._write_manifests()
         try:
-            saved = self._manager.save(step, args=args, force=force)
+            return self._manager.save(step, args=args, force=force)
         except Exception as e:  # disk full, a file where a folder should be, ...
             raise CheckpointError(
                 f"saving step {step} to {self.directory} failed: {_one_line(e)}"
             ) from e
-        if saved and self.checksums:
-            self._unhashed.append(step)
-        return saved
-
-    def _write_manifests(self) -> None:
-        """Hash the steps saved since the last call, once their (async) save has committed."""
-        if not self._unhashed:
-            return
-        try:
-            self._manager.wait_until_finished()
-        except Exception as e:  # raised by orbax's background save thread
-            self._unhashed = []
-            raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from e
-        for step in self._unhashed:
-            step_dir = os.path.join(self.directory, str(step))
-            if os.path.isdir(step_dir):  # not already removed by max_to_keep
-                try:
-                    write_manifest(step_dir)
-                except OSError as e:
-                    self._unhashed = []
-                    raise CheckpointError(
-                        f"writing the checksums of {step_dir} failed: {_one_line(e)}"
-                    ) from e
-        self._unhashed = []
 
     def restore(self, step: int | None = None, target: Any = None) -> tuple[Any, dict]:
         """(pytree, extra) of `step` (default: the latest), placed like `target`.
@@ -263,7 +282,7 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def wait(self) -> None:
-        """Block until any asynchronous save has been committed (and its manifest written).
+        """Block until any asynchronous save has been committed (with its manifest).
 
         CheckpointError (one line) if the save failed, e.g. the disk filled up meanwhile.
         """
@@ -271,7 +290,6 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as e:  # raised by orbax's background save thread
             raise CheckpointError(f"saving to {self.directory} failed: {_one_line(e)}") from e
-        self._write_manifests()
 
     def close(self) -> None:
         """Finish pending saves and release resources."""

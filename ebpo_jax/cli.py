@@ -7,6 +7,7 @@ as a chain of three AttributeError/KeyError tracebacks. `define_config` and `run
 those, and `ConfigError` / `DataError` raised by the program, into one line.
 """
 
+import logging
 import os
 import re
 import sys
@@ -57,10 +58,24 @@ def config_error_line(e: BaseException, argv: list[str], flag: str = "config") -
     return line
 
 
+def _file_error_line(e: BaseException) -> str:
+    """ "config file: No such file or directory: 'x.py'" from ml_collections' nested OSErrors."""
+    text = " ".join(str(e).split())
+    m = re.search(r"\[Errno \d+\] (.*)$", text)
+    return f"config file: {m.group(1)}" if m else text
+
+
 def define_config(name: str, default: str, help_string: str):
-    """config_flags.DEFINE_config_file whose override errors are one line and exit 2."""
+    """config_flags.DEFINE_config_file whose override errors are one line and exit 2, and
+    `--list_<name>`: print every field of the chosen config with its value and doc, and exit."""
+    from absl import flags
     from ml_collections import config_flags
 
+    flags.DEFINE_bool(
+        f"list_{name}",
+        False,
+        f"Print every field of --{name} (after overrides) with its value and one-line doc.",
+    )
     try:
         return config_flags.DEFINE_config_file(name, default, help_string)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
@@ -68,6 +83,40 @@ def define_config(name: str, default: str, help_string: str):
 
 
 EXIT_FAILURE = 1
+
+
+class _FromPackages:
+    """A logging filter: records logged from source files under `packages` (absl logs
+    every module under one logger, so the file path is what tells them apart)."""
+
+    def __init__(self, packages: tuple[str, ...], keep: bool):
+        self.parts = tuple(f"{os.sep}{p}{os.sep}" for p in packages)
+        self.keep = keep
+
+    def filter(self, record) -> bool:
+        return any(p in record.pathname for p in self.parts) == self.keep
+
+
+class _BestEffortFile(logging.FileHandler):
+    """A log file that drops what it cannot write (a full disk) instead of printing a traceback."""
+
+    def handleError(self, record) -> None:
+        pass
+
+
+def divert_logs(path: str, packages: tuple[str, ...] = ("orbax",)) -> None:
+    """Send what `packages` log (orbax's background-thread tracebacks on a failed save) to
+    `path` instead of stderr, where the run's own `error:` line stands alone.
+
+    The file is created only if something is logged.
+    """
+    from absl import logging as absl_logging
+
+    to_file = _BestEffortFile(path, delay=True)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(pathname)s: %(message)s"))
+    to_file.addFilter(_FromPackages(packages, keep=True))
+    absl_logging.get_absl_handler().addFilter(_FromPackages(packages, keep=False))
+    logging.getLogger().addHandler(to_file)
 
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
@@ -85,31 +134,91 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from ebpo_jax.metrics import MetricsError
     from ebpo_jax.workdir import WorkdirError
 
-    return (WorkdirError, MetricsError, CheckpointError, OSError)
+    # Raised only once the trainer is imported: no import of it (and of jax) here.
+    loop = sys.modules.get("ebpo_jax.trainer.loop")
+    stopped = (loop.NonFiniteError,) if loop is not None else ()
+    return (WorkdirError, MetricsError, CheckpointError, OSError, *stopped)
+
+
+def _define_cache_flags(flags) -> None:
+    """--[no]compilation_cache and --compilation_cache_dir, once per process."""
+    from ebpo_jax import compile_cache
+
+    if "compilation_cache" in flags.FLAGS:
+        return
+    flags.DEFINE_bool(
+        "compilation_cache",
+        True,
+        "Keep compiled XLA programs on disk so a restart or resume skips compiling "
+        "(--nocompilation_cache: off).",
+    )
+    flags.DEFINE_string(
+        "compilation_cache_dir",
+        compile_cache.default_dir(),
+        f"Folder of the compilation cache (or ${compile_cache.ENV}).",
+    )
+
+
+def _print_help(flag_values, config_flag: str) -> None:
+    """The program's docstring, its own flags and ours, and how to list the config fields."""
+    print((sys.modules["__main__"].__doc__ or "").strip() + "\n")
+    for text in (flag_values.main_module_help(), flag_values.module_help(__name__)):
+        if text.strip():
+            print(text + "\n")
+    if config_flag in flag_values:
+        print(
+            f"Every --{config_flag}.<field>=<value> override, with its default and doc: "
+            f"--list_{config_flag} (also after --{config_flag}=configs/x.py and overrides)."
+        )
+    print("All flags, absl's included: --helpfull")
 
 
 def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:
-    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1."""
+    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1.
+
+    Also the persistent compilation cache (ebpo_jax.compile_cache), unless --nocompilation_cache.
+    """
     from absl import app, flags
+
+    _define_cache_flags(flags)
 
     def parse(argv):
         try:
-            return flags.FLAGS(argv)
+            rest = flags.FLAGS(argv)
+            if config_flag in flags.FLAGS:  # a missing file is only reported on first use
+                getattr(flags.FLAGS[config_flag].value, "to_dict", None)
+            return rest
         except flags.Error as e:
             fail(str(e))
+        except OSError as e:  # ml_collections: the config file is missing or unreadable
+            fail(_file_error_line(e))
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             fail(config_error_line(e, argv, config_flag))
 
-    usage, run_errors = _usage_errors(), _run_errors()
+    usage = _usage_errors()
+    if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
+        _print_help(flags.FLAGS, config_flag)
+        raise SystemExit(0)
 
     def wrapped(args):
+        if flags.FLAGS[f"list_{config_flag}"].value if f"list_{config_flag}" in flags.FLAGS else 0:
+            from ebpo_jax.config_doc import describe
+
+            print(describe(flags.FLAGS[config_flag].value))
+            return None
+        if flags.FLAGS.compilation_cache:
+            from ebpo_jax import compile_cache
+
+            compile_cache.enable(flags.FLAGS.compilation_cache_dir)
         try:
             return main(args)
         except usage as e:
             fail(" ".join(str(e).split()) or type(e).__name__)
         except app.UsageError as e:
             fail(str(e))
-        except run_errors as e:
+        except Exception as e:
+            if not isinstance(e, _run_errors()):
+                raise
             if isinstance(e, OSError) and e.strerror:  # e.g. disk full: name the file
                 text = (f"{e.filename}: " if e.filename else "") + e.strerror
             else:

@@ -42,26 +42,29 @@ def estimator_options_config() -> ml_collections.ConfigDict:
 def default_config() -> ml_collections.ConfigDict:
     """Every field the trainer reads, with defaults; config files start from this."""
     c = ml_collections.ConfigDict()
-    c.workdir = "/tmp/ebpo_runs/run"
-    c.seed = 0
-    c.total_steps = 100
+    c.workdir = "runs/run"  # the run's folder (relative: to the current one); resumed if it exists
+    c.seed = 0  # RL seed: sampling, shuffling, init
+    c.total_steps = 100  # RL steps to train to (a resume continues up to this)
     c.prompts_per_step = 32  # P
     c.group_size = 8  # G
     c.estimator = "ebpo"  # any name in ebpo_jax.advantages' registry
     c.estimator_options = estimator_options_config()  # keyword options for the estimator
     # EB priors: none (one global) | topic | cell (topic x difficulty; synthetic tasks only)
     c.eb_clusters = "none"
-    c.checkpoint_every = 50
-    c.keep_checkpoints = 3
-    c.eval_every = 50
-    c.eval_batch_size = 128
+    c.checkpoint_every = 50  # steps between checkpoints (also on SIGTERM/SIGINT)
+    c.keep_checkpoints = 3  # newest checkpoints kept
+    c.eval_every = 50  # steps between held-out evaluations (and the last step)
+    c.eval_batch_size = 128  # held-out prompts per sampler call
     # eval/pass@1 = mean reward over eval_samples samples per held-out problem at this
     # temperature (the paper's protocol: temperature 1.0); 0.0 = greedy, one sample.
     c.eval_temperature = 1.0
-    c.eval_samples = 4
+    c.eval_samples = 4  # samples per held-out problem (pass@1 is their mean)
     c.steps_per_jit = 1  # K steps per lax.scan; 1 = jit -> host -> jit with per-phase timing
     c.max_nonfinite_steps = 5  # stop after this many non-finite steps in a row
-    c.log_every = 1
+    # Without a terminal (a log file, a batch job): a progress line every log_every steps and
+    # at least every log_every_s seconds. On a terminal a tqdm bar shows every step.
+    c.log_every = 10
+    c.log_every_s = 30.0  # progress lines without a terminal: at most this many seconds apart
     # A workdir with metrics.jsonl but no checkpoint is refused unless restart=True (which
     # starts over and rewrites its metrics); see ebpo_jax.workdir.check_workdir.
     c.restart = False
@@ -71,13 +74,13 @@ def default_config() -> ml_collections.ConfigDict:
 
     # Weights & Biases beside TensorBoard and metrics.jsonl: project "" = off.
     c.wandb = ml_collections.ConfigDict()
-    c.wandb.project = ""
+    c.wandb.project = ""  # W&B project; "" = no W&B logging
     c.wandb.mode = "online"  # online | offline (WANDB_MODE=offline is honoured too) | disabled
-    c.wandb.entity = ""
+    c.wandb.entity = ""  # W&B team or user; "" = your default
     c.wandb.name = ""  # "" = the workdir's base name
 
     c.model = ml_collections.ConfigDict()
-    c.model.preset = "tiny"
+    c.model.preset = "tiny"  # a name in ebpo_jax.models presets (tiny, qwen3_8b, llama3_8b, ...)
     c.model.overrides = ml_collections.ConfigDict()  # ModelConfig fields, e.g. num_layers
     # A local HF checkpoint folder: weights (models.from_hf) and tokenizer; the preset is
     # unused and overrides may only change non-shape fields (dtype, remat, attention, ...).
@@ -87,7 +90,7 @@ def default_config() -> ml_collections.ConfigDict:
     # LoRA / QLoRA (ebpo_jax.models.lora): rank 0 = full fine-tuning. Only the adapters
     # train; the KL reference is the frozen base with the adapters off.
     c.model.lora = ml_collections.ConfigDict()
-    c.model.lora.rank = 0
+    c.model.lora.rank = 0  # adapter rank; 0 = full fine-tuning
     c.model.lora.alpha = 32.0  # the adapter's output is scaled by alpha / rank
     c.model.lora.targets = "q,k,v,o,gate,up,down"  # any of these, comma-separated
     # The frozen base's storage: "" = model param_dtype, float32, bfloat16, or QLoRA's int8 / nf4.
@@ -108,15 +111,18 @@ def default_config() -> ml_collections.ConfigDict:
     c.task.topics = ""  # comma-separated topic names; "" = every topic
     c.task.max_difficulty = 0  # 0 = every level
     c.task.seed = 0  # problem generation (the held-out split depends only on this)
-    c.task.train_per_cell = 400
+    c.task.train_per_cell = 400  # training problems per (topic, difficulty) cell
     c.task.test_per_cell = 20  # held-out problems per (topic, difficulty) cell
+    # Validation problems per cell (reasoning family), drawn after train: they choose
+    # hyperparameters as eval/validation/pass@1 and never enter eval/pass@1 (the test split).
+    c.task.val_per_cell = 0
     c.task.order = "naive"  # naive | topic | difficulty (EBPO-naive/topic/diff curricula)
 
     c.sampler = ml_collections.ConfigDict()
-    c.sampler.max_new_tokens = 16
-    c.sampler.temperature = 1.0
-    c.sampler.top_p = 1.0
-    c.sampler.top_k = 0
+    c.sampler.max_new_tokens = 16  # response length budget in tokens
+    c.sampler.temperature = 1.0  # rollout sampling temperature
+    c.sampler.top_p = 1.0  # nucleus sampling mass; 1.0 = off
+    c.sampler.top_k = 0  # 0 = off
     # Prompts per sampler call: 0 = all of a round's P prompts at once; else the rollout
     # generates P / prompts_per_call chunks one after another, so the KV cache is per chunk.
     c.sampler.prompts_per_call = 0
@@ -133,29 +139,34 @@ def default_config() -> ml_collections.ConfigDict:
     # until the longest ends; S > 0 = continuous batching, S rows at a time, a slot refilled
     # as soon as its row ends. A multiple of the sampler mesh's data shards.
     c.sampler.slots = 0
+    # The paged KV cache (docs/sampler.md): pages of `page_size` tokens; `kv_pages` pages per
+    # sampler call over all data shards (0 = enough for every slot's longest row). When the
+    # pool is short, new rows wait for pages; one row must fit the pool on its own.
+    c.sampler.page_size = 16
+    c.sampler.kv_pages = 0
 
     c.optimizer = ml_collections.ConfigDict()
-    c.optimizer.learning_rate = 1e-6
-    c.optimizer.weight_decay = 0.01
+    c.optimizer.learning_rate = 1e-6  # AdamW peak learning rate
+    c.optimizer.weight_decay = 0.01  # AdamW decoupled weight decay
     c.optimizer.warmup_steps = 0  # in train steps
     c.optimizer.schedule = "constant"  # or "cosine" (decays to final_lr_frac over total_steps)
-    c.optimizer.final_lr_frac = 0.1
-    c.optimizer.clip_norm = 1.0
-    c.optimizer.b1 = 0.9
-    c.optimizer.b2 = 0.999
+    c.optimizer.final_lr_frac = 0.1  # cosine: final learning rate / peak
+    c.optimizer.clip_norm = 1.0  # global gradient-norm clip; 0 = off
+    c.optimizer.b1 = 0.9  # Adam beta1
+    c.optimizer.b2 = 0.999  # Adam beta2
 
     c.loss = ml_collections.ConfigDict()
     c.loss.name = "ppo"  # any name in ebpo_jax.losses' registry: ppo | gspo | gspo_token | cispo
-    c.loss.ppo_epochs = 1
+    c.loss.ppo_epochs = 1  # passes over each rollout
     c.loss.num_minibatches = 1  # per PPO epoch; splits the P prompts
     c.loss.num_microbatches = 1  # gradient accumulation within a mini-batch
-    c.loss.clip_low = 0.2
-    c.loss.clip_high = 0.2
+    c.loss.clip_low = 0.2  # PPO ratio clip below: 1 - clip_low
+    c.loss.clip_high = 0.2  # PPO ratio clip above: 1 + clip_high (clip-higher when larger)
     c.loss.dual_clip = 0.0  # 0 = off
-    c.loss.agg = "token-mean"
-    c.loss.kl_coef = 0.0
-    c.loss.kl_estimator = "k3"
-    c.loss.entropy_coef = 0.0
+    c.loss.agg = "token-mean"  # loss aggregation: ebpo_jax.losses.AGG_MODES
+    c.loss.kl_coef = 0.0  # KL penalty to the frozen reference; 0 = off (no reference kept)
+    c.loss.kl_estimator = "k3"  # k1 | k2 | k3
+    c.loss.entropy_coef = 0.0  # entropy bonus; 0 = off
     c.loss.logits_chunk = 0  # >0: completion logits in chunks of this many positions (big vocab)
     # Old log-probs from the trainer's own forward instead of the sampler's (ebpo_jax.importance).
     c.loss.recompute_old_logprobs = False
@@ -163,7 +174,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.loss.is_level = "token"  # token | sequence (product of ratios) | geometric (their mean)
     c.loss.is_cap = 2.0  # TIS: weights truncated at this
     c.loss.is_low = 0.5  # MIS: tokens / sequences with a ratio outside [is_low, is_high] dropped
-    c.loss.is_high = 2.0
+    c.loss.is_high = 2.0  # MIS: upper ratio bound (see is_low)
     # >0: packed update (trainer/packing.py): sequences packed into rows of pack_row_len
     # tokens, micro-batches of tokens_per_microbatch // pack_row_len rows; 0 = padded rows.
     c.loss.tokens_per_microbatch = 0
@@ -171,26 +182,31 @@ def default_config() -> ml_collections.ConfigDict:
 
     c.dapo = ml_collections.ConfigDict()
     c.dapo.dynamic_sampling = False  # drop all-equal groups, refill from further prompts
-    c.dapo.max_extra_rounds = 2
+    c.dapo.max_extra_rounds = 2  # dynamic sampling: extra rollout rounds to refill dropped groups
     c.dapo.overlong_buffer = (
         0  # tokens before max_new_tokens where the soft penalty starts; 0 = off
     )
-    c.dapo.overlong_penalty = 1.0
+    c.dapo.overlong_penalty = 1.0  # the soft penalty at max_new_tokens (linear over the buffer)
     c.dapo.mask_truncated = False  # no loss on responses cut at max_new_tokens
 
     c.sft = ml_collections.ConfigDict()
     c.sft.steps = 0  # 0 = no warm start
-    c.sft.batch_size = 64
-    c.sft.learning_rate = 3e-3
-    c.sft.warmup_steps = 20
+    c.sft.batch_size = 64  # SFT warm start: sequences per step
+    c.sft.learning_rate = 3e-3  # SFT warm start: peak learning rate
+    c.sft.warmup_steps = 20  # SFT warm start: linear warmup steps
     c.sft.cache_dir = ""  # "" = <workdir>/sft_cache
     # Seed of the initial policy (init + SFT); -1 = the run's seed. A fixed seed gives every
     # RL seed the same warm start, as a pretrained base does (and one SFT per grid).
     c.sft.seed = -1
+    # A committed warm start (an .npz named by its SHA-256, ebpo_jax.trainer.sft.export) used
+    # instead of training one: every CPU family then starts from the same bytes.
+    c.sft.params_file = ""
+    c.sft.params_sha256 = ""  # when set, a warm start with another hash is refused
+    c.sft.export_dir = ""  # also write the warm start to <export_dir>/<sha256>.npz (committed)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (1,)  # -1 = the remaining devices
-    c.mesh.axes = ("data",)
+    c.mesh.axes = ("data",)  # the mesh axes' names, one per mesh.shape entry
     # 0 = the mesh spans every device (pods); n = the first n devices of this single process
     # (tests compare a 1-device run with an 8-device one on the same 8 fake CPU devices).
     c.mesh.devices = 0
@@ -218,12 +234,12 @@ def finalize(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 
 # Sub-dicts whose keys are free-form: checked against the estimator / model, not the schema.
-_OPEN_DICTS = ("estimator_options", "model.overrides")
+OPEN_DICTS = ("estimator_options", "model.overrides")
 
 
 def _is_closed_dict(x, name: str = "") -> bool:
     """A schema sub-dict whose keys are fixed (the open ones hold free-form options)."""
-    return isinstance(x, ml_collections.ConfigDict) and bool(len(x)) and name not in _OPEN_DICTS
+    return isinstance(x, ml_collections.ConfigDict) and bool(len(x)) and name not in OPEN_DICTS
 
 
 def _unknown_fields(config, schema, prefix=""):
@@ -250,6 +266,7 @@ def _validate_values(c, need) -> None:
     need(bool(str(c.workdir).strip()), "workdir must be a non-empty path")
     need(_is_int(c.seed) and c.seed >= 0, f"seed must be an int >= 0, got {c.seed!r}")
     need(c.log_every >= 1, f"log_every must be >= 1, got {c.log_every}")
+    need(c.get("log_every_s", 1.0) > 0, f"log_every_s must be > 0, got {c.get('log_every_s')}")
     need(c.eval_batch_size >= 1, f"eval_batch_size must be >= 1, got {c.eval_batch_size}")
     need(c.log_samples_every >= 0, f"log_samples_every must be >= 0, got {c.log_samples_every}")
     # optax.clip_by_global_norm flips the gradient's sign below 0 (ascent) and zeroes it at 0.
@@ -265,6 +282,10 @@ def _validate_values(c, need) -> None:
     t = c.task
     need(_is_int(t.seed) and t.seed >= 0, f"task.seed must be an int >= 0, got {t.seed!r}")
     need(t.train_per_cell >= 1, f"task.train_per_cell must be >= 1, got {t.train_per_cell}")
+    need(
+        t.get("val_per_cell", 0) >= 0,
+        f"task.val_per_cell must be >= 0, got {t.get('val_per_cell')}",
+    )
     need(t.test_per_cell >= 1, f"task.test_per_cell must be >= 1, got {t.test_per_cell}")
     need(t.max_difficulty >= 0, f"task.max_difficulty must be >= 0, got {t.max_difficulty}")
     need(
@@ -572,6 +593,16 @@ def _validate_slots(c, shape, need):
     )
 
 
+def _validate_pages(s, need):
+    """sampler.page_size and sampler.kv_pages (whether one row fits is checked per call)."""
+    ps, pages = s.get("page_size", 16), s.get("kv_pages", 0)
+    need(_is_int(ps) and ps >= 1, f"sampler.page_size={ps!r} must be an int >= 1")
+    need(
+        _is_int(pages) and pages >= 0,
+        f"sampler.kv_pages={pages!r} must be an int >= 0 (0 = enough for every slot)",
+    )
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) -> None:
     """Raise ConfigError (one line) on a misspelt field or an impossible value."""
     unknown = _unknown_fields(config, default_config())
@@ -681,6 +712,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
         isinstance(slots, int) and slots >= 0,
         f"sampler.slots={slots!r} must be an int >= 0 (0 = the static batch)",
     )
+    _validate_pages(c.sampler, need)
     _validate_data_and_model(c, need)
     _validate_positions(c)
     _validate_estimator_options(c, need)

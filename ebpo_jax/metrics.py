@@ -11,6 +11,7 @@ a failed metrics.jsonl write raises MetricsError, one line naming the file.
 import json
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -46,6 +47,7 @@ METRIC_NAMES = (
     "eval/pass@1",
 )
 METRICS_FILE = "metrics.jsonl"
+PER_PROBLEM_FILE = "eval_problems.csv.gz"  # the final evaluation per problem (evaluator)
 SAMPLES_FILE = "samples.jsonl"
 WANDB_ID_FILE = "wandb_run_id"
 
@@ -101,7 +103,9 @@ def read_jsonl(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[st
                 raise ValueError("not a JSON object")  # noqa: TRY004  (caught just below)
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             if i == last:
-                log(f"{path}: dropped a torn last line {i + 1} ({type(e).__name__}: {e})")
+                step = re.match(rb'\s*\{"step": (\d+)', raw)  # the writer puts "step" first
+                whose = f", the row of step {int(step.group(1))}" if step else ""
+                log(f"{path}: dropped a torn last line {i + 1}{whose} ({type(e).__name__}: {e})")
                 continue
             raise MetricsError(f"{path}: line {i + 1} is not a JSON object ({e})") from None
         records.append(record)
@@ -113,6 +117,29 @@ def read_metrics(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     return read_jsonl(path, log=log)
+
+
+GAP_KEY = "metrics_gap"  # a row {"step": s, "metrics_gap": [[a, b], ...]}: rows a..b were lost
+
+
+def _ranges(steps: Sequence[int]) -> list[list[int]]:
+    """Sorted ints as [first, last] runs: [1, 2, 3, 7] -> [[1, 3], [7, 7]]."""
+    out: list[list[int]] = []
+    for s in sorted(steps):
+        if out and s == out[-1][1] + 1:
+            out[-1][1] = s
+        else:
+            out.append([s, s])
+    return out
+
+
+def missing_steps(records: Sequence[Mapping[str, Any]], upto: int) -> list[int]:
+    """Steps 1..upto with neither a row nor a recorded gap among `records`."""
+    seen = {r.get("step") for r in records}
+    for r in records:
+        for a, b in r.get(GAP_KEY) or ():
+            seen.update(range(a, b + 1))
+    return [s for s in range(1, upto + 1) if s not in seen]
 
 
 def _rewrite_jsonl(path: str, records: list[dict]) -> None:
@@ -141,13 +168,13 @@ class _TensorBoard:
         self._writer.flush()
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
-        from tensorboardX import summary
+        from tensorboardX.proto.summary_pb2 import Summary
 
+        # The Summary proto directly: tensorboardX's summary.scalar() would rename
+        # "eval/pass@1" to "eval/pass_1", and TensorBoard shows the names metrics.jsonl has.
         for tag, value in values.items():
-            event = self._Event(
-                wall_time=time.time(), step=step, summary=summary.scalar(tag, value)
-            )
-            self._writer.write_event(event)
+            summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+            self._writer.write_event(self._Event(wall_time=time.time(), step=step, summary=summary))
         self._writer.flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
@@ -208,7 +235,7 @@ class MetricsWriter:
     Opening with `start_step=s` (the step a resumed run continues from; 0 for a fresh run)
     keeps only the lines of steps < s (of metrics.jsonl and samples.jsonl), so a resumed
     run's files equal an uninterrupted one's. Non-finite values are written as null.
-    TensorBoard tags are tensorboardX-sanitised ("eval/pass@1" appears as "eval/pass_1").
+    TensorBoard tags are the metric names as they are ("eval/pass@1").
     `wandb={"project": ..., "mode": ..., "entity": ..., "name": ...}` (project "" = off) also
     logs to Weights & Biases, with `run_config` as the run's config.
     """
@@ -232,6 +259,8 @@ class MetricsWriter:
                 kept = [r for r in read_jsonl(path, log=log) if r.get("step", -1) < start_step]
                 if kept or os.path.exists(path):
                     _rewrite_jsonl(path, kept)
+                if path == self.path:
+                    self._kept = kept
             self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
         except OSError as e:
             raise MetricsError(f"cannot write {self.path}: {e.strerror or e}") from None
@@ -329,8 +358,29 @@ class MetricsWriter:
             self._wandb = None
         return rows
 
+    def record_gap(self, upto: int) -> list[list[int]]:
+        """Steps 1..upto (covered by the restored checkpoint) that have no row: one warning
+        and a gap row in the file, so the loss is said once and stays on record."""
+        gaps = _ranges(missing_steps(self._kept, upto))
+        if gaps:
+            shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in gaps)
+            self._log(
+                f"{self.path} has no rows for steps {shown}, which the checkpoint covers "
+                f"(steps 1-{upto}): lost before this resume; recorded as a {GAP_KEY} row"
+            )
+            self._append(self._file, self.path, {"step": upto, GAP_KEY: gaps})
+            self._kept.append({"step": upto, GAP_KEY: gaps})
+        return gaps
+
     def flush(self) -> None:
-        """Everything is flushed at each write; kept for the writer interface."""
+        """Make every row written so far durable (fsync); the loop calls it at each checkpoint."""
+        for f in (self._file, self._samples):
+            if f is not None:
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                except OSError as e:
+                    raise MetricsError(f"cannot write {f.name}: {e.strerror or e}") from None
 
     def close(self) -> None:
         for f in (self._file, self._samples):
@@ -358,6 +408,9 @@ class NullWriter:
         return {"step": int(step), **metrics}
 
     def write_samples(self, step: int, prompts, completions, rewards, advantages=None) -> list:
+        return []
+
+    def record_gap(self, upto: int) -> list:
         return []
 
     def flush(self) -> None:
@@ -393,6 +446,14 @@ class ProgressBar:
         self._bar = tqdm(total=total, initial=initial, unit="step", disable=disable)
         self._pass_rate = None
 
+    def compiling(self) -> None:
+        """Say so while the first step compiles (the bar would sit at ?step/s)."""
+        self._bar.set_description("compiling", refresh=True)
+
+    def write(self, message: str) -> None:
+        """Print a line above the bar, never into its line."""
+        self._bar.write(message)
+
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Move the bar to `step` + 1 and show the latest metrics."""
         if "eval/pass@1" in metrics:
@@ -404,6 +465,8 @@ class ProgressBar:
         if self._pass_rate is not None:
             postfix["pass@1"] = format_value(self._pass_rate, ".3f")
         self._bar.set_postfix(postfix, refresh=False)
+        if self._bar.desc:
+            self._bar.set_description("", refresh=False)
         self._bar.update(step + 1 - self._bar.n)
 
     def close(self) -> None:

@@ -31,7 +31,9 @@ def has_tpu_device(globs=TPU_DEVICE_GLOBS) -> bool:
 def skip_absent_tpu(environ=os.environ, *, tpu_present: bool | None = None) -> bool:
     """Set JAX_PLATFORMS=cpu when only libtpu's futile probe would run; returns whether it did.
 
-    Must run before JAX starts a backend (ebpo_jax's __init__ calls it before importing jax).
+    Must run before JAX starts a backend: the entry points call it through
+    `cpu_flags.add_cpu_flags()`; importing ebpo_jax does not (no import side effects). The
+    `make train` venv has no libtpu at all: the [test] extra that brings it gets `.venv-test`.
     """
     if "JAX_PLATFORMS" in environ or not _installed("libtpu"):
         return False

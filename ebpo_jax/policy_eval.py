@@ -91,19 +91,20 @@ def sample_chunks(
     tokens_BT = np.concatenate([tokens_BT, tokens_BT[:pad]])
     lengths_B = np.concatenate([lengths_B, lengths_B[:pad]])
     out_t, out_l = [], []
+    spec = sampler.SamplerSpec(
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+        eos_ids=() if eos_id is None else eos_id,
+        sampling=sampler.Sampling(temperature, top_k, top_p),
+    )
     for i, s in enumerate(range(0, n + pad, bs)):
         gen = sampler.generate(
             model_config,
             params,
             tokens_BT[s : s + bs],
             lengths_B[s : s + bs],
-            max_new_tokens=max_new_tokens,
+            spec,
             rng=jax.random.fold_in(jax.random.key(seed), i * key_stride),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            eos_id=eos_id,
-            num_samples=num_samples,
             mesh=mesh,
         )
         t, l = distributed.to_host((gen.tokens, gen.lengths))

@@ -15,6 +15,15 @@ drops part of it (`1+__import__('os')` read as `1`) scores 0. Responses with nei
 score 0. Normalisation is linear-time (hand-written loops, no backtracking regexes over
 unbounded repeats), and answers over MAX_ANSWER_CHARS score 0.
 
+Two rules decide before any string or math-verify comparison (`percent_match`,
+`equation_value`):
+- Percent: `p\\%` is the number p/100 and is compared by value. Against gold `1`, `100\\%`
+  scores 1 and `1\\%` scores 0. A gold written as a percent also accepts its bare number
+  (gold `25\\%`: `25\\%`, `0.25` and `25` score 1).
+- Equations: when the gold has no `=`, an answer with one scores 0 unless it is a variable
+  set to a value (`x = 5` is read as `5`); `2+2 = 1` is not the answer `1`. A gold that is
+  an equation is compared as one.
+
 Rewards are `fn(response: str, answer: str) -> float`, picked by name (`REWARDS`) or by
 import path `"my_pkg.module:fn"` with `get_reward`.
 """
@@ -169,6 +178,52 @@ def normalize_answer(answer: str) -> str:
     return _canonical_number(s) or s
 
 
+_PERCENT = re.compile(r"(.*?)\\?%")
+# A variable set to a value: "x = ", "a_1 = ", "y_{n} = " (not "==", "x =< ...").
+_ASSIGNED = re.compile(r"\s*[a-zA-Z](?:_\{?\w+\}?)?\s*=(?![=<>])")
+
+
+def _number(s: str) -> Fraction | None:
+    """The value of a numeric answer after normalisation ("1,000", "\\frac12"), else None."""
+    try:
+        return Fraction(normalize_answer(s))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _percent(answer: str) -> Fraction | None:
+    """p of an answer written "p\\%" or "p%" (boxes, $ and text macros aside), else None."""
+    s = str(answer).strip()
+    boxed = last_boxed(s)
+    s = boxed if boxed is not None else s
+    s = re.sub(r"\s+", "", strip_text_macros(s.replace("\\$", "").replace("$", "")))
+    m = _PERCENT.fullmatch(s)
+    return None if m is None or not m.group(1) else _number(m.group(1))
+
+
+def percent_match(predicted: str, answer: str) -> float | None:
+    """The score when either side is a percent (see the module doc), else None."""
+    p_pct, g_pct = _percent(predicted), _percent(answer)
+    if p_pct is None and g_pct is None:
+        return None
+    p_val = p_pct / 100 if p_pct is not None else _number(predicted)
+    g_val = g_pct / 100 if g_pct is not None else _number(answer)
+    if p_val is None or g_val is None:
+        return 0.0
+    unit_dropped = g_pct is not None and p_pct is None and p_val == g_pct
+    return float(p_val == g_val or unit_dropped)
+
+
+def equation_value(predicted: str, answer: str) -> str | None:
+    """The answer to compare: `predicted` itself, or `5` of `x = 5`; None (scores 0) for any
+    other equation when the gold `answer` is not one (see the module doc)."""
+    if "=" in str(answer) or "=" not in predicted:
+        return predicted
+    m = _ASSIGNED.match(predicted)
+    rest = predicted[m.end() :] if m else ""
+    return rest if rest.strip() and "=" not in rest else None
+
+
 def final_answer(response: str) -> str | None:
     """The response's final answer (extract_answer over its tail), None if absent or too long."""
     predicted = extract_answer(str(response)[-MAX_RESPONSE_CHARS:])
@@ -182,6 +237,9 @@ def answer_match_reward(response: str, answer: str) -> float:
     predicted = final_answer(response)
     if predicted is None:
         return 0.0
+    percent = percent_match(predicted, str(answer))
+    if percent is not None:
+        return percent
     return float(normalize_answer(predicted) == normalize_answer(str(answer)))
 
 
@@ -229,10 +287,16 @@ def math_verify_reward(response: str, answer: str) -> float:
     predicted = final_answer(response)
     if predicted is None:
         return 0.0
+    percent = percent_match(predicted, str(answer))
+    if percent is not None:
+        return percent
     gold_text = str(answer)
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
-    pred_text = _math_text(predicted)
+    value = equation_value(_math_text(predicted)[1:-1], gold_text)
+    if value is None:
+        return 0.0
+    pred_text = f"${value}$"
     try:
         gold = parse(gold_text, parsing_timeout=PARSE_TIMEOUT_S)
         pred = parse(pred_text, parsing_timeout=PARSE_TIMEOUT_S)

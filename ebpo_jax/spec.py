@@ -8,6 +8,7 @@ its slice: the rollout a `RolloutSpec`, the update an `UpdateSpec`, the optimize
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 import ml_collections
@@ -35,6 +36,8 @@ class RolloutSpec:
     max_staleness: int = 0  # 1: rollout t+1 sampled with params t while update t runs
     param_dtype: str = ""  # the sampler's copy of the weights; "" = the trainer's dtype
     slots: int = 0  # decode slots per sampler call (continuous batching); 0 = static batch
+    page_size: int = 16  # tokens per KV page
+    kv_pages: int = 0  # KV pages per sampler call; 0 = enough for every slot's longest row
     routing_replay: bool = False  # record each token's experts (mixture of experts)
 
     @property
@@ -177,6 +180,8 @@ class RunSpec:
     log_samples_every: int  # 0 = never: sample completions to samples.jsonl
     wandb: ml_collections.FrozenConfigDict  # project "" = off
     config_json: str  # the config as written to workdir/config.json
+    log_every: int = 10  # progress lines without a terminal: every N steps
+    log_every_s: float = 30.0  # ... and at least every this many seconds
 
     def to_json(self) -> str:
         return self.config_json
@@ -203,6 +208,8 @@ def rollout_spec(c) -> RolloutSpec:
         max_staleness=int(c.rollout.max_staleness),
         param_dtype=c.sampler.param_dtype,
         slots=int(c.sampler.slots),
+        page_size=int(c.sampler.get("page_size", 16)),
+        kv_pages=int(c.sampler.get("kv_pages", 0)),
         routing_replay=bool(c.model.get("moe", {}).get("routing_replay", False)),
     )
 
@@ -317,7 +324,7 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
     c = config
     rollout, ev = rollout_spec(c), eval_spec(c)
     return RunSpec(
-        workdir=c.workdir,
+        workdir=os.path.abspath(c.workdir),  # a relative one (runs/tiny) is the cwd's
         seed=c.seed,
         total_steps=c.total_steps,
         steps_per_jit=c.steps_per_jit,
@@ -333,6 +340,8 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
         log_samples_every=c.log_samples_every,
         wandb=_frozen(c.wandb),
         config_json=c.to_json(indent=2),
+        log_every=c.log_every,
+        log_every_s=float(c.get("log_every_s", 30.0)),
     )
 
 

@@ -32,6 +32,7 @@ HARMLESS_FIELDS = (
     "eval_every",
     "eval_batch_size",
     "log_every",
+    "log_every_s",
     "log_samples_every",
     "max_nonfinite_steps",
     "sft.cache_dir",
@@ -93,7 +94,9 @@ class WorkdirLock:
     """An exclusive `fcntl.flock` on `<workdir>/.lock`, holding the owner's pid.
 
     The kernel drops the lock when the process dies (kill -9 included), so a stale lock
-    file never blocks a later run.
+    file never blocks a later run. `release` removes the file; a process that opened it just
+    before then holds a lock on a removed file, so `acquire` checks that the file it locked
+    is still the one at the path, and retries otherwise.
     """
 
     def __init__(self, workdir: str):
@@ -102,6 +105,23 @@ class WorkdirLock:
         self._fd: int | None = None
 
     def acquire(self) -> Self:
+        for _ in range(100):
+            fd = self._lock_once()
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # locked a file that release() removed meanwhile: try the new one
+        else:
+            raise WorkdirError(f"cannot lock {self.path}: it keeps being replaced")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def _lock_once(self) -> int:
+        """An fd of the lock file, flock'ed; WorkdirError if another process holds it."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
@@ -114,13 +134,16 @@ class WorkdirLock:
             if e.errno in (errno.EAGAIN, errno.EACCES):
                 raise WorkdirError(f"workdir {self.workdir} is in use by pid {owner}") from None
             raise _oserror(f"cannot lock {self.path}", e) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-        return self
+        return fd
 
     def release(self) -> None:
+        """Unlock and remove the lock file (removed first, while still held)."""
         if self._fd is not None:
+            try:
+                if os.fstat(self._fd).st_ino == os.stat(self.path).st_ino:
+                    os.unlink(self.path)
+            except OSError:
+                pass  # already gone, or the folder is read-only now: the unlock still counts
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
@@ -168,15 +191,18 @@ def _harmless(name: str) -> bool:
     return any(name == h or (h.endswith(".") and name.startswith(h)) for h in HARMLESS_FIELDS)
 
 
-def config_diff(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+def config_diff(
+    old: Mapping[str, Any], new: Mapping[str, Any], defaults: Mapping[str, Any] | None = None
+) -> list[str]:
     """Dotted names whose values differ between two config dicts.
 
-    A field absent on one side counts as None (a field added later with a None default, such
-    as an estimator option, is no change).
+    A field absent on one side counts as None, or as its value in `defaults` when given: a
+    field added to the schema after `old` was saved, still at its default, is no change (so
+    upgrading the code does not refuse to resume every earlier run).
     """
     # JSON turns tuples into lists: compare what a JSON round trip keeps.
-    a, b = (json.loads(json.dumps(_flatten(d))) for d in (old, new))
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    a, b, d = (json.loads(json.dumps(_flatten(x))) for x in (old, new, defaults or {}))
+    return sorted(k for k in set(a) | set(b) if a.get(k, d.get(k)) != b.get(k, d.get(k)))
 
 
 def _next_history_path(workdir: str) -> str:
@@ -192,12 +218,14 @@ def reconcile_config(
     *,
     resuming: bool,
     log: Callable[[str], None] = print,
+    write: bool = True,
 ) -> list[str]:
     """Compare `config` with the workdir's saved config.json, then save `config` there.
 
     On a resume, a change of any field outside HARMLESS_FIELDS is refused (WorkdirError
     naming the fields and both values); harmless changes are logged. Whenever the saved
     config differs, it is kept as `config.<n>.json` first. Returns the changed fields.
+    `write=False` only checks (nothing is written until every resume check has passed).
     """
     path = os.path.join(workdir, CONFIG_FILE)
     new = json.loads(json.dumps(dict(config)))
@@ -208,7 +236,9 @@ def reconcile_config(
                 old = json.load(f)
         except (OSError, ValueError) as e:
             raise WorkdirError(f"{path} is unreadable ({e}): fix or remove it") from None
-        changed = config_diff(old, new)
+        from ebpo_jax.config import default_config  # late: the schema imports the losses
+
+        changed = config_diff(old, new, default_config().to_dict())
         if resuming:
             flat_old, flat_new = _flatten(old), _flatten(new)
             bad = [k for k in changed if not _harmless(k)]
@@ -224,9 +254,11 @@ def reconcile_config(
                 )
             if changed:
                 log(f"resuming {workdir} with changed fields: {', '.join(changed)}")
+        if not write:
+            return changed
         if changed:
             os.replace(path, _next_history_path(workdir))
-    if changed or not os.path.exists(path):
+    if write and (changed or not os.path.exists(path)):
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(new, f, indent=2)
@@ -239,12 +271,15 @@ def prepare_workdir(
     *,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     log: Callable[[str], None] = print,
+    write_config: bool = True,
 ) -> WorkdirLock:
     """Every check of the run's folder, before compiling; returns the held lock.
 
     Writable with `min_free_bytes` free, locked, not metrics-without-checkpoints (unless
     `config.restart`), and the saved config compatible on a resume (history kept).
-    Release the lock (`lock.release()` or `with`) when the run ends.
+    `write_config=False` leaves config.json to `save_config`, once the caller's own resume
+    checks (the checkpoint's) have passed. Release the lock (`lock.release()` or `with`)
+    when the run ends.
     """
     workdir = str(config.workdir)
     check_writable(workdir, min_free_bytes=min_free_bytes)
@@ -252,8 +287,17 @@ def prepare_workdir(
     try:
         state = check_workdir(workdir, restart=bool(config.get("restart", False)))
         cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-        reconcile_config(workdir, cfg, resuming=state == "resume", log=log)
+        reconcile_config(workdir, cfg, resuming=state == "resume", log=log, write=write_config)
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def save_config(config) -> None:
+    """Write the run's config.json (old one kept as history) after `prepare_workdir(...,
+    write_config=False)` and the caller's resume checks passed."""
+    workdir = str(config.workdir)
+    state = check_workdir(workdir, restart=bool(config.get("restart", False)))
+    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    reconcile_config(workdir, cfg, resuming=state == "resume", log=lambda _: None)

@@ -22,8 +22,13 @@ run ids (the cells that claim reads); the tables list every run with rows.
 Shared runs: a grid's `reuse` (a list of other grids' out_dirs) adopts their finished runs
 whose training config equals a run's but for `workdir` (ebpo_jax/ablation/reuse.py).
 Reproducibility: `--rerun=RUN_ID` retrains one run of the committed results.csv in
-`<out_dir>/rerun/` and reports whether its rows match (|a - b| <= --rerun_atol), also in
-`<out_dir>/rerun/<run_id>.json`.
+`<out_dir>/rerun/` (from the recorded warm start's weights when `<out_dir>/warm_starts/`
+holds them) and reports whether its rows match (|a - b| <= --rerun_atol) and a verdict:
+`bitwise` on the recorded CPU family, inside or outside the cell's seed band on another;
+in `<out_dir>/rerun/<run_id>.json` (`<run_id>__on-<family>.json` from another family).
+Every run records the SHA-256 of its warm start and of its grid's `claims_file`, which
+must be committed before the grid trains (ebpo_jax/ablation/registration.py); each run's
+final evaluation per problem goes to `problems.csv.gz`.
 """
 
 import json
@@ -59,6 +64,7 @@ _RERUN = flags.DEFINE_string("rerun", "", "Retrain this run id and compare with 
 _RERUN_ATOL = flags.DEFINE_float("rerun_atol", 0.0, "Tolerance of --rerun (0 = bitwise).")
 
 REFERENCE = "grpo"  # the method every other one is compared with, paired by seed
+WARM_STARTS = "warm_starts"  # <out_dir>/warm_starts/<sha256>.npz: committed warm starts
 VERDICT_RULE = (
     "Verdict rule, stated before the runs: `reproduced` when the 95% interval excludes 0 in "
     "the paper's direction (EBPO variants above the reference), `opposite` when it excludes 0 "
@@ -91,8 +97,9 @@ def _orphaned() -> bool:
     return _PARENT_PID is not None and os.getppid() != _PARENT_PID
 
 
-def train_run(config_json: str, cache_dir: str) -> dict:
-    """Train one run from its config (JSON); write summary.json (with provenance) when done."""
+def train_run(config_json: str, cache_dir: str, stamp: dict | None = None) -> dict:
+    """Train one run from its config (JSON); write summary.json (with provenance, the warm
+    start's SHA-256 and `stamp`, e.g. the claims file's SHA-256) when done."""
     if _orphaned():
         os._exit(0)
     import ml_collections
@@ -108,7 +115,8 @@ def train_run(config_json: str, cache_dir: str) -> dict:
     if _orphaned():  # the death signal stopped this run at a checkpoint; take no other
         os._exit(0)
     if not summary["stopped_early"]:
-        summary["provenance"] = provenance()
+        warm = {"warm_start_sha256": summary.get("base_sha256") or ""}
+        summary["provenance"] = {**provenance(), **warm, **(stamp or {})}
         with open(os.path.join(config.workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
     return summary
@@ -139,6 +147,8 @@ def _configs(grid, runs, runs_dir) -> dict:
     configs = {}
     for run in runs:
         cfg = ablation.run_config(base, run, os.path.join(runs_dir, run.run_id))
+        if grid.get("commit_warm_starts", False):  # content-addressed, next to results.csv
+            cfg.sft.export_dir = os.path.join(os.path.dirname(runs_dir), WARM_STARTS)
         try:
             config_lib.validate(cfg, jax.device_count())
         except config_lib.ConfigError as e:
@@ -147,7 +157,7 @@ def _configs(grid, runs, runs_dir) -> dict:
     return configs
 
 
-def _train_all(todo, configs, cache_dir, workers, bar) -> list[str]:
+def _train_all(todo, configs, cache_dir, workers, bar, stamp=None) -> list[str]:
     """Train `todo` in order (one process) or on a pool of `workers` processes."""
     trained = []
     if workers <= 1:
@@ -155,7 +165,7 @@ def _train_all(todo, configs, cache_dir, workers, bar) -> list[str]:
         try:
             for r in todo:
                 bar.set_postfix_str(r.run_id)
-                train_run(configs[r.run_id].to_json(), cache_dir)
+                train_run(configs[r.run_id].to_json(), cache_dir, stamp)
                 trained.append(r.run_id)
                 bar.update()
         finally:
@@ -171,7 +181,10 @@ def _train_all(todo, configs, cache_dir, workers, bar) -> list[str]:
     ctx = mp.get_context("spawn")
     try:
         with cf.ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init) as pool:
-            futs = {pool.submit(train_run, configs[r.run_id].to_json(), cache_dir): r for r in todo}
+            futs = {
+                pool.submit(train_run, configs[r.run_id].to_json(), cache_dir, stamp): r
+                for r in todo
+            }
             for fut in cf.as_completed(futs):
                 fut.result()  # a failed run stops the grid with its error
                 trained.append(futs[fut].run_id)
@@ -201,14 +214,31 @@ def _finished(runs, configs, out) -> set[str]:
     return done | record.finished(out, gone)
 
 
+def claims_stamp(grid) -> dict:
+    """{"claims_sha256": ...} of the grid's `claims_file`, which must be committed (the
+    pre-registration); {} for a grid without one."""
+    from ebpo_jax.ablation import grid as grid_lib
+    from ebpo_jax.ablation import registration
+
+    if not grid.get("claims_file"):
+        return {}
+    path = os.path.join(grid_lib.REPO, grid.claims_file)
+    if not os.path.exists(path):
+        raise ValueError(f"grid {grid.name}: claims_file {grid.claims_file!r} does not exist")
+    registration.committed(path)
+    return {"claims_sha256": registration.file_sha256(path)}
+
+
 def _train_grid(grid, runs, out, workers, log) -> list[str]:
     """Train the unfinished `runs` of `grid` (seed-major) after adopting the same runs of
-    the grids in its `reuse` list; returns the ids trained."""
+    the grids in its `reuse` list; returns the ids trained. Refuses a grid whose claims
+    file is not committed."""
     from tqdm.auto import tqdm
 
     from ebpo_jax.ablation import reuse
 
     runs_dir, cache_dir = os.path.join(out, "runs"), os.path.join(out, "jax_cache")
+    stamp = claims_stamp(grid)
     configs = _configs(grid, runs, runs_dir)
     reuse.adopt(configs, runs_dir, grid.get("reuse", ()), log=log)
     done = _finished(runs, configs, out)
@@ -221,7 +251,7 @@ def _train_grid(grid, runs, out, workers, log) -> list[str]:
     os.makedirs(out, exist_ok=True)
     bar = tqdm(total=len(runs), initial=len(done), unit="run", desc=grid.name, disable=False)
     try:
-        return _train_all(todo, configs, cache_dir, workers, bar)
+        return _train_all(todo, configs, cache_dir, workers, bar, stamp)
     finally:
         bar.close()
 
@@ -252,6 +282,31 @@ def comparisons(evals, runs, alpha: float = 0.05):
     table = table[["block", "method", *(c for c in table.columns if c not in ("block", "method"))]]
     direction = [1 if m.startswith("ebpo") else 0 for m in table.method]
     return ablation.claims(table, direction, alpha)
+
+
+def problem_comparisons(problems, runs):
+    """Every method minus REFERENCE per setting, paired by problem (pass rates summed over
+    the seeds both share): the problem-level view of `comparisons`."""
+    import pandas as pd
+
+    from ebpo_jax import ablation
+
+    tables = []
+    for block in dict.fromkeys(r.block for r in runs):
+        rows = problems[problems.block == block] if not problems.empty else problems
+        axes = [a for a, _ in next(r for r in runs if r.block == block).values if a != "seed"]
+        if rows.empty or "method" not in axes or REFERENCE not in set(rows.method):
+            continue
+        others = [a for a in axes if a != "method"] or ["block"]
+        for m in dict.fromkeys(rows.method):
+            if m != REFERENCE:
+                t = ablation.paired_by_problem(rows, others, "method", m, REFERENCE)
+                tables.append(t.assign(block=block, method=f"{m} - {REFERENCE}"))
+    tables = [t for t in tables if not t.empty]
+    if not tables:
+        return pd.DataFrame()
+    table = pd.concat(tables, ignore_index=True)
+    return table[["block", "method", *(c for c in table.columns if c not in ("block", "method"))]]
 
 
 def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=print) -> dict:
@@ -312,6 +367,8 @@ def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
 
     evals, steps = record.collect(out, runs)
     paths = record.write(out, evals, steps)
+    problems = record.collect_problems(out, runs)
+    paths["problems"] = record.write_problems(out, problems)
     plot_dir = os.path.join(out, "plots")
     os.makedirs(plot_dir, exist_ok=True)
     paths["plots"] = []
@@ -329,6 +386,17 @@ def write_results(grid, runs, out, *, alpha: float = 0.05, log=print) -> dict:
             f"## Paired comparisons (final pass@1 minus {REFERENCE}'s, paired by seed)\n",
             VERDICT_RULE.format(alpha=alpha),
             ablation.to_markdown(table.drop(columns=["direction"])),
+            "",
+        ]
+    by_problem = problem_comparisons(problems, runs) if not problems.empty else problems
+    if not by_problem.empty:
+        lines += [
+            (
+                f"## Paired by problem (final pass rate minus {REFERENCE}'s per held-out "
+                "problem, over the seeds both share; the interval treats problems as the "
+                "sample)\n"
+            ),
+            ablation.to_markdown(by_problem),
             "",
         ]
     paths["summary"] = os.path.join(out, "summary.md")
@@ -379,19 +447,22 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     """Retrain one run of the committed results.csv and compare its rows with the recorded ones.
 
     The run trains in a fresh process with the XLA_FLAGS and matmul precision the recorded
-    run used (its provenance), in `<out_dir>/rerun/<run_id>`; versions and machine are
-    reported beside the recorded ones.
+    run used (its provenance), in `<out_dir>/rerun/<run_id>`, from the recorded warm start's
+    committed weights when `<out_dir>/warm_starts/` holds them; versions and machine are
+    reported beside the recorded ones, and `verdict` is reproduce.verdict's: bitwise on the
+    recorded CPU family, inside or outside the cell's seed band on another.
     """
     import pandas as pd
 
     from ebpo_jax import ablation
+    from ebpo_jax.ablation import reproduce
 
     out = os.path.abspath(grid.out_dir)
     results = os.path.join(out, "results.csv")
     if not os.path.exists(results):
         raise ValueError(f"--rerun: no {results} to compare with")
-    old = pd.read_csv(results, keep_default_na=False, na_values=[""])
-    old = old[old.run_id == run_id]
+    recorded_all = pd.read_csv(results, keep_default_na=False, na_values=[""])
+    old = recorded_all[recorded_all.run_id == run_id]
     if old.empty:
         raise ValueError(f"--rerun={run_id!r}: not in {results}")
     run = _find_run(grid, out, run_id)
@@ -400,8 +471,47 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     shutil.rmtree(workdir, ignore_errors=True)
     config = _configs(grid, [run], rerun_dir)[run_id]
     recorded = old.iloc[0].to_dict()
+    config.sft.export_dir = ""  # a rerun adds nothing to the committed warm starts
+    warm_file = _committed_warm_start(out, recorded.get("warm_start_sha256"))
+    if warm_file:  # the recorded weights, whatever CPU family trained them
+        config.sft.params_file = warm_file
+    t0 = time.time()
+    _train_like(config, recorded, workdir, os.path.join(out, "jax_cache"))
+    new, _ = ablation.collect(rerun_dir, [run])
+    report = compare_rows(old, new, atol)
+    prov = ablation.results.run_provenance(workdir)
+    report.update(
+        run_id=run_id,
+        atol=atol,
+        wall_time_s=time.time() - t0,
+        recorded={k: recorded.get(k) for k in prov},
+        now=prov,
+        warm_start_file=warm_file,
+        **_against_band(recorded_all, old, new, run),
+    )
+    report["verdict"] = reproduce.verdict(
+        report["match"],
+        recorded.get("cpu", ""),
+        prov.get("cpu", ""),
+        report["final_pass@1"]["rerun"],
+        report["seed_band"],
+        atol,
+    )
+    log(json.dumps(report, indent=2, default=str))
+    with open(_report_path(rerun_dir, run_id, recorded, prov), "w") as f:
+        json.dump(report, f, indent=2, default=str)  # the record; the run's folder is not kept
+    verdict = "MATCH" if report["match"] else "MISMATCH"
+    log(
+        f"rerun {run_id}: {verdict} (max |diff| {report.get('max_abs_diff')}, atol {atol}); "
+        f"{report['verdict']}"
+    )
+    return report
+
+
+def _train_like(config, recorded: dict, workdir: str, cache_dir: str) -> None:
+    """Train `config` in a fresh process with the XLA_FLAGS and matmul precision of the
+    recorded row (the process-level settings that change the numbers)."""
     env = dict(os.environ)
-    # The process-level settings that change the numbers, as the recorded run had them.
     if isinstance(recorded.get("xla_flags"), str):
         env["XLA_FLAGS"] = recorded["xla_flags"]
     if isinstance(recorded.get("matmul_precision"), str) and recorded["matmul_precision"]:
@@ -414,29 +524,47 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     cfg_path = os.path.join(workdir, "rerun_config.json")
     with open(cfg_path, "w") as f:
         f.write(config.to_json())
-    t0 = time.time()
     here = os.path.dirname(os.path.abspath(__file__))
     subprocess.run(
-        [sys.executable, "-c", code, here, cfg_path, os.path.join(out, "jax_cache")],
+        [sys.executable, "-c", code, here, cfg_path, cache_dir],
         env={**env, "TQDM_DISABLE": "1"},
         check=True,
     )
-    new, _ = ablation.collect(rerun_dir, [run])
-    report = compare_rows(old, new, atol)
-    prov = ablation.results.run_provenance(workdir)
-    report.update(
-        run_id=run_id,
-        atol=atol,
-        wall_time_s=time.time() - t0,
-        recorded={k: recorded.get(k) for k in prov},
-        now=prov,
-    )
-    log(json.dumps(report, indent=2, default=str))
-    with open(os.path.join(rerun_dir, f"{run_id}.json"), "w") as f:
-        json.dump(report, f, indent=2, default=str)  # the record; the run's folder is not kept
-    verdict = "MATCH" if report["match"] else "MISMATCH"
-    log(f"rerun {run_id}: {verdict} (max |diff| {report.get('max_abs_diff')}, atol {atol})")
-    return report
+
+
+def _report_path(rerun_dir: str, run_id: str, recorded: dict, now: dict) -> str:
+    """`<run_id>.json`, or `<run_id>__on-<family>.json` from another CPU family (both kept)."""
+    from ebpo_jax.ablation.provenance import cpu_family
+
+    family = cpu_family(now.get("cpu", ""))
+    same = cpu_family(recorded.get("cpu", "")) == family
+    return os.path.join(rerun_dir, f"{run_id}.json" if same else f"{run_id}__on-{family}.json")
+
+
+def _committed_warm_start(out: str, sha) -> str:
+    """The committed `<out>/warm_starts/<sha>.npz` of a recorded warm start ("" if none)."""
+    if not isinstance(sha, str) or not sha:
+        return ""
+    path = os.path.join(out, WARM_STARTS, f"{sha}.npz")
+    return path if os.path.exists(path) else ""
+
+
+def _against_band(recorded_all, old, new, run) -> dict:
+    """The rerun's warm-start and final pass@1 beside the record's, and its cell's seed band."""
+    from ebpo_jax.ablation import reproduce
+    from ebpo_jax.ablation.results import final_rows
+
+    def at(rows, step=None):
+        rows = rows.sort_values("step")
+        pick = rows[rows.step == step] if step is not None else rows.tail(1)
+        return float(pick["pass@1"].iloc[0]) if len(pick) else float("nan")
+
+    cell = {"block": run.block, **{a: v for a, v in run.values if a != "seed"}}
+    return {
+        "warm_start_pass@1": {"recorded": at(old, 0), "rerun": at(new, 0)},
+        "final_pass@1": {"recorded": at(old), "rerun": at(new)},
+        "seed_band": reproduce.seed_band(final_rows(recorded_all), cell),
+    }
 
 
 def _matching(runs, only: str):
@@ -529,7 +657,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if _RERUN.value:
         report = rerun(_CONFIG.value, _RERUN.value, atol=_RERUN_ATOL.value)
-        sys.exit(0 if report["match"] else 1)
+        sys.exit(0 if report["match"] or "inside" in report["verdict"] else 1)
     run_grid(
         _CONFIG.value,
         workers=_WORKERS.value,

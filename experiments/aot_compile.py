@@ -77,6 +77,8 @@ def main(argv):
     for r in reports:
         if r.note:
             print(f"  {r.name}: {r.note}")
+    for line in aot_report.paged_lines(meta):
+        print(f"  {line}")
     resident_lines, resident_bad = aot_report.resident_check(reports)
     for line in resident_lines:
         print(f"  {line}")

@@ -1,23 +1,31 @@
 """The claims table of a family of grids: `python experiments/claims.py --grids=configs/ablations/reasoning.py`.
 
-The grid file's CLAIMS (stated before the runs) each name seed-paired terms over the
-results.csv of its parts; every claim gets its effect, 95% t-interval, paired p-value,
-Holm-adjusted p-value across the claims with a direction, and the verdict rule of
-`ablate.py`. A claim whose runs are missing says "not run". A family file's COMPARE names
-another family (e.g. the same claims over the arithmetic grids) whose effects and verdicts
-join as extra columns, by claim text. Writes the grid file's CLAIMS_OUT (markdown) and
-prints it; its `seeds for +0.02` column is the paired seeds each claim would need for 80%
-power at a 2-point effect, at the std it shows.
+The claims file's CLAIMS (stated before the runs) each name terms over the results.csv of
+its parts, paired by seed (by warm start and seed when the runs have an `sft.seed` axis);
+every claim gets its effect, 95% t-interval, paired p-value, Holm-adjusted p-value across
+the claims with a direction, and the verdict rule of `ablate.py`. Beside them:
+`registration` (ebpo_jax/ablation/registration.py: pre-registered when every run it reads
+recorded the claims file's current SHA-256; post hoc otherwise; git history for runs from
+before hashes, plus the file's NOTES), the same claim at equal generated tokens (each
+term's pass@1 read at the smallest final token count among the terms, from the eval rows'
+cumulative token counts), and across several warm starts the two-level interval
+(ebpo_jax/ablation/twolevel.py) next to the first warm start's. A claim with `select`
+({"axis": "lr", "by": "val_pass@1"}) reads each term at its own best value on the
+validation split. A claim whose runs are missing says "not run". A family file's COMPARE
+names another family whose effects and verdicts join as extra columns, by claim text.
+Writes the file's CLAIMS_OUT (markdown) and prints it; its `seeds for +0.02` column is the
+paired seeds each claim would need for 80% power at a 2-point effect, at the std it shows.
 """
 
 import importlib.util
 import os
 
+import numpy as np
 import pandas as pd
 from absl import app, flags
 
 from ebpo_jax import ablation
-from ebpo_jax.ablation import power
+from ebpo_jax.ablation import power, registration, twolevel
 from ebpo_jax.ablation.results import final_rows
 
 _GRIDS = flags.DEFINE_string("grids", "configs/ablations/reasoning.py", "Grid family file.")
@@ -27,7 +35,18 @@ RULE = (
     "otherwise; the Holm column adjusts across every claim with a direction. `n/a`: a "
     "reference with no prediction.\n"
 )
+COLUMNS = (
+    "`registration`: `pre-registered` when every run it reads recorded the SHA-256 of this "
+    "claims file as it is now (the file was committed before they trained); otherwise post "
+    "hoc, or, for runs from before hashes were recorded, what git says of when the claim's "
+    "text and its results were first committed. `equal tokens`: the same claim with every "
+    "term's pass@1 read at the smallest final generated-token count among its terms (per "
+    "seed, linear between eval steps); `token ratio`: largest over smallest final token "
+    "count. With several warm starts (`sft.seed`) the effect is the two-level model's "
+    "(ebpo_jax/ablation/twolevel.py), next to the first warm start's paired interval.\n"
+)
 EFFECT = 0.02  # the smallest difference the seed counts are sized for (ablate.py's pilot)
+PAIR = ("sft.seed", "seed")  # runs pair by warm start and RL seed
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,21 +59,53 @@ def load_module(path: str):
     return module
 
 
-def term(finals: pd.DataFrame, where: dict) -> pd.Series:
-    """Final pass@1 by seed of the rows of `finals` where every `where` column has its value."""
-    rows = finals
+def _where(rows: pd.DataFrame, where: dict) -> pd.DataFrame:
+    """The rows where every `where` column has its value (none when a column is missing)."""
     for column, value in where.items():
         if column not in rows:
-            return pd.Series(dtype=float)
+            return rows.iloc[0:0]
         rows = rows[rows[column].astype(str) == str(value)]
-    return rows.set_index("seed")["pass@1"]
+    return rows
 
 
-def side(terms, finals_of) -> pd.Series:
-    """The seed-aligned sum of `terms` ((part, where) pairs); empty when any is missing."""
+def _finals(rows: pd.DataFrame) -> pd.DataFrame:
+    """Each run's last eval row (rows without run ids and steps are final rows already)."""
+    if rows.empty or "step" not in rows or "run_id" not in rows:
+        return rows
+    return final_rows(rows)
+
+
+def _select(rows: pd.DataFrame, select: dict | None) -> pd.DataFrame:
+    """With `select` ({"axis": a, "by": metric}): the rows at the value of axis `a` whose
+    final `metric` has the highest mean over seeds (e.g. the learning rate that is best on
+    the validation split)."""
+    if not select or rows.empty:
+        return rows
+    axis, by = select["axis"], select["by"]
+    if by not in rows or rows[by].isna().all():
+        raise ValueError(f"select by {by!r}: the rows have no {by} (a validation split?)")
+    best = _finals(rows).groupby(axis)[by].mean().idxmax()
+    return rows[rows[axis] == best]
+
+
+def _indexed(rows: pd.DataFrame, column: str) -> pd.Series:
+    """`column` of final rows indexed by the pairing key: (sft.seed, seed) or seed."""
+    key = [c for c in PAIR if c in rows]
+    if rows.empty or not key:
+        return pd.Series(dtype=float)
+    return rows.set_index(key)[column]
+
+
+def term(finals: pd.DataFrame, where: dict, select: dict | None = None) -> pd.Series:
+    """Final pass@1 by pairing key of the rows where every `where` column has its value."""
+    return _indexed(_finals(_select(_where(finals, where), select)), "pass@1")
+
+
+def side(terms, finals_of, select: dict | None = None) -> pd.Series:
+    """The key-aligned sum of `terms` ((part, where) pairs); empty when any is missing."""
     series = []
     for part, where in terms:
-        s = term(finals_of(part), where)
+        s = term(finals_of(part), where, select)
         if s.index.duplicated().any():  # e.g. GRPO G=4 sits in two blocks of one grid
             raise ValueError(
                 f"claim term ({part!r}, {where}) matches {len(s)} runs for "
@@ -67,39 +118,121 @@ def side(terms, finals_of) -> pd.Series:
     return both.sum(axis=1)
 
 
+def _difference(claim, rows_of) -> pd.Series:
+    """plus - minus by pairing key."""
+    sel = claim.get("select")
+    plus, minus = side(claim["plus"], rows_of, sel), side(claim["minus"], rows_of, sel)
+    both = pd.concat([plus, minus], axis=1, join="inner").dropna()
+    return both.iloc[:, 0] - both.iloc[:, 1] if len(both) else pd.Series(dtype=float)
+
+
+def _test(d: pd.Series) -> dict:
+    """The paired test of differences `d`: the two-level model (twolevel.py) when they span
+    >= 2 warm starts, with the first warm start's paired test as `one_*`; else paired t."""
+    warm = d.index.get_level_values(0) if d.index.nlevels == 2 else None
+    if warm is None or warm.nunique() < 2:
+        return {**power.paired_test(d.to_numpy(), np.zeros(len(d))), "warm_starts": 1}
+    first = d[warm == warm.min()].to_numpy()
+    one = power.paired_test(first, np.zeros(len(first)))
+    out = twolevel.interval(d.to_numpy(), warm)
+    return {**out, **{f"one_{k}": one[k] for k in ("diff", "ci_low", "ci_high", "seeds")}}
+
+
 def claims_table(claims, finals_of, alpha: float = 0.05) -> pd.DataFrame:
-    """One row per claim: its paired test, and the verdicts (ablation.claims)."""
+    """One row per claim: its paired test (across warm starts when its runs have several),
+    the verdicts (ablation.claims) and the equal-token comparison when eval rows hold tokens."""
     rows = []
     for c in claims:
-        plus, minus = side(c["plus"], finals_of), side(c["minus"], finals_of)
-        both = pd.concat([plus, minus], axis=1, join="inner").dropna()
-        test = power.paired_test(both.iloc[:, 0], both.iloc[:, 1]) if len(both) else {}
+        d = _difference(c, finals_of)
+        test = _test(d) if len(d) else {}
         rows.append({"claim": c["claim"], **power.paired_test([], []), **test})
+        rows[-1].update(equal_tokens(c, finals_of))
     table = ablation.claims(pd.DataFrame(rows), [c["direction"] for c in claims], alpha)
     missing = table.seeds == 0
     table.loc[missing, ["verdict", "verdict_holm"]] = "not run"
     return table
 
 
+def _curves(rows: pd.DataFrame) -> dict:
+    """Pairing key -> (cumulative generated tokens, pass@1) at a run's eval steps."""
+    key = [c for c in PAIR if c in rows]
+    out = {}
+    for k, run in rows.sort_values("step").groupby(key):
+        k = k if len(key) > 1 else (k[0] if isinstance(k, tuple) else k)
+        out[k] = (run.generated_tokens.to_numpy(np.float64), run["pass@1"].to_numpy(np.float64))
+    return out
+
+
+def equal_tokens(claim, rows_of) -> dict:
+    """The claim at equal generated tokens: per pairing key, every term's pass@1 at the
+    smallest final token count among the terms (linear between its eval steps), summed
+    plus - minus; the paired test of that, and the mean ratio of the largest to the
+    smallest final token count. Empty when the rows hold no per-step eval tokens."""
+    sel, signed = claim.get("select"), []
+    for sign, terms in ((1, claim["plus"]), (-1, claim["minus"])):
+        for part, where in terms:
+            rows = _select(_where(rows_of(part), where), sel)
+            if rows.empty or "generated_tokens" not in rows or "step" not in rows:
+                return {}
+            signed.append((sign, _curves(rows)))
+    keys = set.intersection(*(set(c) for _, c in signed))
+    d, ratio = [], []
+    for k in sorted(keys):
+        ends = [c[k][0][-1] for _, c in signed]
+        budget = min(ends)
+        d.append(sum(s * np.interp(budget, *c[k]) for s, c in signed))
+        ratio.append(max(ends) / budget if budget > 0 else np.nan)
+    test = power.paired_test(d, np.zeros(len(d)))
+    out = {f"tok_{k}": test[k] for k in ("diff", "ci_low", "ci_high", "seeds")}
+    return {**out, "token_ratio": float(np.nanmean(ratio)) if ratio else np.nan}
+
+
 def seeds_for(table: pd.DataFrame, effect: float, power_: float = 0.8, alpha: float = 0.05):
     """Paired seeds each claim needs to detect `effect` at `power_`, at its observed std."""
     return [
-        power.seeds_needed(effect, sd, power=power_, alpha=alpha) if n >= 2 else -1
+        power.seeds_needed(effect, sd, power=power_, alpha=alpha)
+        if n >= 2 and np.isfinite(sd)  # a two-level claim has no single paired std
+        else -1
         for sd, n in zip(table.sd, table.seeds)
     ]
 
 
 def results_loader(module):
-    """part -> its final eval rows (empty when the part has no results.csv yet)."""
+    """part -> its eval rows (empty when the part has no results.csv yet)."""
     cache = {}
 
-    def finals_of(part: str) -> pd.DataFrame:
+    def rows_of(part: str) -> pd.DataFrame:
         if part not in cache:
-            path = os.path.join(_REPO, module.get_config(part).out_dir, "results.csv")
-            cache[part] = final_rows(pd.read_csv(path)) if os.path.exists(path) else pd.DataFrame()
+            path = _results_path(module, part)
+            cache[part] = pd.read_csv(path) if os.path.exists(path) else pd.DataFrame()
         return cache[part]
 
-    return finals_of
+    return rows_of
+
+
+def _results_path(module, part: str) -> str:
+    return os.path.join(_REPO, module.get_config(part).out_dir, "results.csv")
+
+
+def registrations(module, claims, rows_of) -> list[str]:
+    """Each claim's registration (registration.status): the claims SHA-256 its runs
+    recorded against the claims file's now, else git history; plus the file's NOTES."""
+    path = module.__file__
+    current, notes = registration.file_sha256(path), getattr(module, "NOTES", {})
+    out = []
+    for c in claims:
+        parts = dict.fromkeys(part for part, _ in c["plus"] + c["minus"])
+        recorded = []
+        for part, where in c["plus"] + c["minus"]:
+            finals = _finals(_where(rows_of(part), where))
+            recorded += list(finals.get("claims_sha256", pd.Series([""] * len(finals))))
+        results = [os.path.relpath(_results_path(module, p), _REPO) for p in parts]
+        rel = os.path.relpath(path, _REPO)
+        history = lambda: registration.git_history(_REPO, rel, c["claim"], results)  # noqa: B023
+        label = registration.status(recorded, current, history) if recorded else "not run"
+        note = notes.get(c["claim"])
+        out.append(f"{label}; {note}" if note else label)
+    return out
 
 
 def _effects(table: pd.DataFrame) -> list[str]:
@@ -110,21 +243,37 @@ def _effects(table: pd.DataFrame) -> list[str]:
     ]
 
 
+def _interval(d, lo, hi, n) -> list[str]:
+    return [
+        f"{a:+.3f} [{b:+.3f}, {c:+.3f}]" if k and np.isfinite(a) else "-"
+        for a, b, c, k in zip(d, lo, hi, n)
+    ]
+
+
 def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str = "") -> str:
-    """The markdown claims table: effect [interval], seeds, p, Holm p, verdicts; with
-    `compare` (another family's claims_table) its effect, seeds and verdict by claim."""
-    out = pd.DataFrame(
-        {
-            "claim": table.claim,
-            "effect [95% interval]": _effects(table),
-            "seeds": table.seeds,
-            "p": table.p,
-            "Holm p": table.p_holm,
-            "verdict": table.verdict,
-            "verdict (Holm)": table.verdict_holm,
-            f"seeds for {EFFECT:+.2f}": [n if n > 0 else "-" for n in seeds_for(table, EFFECT)],
-        }
-    )
+    """The markdown claims table: registration, effect [interval], seeds (and warm starts,
+    with the first warm start's interval, when runs span several), p, Holm p, verdicts, the
+    effect at equal generated tokens; with `compare` (another family's claims_table) its
+    effect, seeds and verdict by claim."""
+    out = pd.DataFrame({"claim": table.claim})
+    if "registration" in table:
+        out["registration"] = table.registration.to_numpy()
+    out["effect [95% interval]"] = _effects(table)
+    out["seeds"] = table.seeds.to_numpy()
+    if "one_diff" in table and table.one_diff.notna().any():
+        out["warm starts"] = table.warm_starts.fillna(1).astype(int).to_numpy()
+        out["one warm start: effect"] = _interval(
+            table.one_diff, table.one_ci_low, table.one_ci_high, table.one_seeds.fillna(0)
+        )
+    out["p"], out["Holm p"] = table.p.to_numpy(), table.p_holm.to_numpy()
+    out["verdict"], out["verdict (Holm)"] = table.verdict.to_numpy(), table.verdict_holm.to_numpy()
+    if "tok_diff" in table:
+        n = table.tok_seeds.fillna(0)
+        out["equal tokens: effect"] = _interval(
+            table.tok_diff, table.tok_ci_low, table.tok_ci_high, n
+        )
+        out["token ratio"] = table.token_ratio.to_numpy()
+    out[f"seeds for {EFFECT:+.2f}"] = [n if n > 0 else "-" for n in seeds_for(table, EFFECT)]
     if compare is not None:
         other = compare.assign(effect=_effects(compare)).set_index("claim")
         other = other.reindex(table.claim)
@@ -137,7 +286,9 @@ def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str =
 def main(argv):
     del argv
     module = load_module(_GRIDS.value)
-    table = claims_table(module.CLAIMS, results_loader(module))
+    rows_of = results_loader(module)
+    table = claims_table(module.CLAIMS, rows_of)
+    table.insert(1, "registration", registrations(module, module.CLAIMS, rows_of))
     compare, name = None, ""
     if getattr(module, "COMPARE", None):  # a second family's effects, as extra columns
         other = load_module(module.COMPARE)
@@ -145,7 +296,9 @@ def main(argv):
     text = "\n".join(
         [
             f"# Claims over {_GRIDS.value}'s grids (final held-out pass@1, paired by seed)\n",
-            RULE,
+            getattr(module, "VERDICT_RULE", RULE),
+            *([module.SEED_RULE] if hasattr(module, "SEED_RULE") else []),
+            COLUMNS,
             render(table, compare, name),
             "",
         ]

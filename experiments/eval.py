@@ -1,5 +1,10 @@
-"""Evaluate a policy on math benchmarks: mean@k, pass@k, maj@k with bootstrap 95% intervals.
+"""Evaluate a policy: mean@k and pass@k (and maj@k on math) with bootstrap 95% intervals.
 
+A training run, on its own task's held-out sets (any task family: arithmetic, reasoning, math):
+python experiments/eval.py --workdir=runs/tiny [--step=200] [--k=16]
+  (the latest checkpoint, or --step's; k defaults to the run's eval_samples; writes
+  <workdir>/eval_step<N>.json)
+A model on math benchmarks:
 python experiments/eval.py --model=/ckpt/Qwen3-8B [--checkpoint=/runs/x] \
   --benchmarks=math500:math500:/data/math500.jsonl,aime24:aime2024:/data/aime24.parquet \
   --k=16 --max_new_tokens=8192 --out=/runs/x/eval.json
@@ -19,6 +24,12 @@ _MODEL = flags.DEFINE_string(
     "model", None, "Local HF checkpoint folder (config, weights, tokenizer)."
 )
 _CKPT = flags.DEFINE_string("checkpoint", None, "Trainer workdir: use its latest params instead.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "A training run's folder: evaluate it on its own task's held-out sets."
+)
+_STEP = flags.DEFINE_integer(
+    "step", None, "With --workdir: this checkpoint step (default: latest)."
+)
 _BENCH = flags.DEFINE_list("benchmarks", None, "name:schema:path, comma-separated.")
 _K = flags.DEFINE_integer("k", 16, "Samples per problem (paper: 16; 4 for OlympiadBench).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 1024, "Response token budget.")
@@ -41,6 +52,17 @@ def run(argv=None) -> dict:
     """Evaluate every benchmark as the flags say; returns the results written to --out."""
     from ebpo_jax import evaluation, policy_eval
     from ebpo_jax.data import load_records
+
+    if _WORKDIR.value:
+        from ebpo_jax.trainer import run_eval
+
+        k = _K.value if flags.FLAGS["k"].present else None
+        results, out = run_eval.evaluate_run(_WORKDIR.value, step=_STEP.value, k=k, out=_OUT.value)
+        print(evaluation.format_table(results))
+        print(f"wrote {out}")
+        return results
+    if not (_MODEL.value and _BENCH.value):
+        raise app.UsageError("give --workdir=RUN, or --model and --benchmarks")
 
     # Every path and benchmark file is checked before the model loads (and nothing is created).
     policy_eval.check_policy_paths(_MODEL.value, _CKPT.value)
@@ -86,6 +108,9 @@ def run(argv=None) -> dict:
 
 def main(argv):
     del argv
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
     run()
 
 
@@ -93,5 +118,4 @@ if __name__ == "__main__":
     from ebpo_jax.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
-    flags.mark_flags_as_required(["model", "benchmarks"])
     cli.run(main)

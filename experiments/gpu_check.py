@@ -131,9 +131,8 @@ def sampler_equals_forward():
     prompts = np.array([[5, 6, 7, 8], [9, 10, 77, 77]], np.int32)
     lengths = np.array([4, 2], np.int32)
     N, G = 8, 2
-    gen = sampler.generate(
-        config, params, prompts, lengths, max_new_tokens=N, rng=jax.random.key(1), num_samples=G
-    )
+    spec = sampler.SamplerSpec(max_new_tokens=N, num_samples=G)
+    gen = sampler.generate(config, params, prompts, lengths, spec, rng=jax.random.key(1))
     worst = 0.0
     for r in range(2 * G):
         p = r // G
@@ -241,9 +240,8 @@ def throughput(quick):
     lengths = np.full((B,), Tp, np.int32)
 
     def gen():
-        g = sampler.generate(
-            config, params, prompts, lengths, max_new_tokens=N, rng=jax.random.key(0)
-        )
+        spec = sampler.SamplerSpec(max_new_tokens=N)
+        g = sampler.generate(config, params, prompts, lengths, spec, rng=jax.random.key(0))
         return jax.block_until_ready(g.tokens)
 
     gen()

@@ -16,17 +16,15 @@ def main(argv):
     from ebpo_jax import distributed
 
     distributed.initialize()  # pods: every worker runs this command; no-op on one host
+    cli.divert_logs(os.path.join(_CONFIG.value.workdir, "orbax.log"))
     from ebpo_jax.trainer.loop import train  # after flag parsing, so --help stays fast
 
     s = train(_CONFIG.value)
     if not distributed.is_main_process():
         return
-    print(
-        f"held-out pass@1: {100 * s['pass@1_start']:.1f}% (warm start) -> "
-        f"{100 * s['pass@1_end']:.1f}% (step {s['step']}), {s['wall_time_s']:.0f} s\n"
-        f"metrics: {s['metrics']}\ncheckpoints: {s['checkpoints']}\n"
-        f"tensorboard: tensorboard --logdir {s['workdir']}"
-    )
+    from ebpo_jax.progress import summary
+
+    print(summary(s, _CONFIG.value))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import ml_collections
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import load_experiment
 from scipy import stats
 
 from ebpo_jax import ablation
@@ -111,12 +112,7 @@ def test_summarize_matches_brute_force_t_interval():
 
 @functools.cache  # the module defines absl flags: load it once per process
 def _load_ablate():
-    spec = importlib.util.spec_from_file_location(
-        "ablate", os.path.join(REPO, "experiments", "ablate.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("ablate")
 
 
 def test_micro_grid_end_to_end_and_resume(tmp_path):
@@ -142,7 +138,15 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     assert len(pd.read_csv(out["steps"])) == 4  # 2 runs x 2 steps
     assert out["plots"] and all(os.path.getsize(p) > 1000 for p in out["plots"])
     with open(out["summary"]) as f:
-        assert "| grpo |" in f.read()
+        text = f.read()
+    assert "| grpo |" in text and "Paired by problem" in text
+    # The final evaluation per problem: its pass rate over problems is the run's pass@1.
+    problems = pd.read_csv(out["problems"])
+    assert len(problems) == 2 * 16 and (problems.correct <= problems.samples).all()
+    assert set(problems.columns) >= {"run_id", "problem_id", "topic", "difficulty", "correct"}
+    rate = problems.groupby("run_id").correct.sum() / problems.groupby("run_id").samples.sum()
+    np.testing.assert_allclose(rate[final.run_id], final["pass@1"], rtol=1e-12)
+    assert final.warm_start_sha256.str.len().eq(64).all()  # the initial policy's digest
     again = ablate.run_grid(grid, log=lambda *_: None)
     assert again["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), evals)
@@ -319,7 +323,8 @@ def test_provenance_reads_the_cpu_model(tmp_path):
     info.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Fancy CPU @ 3GHz\n")
     assert provenance.cpu_model(str(info)) == "Fancy CPU @ 3GHz"
     prov = provenance.provenance()
-    assert set(prov) == set(provenance.FIELDS) and prov["jaxlib"] and prov["machine"]
+    assert set(prov) == set(provenance.PROCESS) and prov["jaxlib"] and prov["machine"]
+    assert provenance.cpu_family("AMD EPYC") == "amd" != provenance.cpu_family("Intel(R) Xeon")
 
 
 def test_plot_axes_ignore_provenance():

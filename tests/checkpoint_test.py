@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import flip_a_byte
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -180,18 +181,8 @@ def _three_steps(directory):
             ck.save(step, {"w": np.arange(256, dtype=np.float32) + step}, {"step": step})
 
 
-def _biggest_file(step_dir):
-    files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir / "state") for f in fs]
-    return max(files, key=os.path.getsize)
-
-
 def _corrupt_flip(step_dir):
-    path = _biggest_file(step_dir)
-    with open(path, "r+b") as f:
-        f.seek(os.path.getsize(path) // 2)
-        byte = f.read(1)[0]
-        f.seek(-1, os.SEEK_CUR)
-        f.write(bytes([byte ^ 0x01]))
+    flip_a_byte(step_dir)
 
 
 def _corrupt_json(step_dir):

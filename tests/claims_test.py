@@ -1,12 +1,11 @@
 """experiments/claims.py: seed-paired claims over several grids' results, Holm, verdicts."""
 
-import functools
-import importlib.util
 import os
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import load_experiment
 from scipy import stats
 
 from ebpo_jax.ablation import power
@@ -14,14 +13,8 @@ from ebpo_jax.ablation import power
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@functools.cache  # the module defines absl flags: load it once per process
 def _claims():
-    spec = importlib.util.spec_from_file_location(
-        "claims", os.path.join(REPO, "experiments", "claims.py")
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("claims")
 
 
 def _finals(values: dict) -> pd.DataFrame:

@@ -46,6 +46,8 @@ BAD = [
     ("workdir", "", "workdir must be a non-empty path"),
     ("workdir", "  ", "workdir must be a non-empty path"),
     ("sampler.top_k", -5, "sampler.top_k must be an int >= 0"),
+    ("sampler.page_size", 0, "sampler.page_size=0 must be an int >= 1"),
+    ("sampler.kv_pages", -1, "sampler.kv_pages=-1 must be an int >= 0"),
     ("loss.kl_estimator", "k9", r"loss.kl_estimator='k9' is not one of"),
     ("sampler.max_new_tokens", 40, r"sampler.max_new_tokens=40: .* the model has 32"),
     ("log_samples_every", -1, "log_samples_every must be >= 0"),

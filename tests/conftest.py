@@ -21,3 +21,20 @@ add_cpu_flags()  # the flags the entry points set, so tests run what users run
 import jax
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def load_experiment(name: str):
+    """experiments/<name>.py as a module, loaded once per process (its absl flags can be
+    defined only once); test files share it through sys.modules."""
+    import importlib.util
+    import sys
+
+    key = f"experiments.{name}"
+    if key not in sys.modules:
+        repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.path.join(repo, "experiments", f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[key] = module
+    return sys.modules[key]

@@ -1,5 +1,6 @@
 """Helpers shared by test files."""
 
+import os
 from collections.abc import Sequence
 
 
@@ -41,3 +42,16 @@ def save_tiny_tokenizer(path, extra_words: Sequence[str] = ()) -> str:
     )
     fast.save_pretrained(path)
     return str(path)
+
+
+def flip_a_byte(step_dir) -> str:
+    """Flip one bit in the middle of a checkpoint step's biggest array file; returns its path."""
+    state = os.path.join(step_dir, "state")
+    files = [os.path.join(r, f) for r, _, fs in os.walk(state) for f in fs]
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x01]))
+    return path

@@ -274,10 +274,8 @@ def test_sampler_paths_agree():
             lora_state.sampler_params(state, spec, CFG, path),
             prompts,
             jnp.array([6, 4]),
-            max_new_tokens=5,
+            sampler.SamplerSpec(max_new_tokens=5, num_samples=2),
             rng=jax.random.key(0),
-            temperature=1.0,
-            num_samples=2,
         )
         for path in lora_state.SAMPLER_PATHS
     ]

@@ -265,20 +265,22 @@ def _tie_router(params, first, second):
     return out
 
 
-def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
+def _replay_gap(spec, P=4, G=2):
+    """The sampled log-probs vs the trainer's recompute, without and with routing replay."""
     from ebpo_jax import sampler
     from ebpo_jax.trainer.update import completion_logprobs
 
     config = _config(num_experts=4)
     params = _tie_router(models.init_params(config, jax.random.key(0)), 1, 0)
-    P, G, N = 4, 2, 6
+    N = spec.max_new_tokens
     prompts = jax.random.randint(jax.random.key(1), (P, 5), 1, config.vocab_size)
-    plen = jnp.array([5, 3, 4, 2])
-    gen, recorded = sampler.generate(
-        config, params, prompts, plen, max_new_tokens=N, rng=jax.random.key(2),
-        num_samples=G, record_routing=True,
-    )  # fmt: skip
+    plen = jnp.array([5, 3, 4, 2])[:P]
+    spec = spec._replace(num_samples=G, record_routing=True)
+    (gen, recorded), stats = sampler.generate_with_stats(
+        config, params, prompts, plen, spec, rng=jax.random.key(2)
+    )
     assert recorded["comp"].shape == (P * G, 2, N, 2)
+    assert recorded["prompt"].shape == (P * G, 2, 5, 2)
     # The trainer's router differs by a rounding-sized amount that breaks the tie the other
     # way, as a different batch, kernel or precision can.
     bumped = jax.tree.map(lambda x: x, params)
@@ -293,5 +295,35 @@ def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
         )  # fmt: skip
         return np.abs(np.where(mask, np.asarray(logp) - np.asarray(gen.logprobs), 0)).max()
 
-    assert gap(None) > 1e-3  # flipped experts: the recomputed log-probs move
-    assert gap(routing) <= 1e-6
+    return gap(None), gap(routing), stats
+
+
+def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
+    from ebpo_jax import sampler
+
+    without, with_replay, _ = _replay_gap(sampler.SamplerSpec(max_new_tokens=6))
+    assert without > 1e-3  # flipped experts: the recomputed log-probs move
+    assert with_replay <= 1e-6
+
+
+def test_routing_replay_with_few_slots_and_a_short_page_pool():
+    from ebpo_jax import sampler
+
+    # 8 rows through 3 slots, 4-token pages, a pool of 6 pages (3 slots x 3 pages needed):
+    # rows are refilled, and growing rows preempt the youngest, which recompute their tokens.
+    spec = sampler.SamplerSpec(max_new_tokens=6, slots=3, page_size=4, kv_pages=6)
+    without, with_replay, stats = _replay_gap(spec)
+    assert int(stats.preempted) > 0
+    assert without > 1e-3
+    assert with_replay <= 1e-6
+
+
+def test_record_routing_needs_a_mixture_of_experts_config():
+    from ebpo_jax import sampler
+
+    config = models.get_config("tiny", vocab_size=32, num_layers=1, hidden_size=32)
+    params = models.init_params(config, jax.random.key(0))
+    spec = sampler.SamplerSpec(max_new_tokens=2, record_routing=True)
+    with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts"):
+        sampler.generate(config, params, jnp.ones((1, 2), jnp.int32), jnp.array([2]), spec,
+                         rng=jax.random.key(0))  # fmt: skip

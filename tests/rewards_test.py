@@ -49,7 +49,14 @@ CASES = [
     (r"\boxed{30^\circ}", "30", 1.0),
     (r"Answer: \$12", "12", 1.0),
     ("Answer: 45 degrees", "45", 1.0),
-    (r"\boxed{50\%}", "50", 1.0),
+    # percent answers compare as numbers (p\% = p/100); a percent gold also takes its number
+    (r"\boxed{50\%}", "50", 0.0),
+    (r"Answer: 1\%", "1", 0.0),
+    (r"Answer: 100\%", "1", 1.0),
+    (r"\boxed{50\%}", r"50\%", 1.0),
+    ("Answer: 0.5", r"50\%", 1.0),
+    ("Answer: 50", r"50\%", 1.0),
+    ("Answer: 5", r"50\%", 0.0),
     # sets, intervals, tuples
     (r"\boxed{[1, 2)}", "[1,2)", 1.0),
     (r"\boxed{(1, 2]}", "[1,2)", 0.0),
@@ -58,6 +65,11 @@ CASES = [
     (r"\boxed{(-\infty, 0)}", r"(-\infty,0)", 1.0),
     (r"\boxed{(3, 4)}", "(3,4)", 1.0),
     (r"\boxed{x = 5}", "5", 1.0),
+    # an equation is an answer only in the gold's own form
+    ("Answer: 2+2 = 1", "1", 0.0),
+    (r"\boxed{1+1=2}", "2", 0.0),
+    ("Answer: x = 2 = 3", "3", 0.0),
+    ("Answer: y = 2x + 3", "y=2x+3", 1.0),
     # wrong answers and garbage
     ("Answer: 12", "13", 0.0),
     ("I don't know.", "13", 0.0),

@@ -1,4 +1,5 @@
-"""generate: HF greedy parity, exact log-probs, EOS/early stop, shared prefill, sharding."""
+"""generate: HF greedy parity, exact log-probs, stops, shared prefill, sharding, and the paged
+engine (slots, small pages, a short pool) row for row against the static batch."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import models, sampler, sharding
+from ebpo_jax.sampler import engine, selection
 
 CONFIG = models.get_config("tiny")
 # Mixed lengths, right-padded with junk ids that must not matter.
@@ -56,7 +58,7 @@ def reference(params, tokens, prompts, lengths, num_samples=1):
     return np.take_along_axis(logp_BNV, tokens[..., None], -1)[..., 0], logp_BNV.argmax(-1)
 
 
-def check_against_forward(params, gen, prompts, lengths, num_samples=1):
+def check_against_forward(params, gen, prompts, lengths, num_samples=1, atol=1e-4):
     """Each row's log-probs agree with a full forward pass; padding is 0."""
     tokens, logprobs, gen_len = map(np.asarray, gen)
     real = np.arange(tokens.shape[1])[None] < gen_len[:, None]
@@ -64,7 +66,7 @@ def check_against_forward(params, gen, prompts, lengths, num_samples=1):
     np.testing.assert_array_equal(tokens[~real], 0)
     np.testing.assert_array_equal(logprobs[~real], 0.0)
     ref, _ = reference(params, tokens, prompts, lengths, num_samples)
-    np.testing.assert_allclose(logprobs[real], ref[real], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logprobs[real], ref[real], rtol=0, atol=atol)
 
 
 HF_COMMON = {
@@ -118,19 +120,33 @@ def hf_greedy(model, prompt_BT, n):
     return np.pad(completion, ((0, 0), (0, n - completion.shape[1])))
 
 
+def run(params, prompts=PROMPTS, lengths=LENGTHS, *, rng=None, mesh=None, stats=False, **kw):
+    """generate with a SamplerSpec of `kw` (temperature/top_k/top_p go into its Sampling)."""
+    s = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p") if k in kw}
+    spec = sampler.SamplerSpec(**({"max_new_tokens": N} | kw), sampling=sampler.Sampling(**s))
+    rng = jax.random.key(0) if rng is None else rng
+    out = sampler.generate_with_stats(CONFIG, params, prompts, lengths, spec, rng=rng, mesh=mesh)
+    return out if stats else out[0]
+
+
+def greedy(params, prompts=PROMPTS, lengths=LENGTHS, **kw):
+    return run(params, prompts, lengths, temperature=0.0, **kw)
+
+
 def test_greedy_matches_transformers(hf_checkpoint):
     model, config, params = hf_checkpoint
     n = 8
     rng = np.random.default_rng(1)
-    kwargs = {"max_new_tokens": n, "rng": jax.random.key(0), "temperature": 0.0, "eos_id": 2}
+    spec = sampler.SamplerSpec(n, eos_ids=(2,), sampling=sampler.Sampling(0.0), page_size=4)
+    key = jax.random.key(0)
     # Equal lengths: one batched HF call.
     equal = rng.integers(3, 128, (3, 7)).astype(np.int32)
-    ours = sampler.generate(config, params, equal, np.full(3, 7), **kwargs)
+    ours = sampler.generate(config, params, equal, np.full(3, 7), spec, rng=key)
     np.testing.assert_array_equal(ours.tokens, hf_greedy(model, equal, n))
     # Mixed lengths: right-padded for us, each prompt alone (unpadded) for HF.
     lengths = np.array([7, 2, 5, 4])
     mixed = np.where(np.arange(7)[None] < lengths[:, None], rng.integers(3, 128, (4, 7)), 9)
-    ours = sampler.generate(config, params, mixed.astype(np.int32), lengths, **kwargs)
+    ours = sampler.generate(config, params, mixed.astype(np.int32), lengths, spec, rng=key)
     for b, length in enumerate(lengths):
         want = hf_greedy(model, mixed[b : b + 1, :length], n)[0]
         np.testing.assert_array_equal(ours.tokens[b], want)
@@ -139,35 +155,11 @@ def test_greedy_matches_transformers(hf_checkpoint):
 
 
 def test_logprobs_match_forward_when_sampling(params):
-    gen = sampler.generate(
-        CONFIG,
-        params,
-        PROMPTS,
-        LENGTHS,
-        max_new_tokens=N,
-        rng=jax.random.key(3),
-        temperature=0.8,
-        top_k=20,
-        top_p=0.9,
-        num_samples=2,
-    )
+    gen = run(params, rng=jax.random.key(3), temperature=0.8, top_k=20, top_p=0.9, num_samples=2)
     assert gen.tokens.shape == (8, N) and gen.tokens.dtype == jnp.int32
     assert gen.logprobs.dtype == jnp.float32 and gen.lengths.shape == (8,)
     np.testing.assert_array_equal(gen.lengths, N)
     check_against_forward(params, gen, PROMPTS, LENGTHS, num_samples=2)
-
-
-def greedy(params, prompts=PROMPTS, lengths=LENGTHS, **kwargs):
-    return sampler.generate(
-        CONFIG,
-        params,
-        prompts,
-        lengths,
-        max_new_tokens=N,
-        rng=jax.random.key(0),
-        temperature=0.0,
-        **kwargs,
-    )
 
 
 def test_greedy_is_argmax_of_forward(params):
@@ -182,8 +174,8 @@ def test_greedy_is_argmax_of_forward(params):
 def test_eos_stops_rows_and_pads(params):
     tokens = np.asarray(greedy(params).tokens)
     # Stop ids: row 0's third token and row 2's first; the other rows may hit them too.
-    eos = [int(tokens[0, 2]), int(tokens[2, 0])]
-    gen = greedy(params, eos_id=eos)
+    eos = (int(tokens[0, 2]), int(tokens[2, 0]))
+    gen = greedy(params, eos_ids=eos)
     for r in range(len(PROMPTS)):
         hits = np.flatnonzero(np.isin(tokens[r], eos))
         want = hits[0] + 1 if hits.size else N
@@ -195,29 +187,18 @@ def test_eos_stops_rows_and_pads(params):
 
 def test_early_stop_when_all_rows_finish(params):
     tokens = np.asarray(greedy(params).tokens)
-    eos = sorted(set(tokens[:, 1].tolist()))
-    gen, steps = sampler._generate_with_stats(
-        CONFIG,
-        params,
-        PROMPTS,
-        LENGTHS,
-        max_new_tokens=N,
-        rng=jax.random.key(0),
-        temperature=0.0,
-        eos_id=eos,
-    )
+    eos = tuple(sorted(set(tokens[:, 1].tolist())))
+    gen, stats = greedy(params, eos_ids=eos, stats=True)
     assert int(gen.lengths.max()) <= 2
     # The loop ran only as long as some row was still going.
-    assert int(steps) == int(gen.lengths.max()) < N
+    assert int(stats.steps) == int(gen.lengths.max()) - 1 < N
     np.testing.assert_array_equal(gen.tokens[:, 2:], 0)
 
 
 def test_shared_prefill_equals_repeated_prompts(params):
-    kwargs = {"max_new_tokens": N, "rng": jax.random.key(7), "temperature": 1.0, "top_p": 0.95}
-    shared = sampler.generate(CONFIG, params, PROMPTS, LENGTHS, num_samples=3, **kwargs)
-    plain = sampler.generate(
-        CONFIG, params, np.repeat(PROMPTS, 3, 0), np.repeat(LENGTHS, 3), **kwargs
-    )
+    kw = {"rng": jax.random.key(7), "temperature": 1.0, "top_p": 0.95, "page_size": 2}
+    shared = run(params, num_samples=3, **kw)
+    plain = run(params, np.repeat(PROMPTS, 3, 0), np.repeat(LENGTHS, 3), **kw)
     np.testing.assert_array_equal(shared.tokens, plain.tokens)
     np.testing.assert_array_equal(shared.lengths, plain.lengths)
     np.testing.assert_allclose(shared.logprobs, plain.logprobs, rtol=0, atol=1e-5)
@@ -227,11 +208,8 @@ def test_shared_prefill_equals_repeated_prompts(params):
 
 @pytest.mark.parametrize("layout", ["separate_mesh", "training_mesh"])
 def test_sharded_equals_unsharded(params, layout):
-    kwargs = {"max_new_tokens": N, "rng": jax.random.key(5), "temperature": 1.0, "num_samples": 2}
-    kwargs["eos_id"] = 3
-    ref = sampler.generate(
-        CONFIG, jax.device_put(params, jax.devices()[0]), PROMPTS, LENGTHS, **kwargs
-    )
+    kw = {"rng": jax.random.key(5), "temperature": 1.0, "num_samples": 2, "eos_ids": (3,)}
+    ref = run(jax.device_put(params, jax.devices()[0]), **kw)
     if layout == "separate_mesh":  # a sampling-only mesh: rows over 8 devices, params replicated
         mesh = sharding.make_mesh([("data", 8)])
         placed = jax.device_put(params, NamedSharding(mesh, P()))
@@ -239,43 +217,11 @@ def test_sharded_equals_unsharded(params, layout):
         mesh = sharding.make_mesh([("data", 2), ("fsdp", 2), ("tp", 2)])
         placed = sharding.shard_params(None, params, mesh)
         assert not all(x.sharding.is_fully_replicated for x in jax.tree.leaves(placed))
-    out = sampler.generate(CONFIG, placed, PROMPTS, LENGTHS, mesh=mesh, **kwargs)
+    out = run(placed, mesh=mesh, **kw)
     assert len(out.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(out.tokens, ref.tokens)
     np.testing.assert_array_equal(out.lengths, ref.lengths)
     np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=0, atol=1e-5)
-
-
-def test_decode_takes_over_the_prefill_cache(params, recwarn):
-    """The cache is donated into the decode loop: no second copy of it stays alive."""
-    sampling = sampler._Sampling(0.0, 0, 1.0)
-    cache, *state = sampler._prefill_jit(
-        params,
-        jnp.asarray(PROMPTS),
-        jnp.asarray(LENGTHS),
-        jax.random.key(0),
-        config=CONFIG,
-        num_samples=1,
-        cache_size=PROMPTS.shape[1] + N,
-        sampling=sampling,
-        prompt_sharding=None,
-        row_sharding=None,
-    )
-    gen, _, _ = sampler._decode_jit(
-        params,
-        cache,
-        *state,
-        jax.random.key(0),
-        jnp.zeros((0,), jnp.int32),
-        config=CONFIG,
-        prompt_len=PROMPTS.shape[1],
-        max_new_tokens=N,
-        sampling=sampling,
-        batch_sharding=None,
-    )
-    assert all(leaf.is_deleted() for leaf in jax.tree.leaves(cache))
-    assert not [w for w in recwarn if "donated" in str(w.message)]
-    np.testing.assert_array_equal(gen.tokens, greedy(params).tokens)
 
 
 def test_generate_inside_jit(params):
@@ -283,9 +229,7 @@ def test_generate_inside_jit(params):
 
     @jax.jit
     def rollout(params, prompts, lengths, rng):
-        return sampler.generate(
-            CONFIG, params, prompts, lengths, max_new_tokens=N, rng=rng, temperature=0.0
-        )
+        return greedy(params, prompts, lengths, rng=rng)
 
     out = rollout(params, PROMPTS, LENGTHS, jax.random.key(0))
     np.testing.assert_array_equal(out.tokens, greedy(params).tokens)
@@ -296,7 +240,6 @@ def test_generate_inside_jit(params):
     [
         ({"max_new_tokens": 0}, "max_new_tokens"),
         ({"max_new_tokens": 2.5}, "max_new_tokens"),
-        ({"cache_size": 8}, "cache_size"),
         ({"prompt_lengths": np.array([6, 3, 7, 1])}, "prompt_lengths"),
         ({"prompt_lengths": np.array([6, 3, 0, 1])}, "prompt_lengths"),
         ({"prompt_lengths": np.array([6, 3, 5])}, "prompt_lengths"),
@@ -305,70 +248,113 @@ def test_generate_inside_jit(params):
         ({"max_new_tokens": 510}, "max_position_embeddings"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.01}, "top_p"),
-        ({"eos_id": "x"}, "eos_id"),
+        ({"eos_ids": "x"}, "eos_id"),
         ({"num_samples": 0}, "num_samples"),
         ({"slots": -1}, "slots"),
-        ({"slots": 2, "cache_size": 20}, "cache_size"),
+        ({"page_size": 0}, "page_size"),
+        ({"attention": "flash"}, "attention"),
+        # One row (6 prompt + 4 - 1 new tokens) needs 3 pages of 4: the pool must hold them.
+        ({"page_size": 4, "kv_pages": 2}, r"kv_pages=2 gives 2 pages .* needs 3 pages"),
     ],
 )
 def test_bad_input_fails_before_compiling(params, monkeypatch, change, match):
     def no_compile(*args, **kwargs):
         raise AssertionError("compiled before validating")
 
-    monkeypatch.setattr(sampler, "_prefill_jit", no_compile)
-    args = {"prompt_tokens": PROMPTS, "prompt_lengths": LENGTHS, "max_new_tokens": 4} | change
+    monkeypatch.setattr(engine, "prefill_jit", no_compile)
+    inputs = {k: change.pop(k) for k in ("prompt_tokens", "prompt_lengths") if k in change}
+    inputs = {"prompts": PROMPTS, "lengths": LENGTHS} | {
+        {"prompt_tokens": "prompts", "prompt_lengths": "lengths"}[k]: v for k, v in inputs.items()
+    }
     with pytest.raises(ValueError, match=match):
-        sampler.generate(CONFIG, params, **args, rng=jax.random.key(0))
+        run(params, **inputs, **({"max_new_tokens": 4} | change))
 
 
-def _static_and_slots(params, slots, mesh=None, **kwargs):
-    """(static Generation, continuous Generation, SlotStats) on PROMPTS x 3 samples."""
-    kwargs = {"max_new_tokens": 12, "num_samples": 3, "kv_block": 8} | kwargs
-    static = sampler.generate(CONFIG, params, PROMPTS, LENGTHS, **kwargs)
-    slotted, stats = sampler._generate_with_stats(
-        CONFIG, params, PROMPTS, LENGTHS, slots=slots, mesh=mesh, **kwargs
-    )
-    return static, slotted, stats
+def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling):
+    """Each row's tokens re-drawn from a full forward pass with fold_in(rng, row, token) keys."""
+    tokens, gen_len = np.asarray(gen.tokens), np.asarray(gen.lengths)
+    prompt_rows = np.repeat(np.arange(len(prompts)), num_samples)
+    seq = np.zeros((len(tokens), prompts.shape[1] + tokens.shape[1]), np.int32)
+    for r, b in enumerate(prompt_rows):
+        seq[r, : lengths[b]] = prompts[b, : lengths[b]]
+        seq[r, lengths[b] : lengths[b] + tokens.shape[1]] = tokens[r]
+    logits_BTV = models.forward(CONFIG, params, jnp.asarray(seq))
+    at_BN = lengths[prompt_rows][:, None] - 1 + np.arange(tokens.shape[1])[None]
+    logits_BNV = jnp.take_along_axis(logits_BTV, jnp.asarray(at_BN)[..., None], axis=1)
+    want = np.zeros_like(tokens)
+    for t in range(tokens.shape[1]):
+        keys = selection.row_keys(rng, jnp.arange(len(tokens)), t)
+        want[:, t] = selection.select_tokens(keys, logits_BNV[:, t], **sampling._asdict())[0]
+    real = np.arange(tokens.shape[1])[None] < gen_len[:, None]
+    return np.where(real, want, 0)
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {"temperature": 0.0},
-        {"temperature": 1.0, "top_k": 6, "top_p": 0.8},
+# Paged engine layouts, each row for row equal to the static batch with its default pool:
+# slots refilled (5 for 12 rows), pages of 1-4 tokens, pools too small for every slot
+# (rows wait for pages and are preempted), page size not dividing the prompt width.
+PAGED = [
+    pytest.param({"slots": 5, "page_size": 4}, marks=pytest.mark.slow),
+    pytest.param({"page_size": 1, "kv_pages": 40}, marks=pytest.mark.slow),
+    {"slots": 6, "page_size": 3, "kv_pages": 7},
+    pytest.param({"slots": 12, "page_size": 2, "kv_pages": 10}, marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(0.0, marks=pytest.mark.slow, id="greedy"),
+        pytest.param(1.0, id="sampled"),
     ],
 )
-def test_continuous_batching_equals_static_row_for_row(params, kwargs):
-    """5 slots for 12 rows (not a divisor), stop ids hit mid-row: same tokens and log-probs."""
-    key = jax.random.key(5)
-    free = sampler.generate(
-        CONFIG, params, PROMPTS, LENGTHS, max_new_tokens=12, num_samples=3, rng=key, **kwargs
-    )
+def static_run(request, params):
+    """The static batch on PROMPTS x 3 samples, 12 new tokens, stop ids hit mid-row."""
+    temperature = request.param
+    kw = {"max_new_tokens": 12, "num_samples": 3, "rng": jax.random.key(5)}
+    kw |= {"temperature": temperature, "top_k": 6 if temperature else 0}
+    free = run(params, **kw)
     # Stop ids: tokens the free run draws at step 3 of rows 0 and 7, so rows end at mixed steps.
-    eos = sorted({int(free.tokens[0, 3]), int(free.tokens[7, 3])})
-    static, slotted, stats = _static_and_slots(params, 5, rng=key, eos_id=eos, **kwargs)
-    lengths = np.asarray(static.lengths)
+    kw["eos_ids"] = tuple(sorted({int(free.tokens[0, 3]), int(free.tokens[7, 3])}))
+    gen, stats = run(params, stats=True, **kw)
+    lengths = np.asarray(gen.lengths)
     assert lengths.min() < lengths.max() == 12, lengths
-    np.testing.assert_array_equal(slotted.tokens, static.tokens)
-    np.testing.assert_array_equal(slotted.lengths, static.lengths)
-    np.testing.assert_allclose(slotted.logprobs, static.logprobs, rtol=0, atol=1e-5)
-    check_against_forward(params, slotted, PROMPTS, LENGTHS, num_samples=3)
-    # Every slot-step that decoded a live row made one of the rows' tokens 1..len-1.
-    assert int(stats.busy) == int((lengths - 1).sum())
-    assert int(stats.steps) * 5 >= int(stats.busy)
+    assert int(stats.preempted) == 0 and int(stats.steps) == 11
+    return kw, gen
 
 
-def test_continuous_batching_sharded_equals_unsharded(params):
-    """Slots and rows split over 2 data shards (each refilling from its own 2 prompts)."""
+def test_static_batch_draws_by_the_row_and_token_keys(params, static_run):
+    kw, gen = static_run
+    sampling = sampler.Sampling(kw["temperature"], kw["top_k"], 1.0)
+    want = sampled_reference(params, gen, kw["rng"], PROMPTS, LENGTHS, 3, sampling)
+    np.testing.assert_array_equal(gen.tokens, want)
+    check_against_forward(params, gen, PROMPTS, LENGTHS, num_samples=3, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", PAGED, ids=lambda d: "-".join(f"{k}{v}" for k, v in d.items()))
+def test_paged_layouts_equal_the_static_batch_row_for_row(params, static_run, layout):
+    kw, static = static_run
+    gen, stats = run(params, stats=True, **kw, **layout)
+    np.testing.assert_array_equal(gen.tokens, static.tokens)
+    np.testing.assert_array_equal(gen.lengths, static.lengths)
+    np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    assert int(stats.peak_pages) <= stats.pages
+    if "kv_pages" in layout:  # the pool, not the slots, limits concurrency: rows waited
+        assert int(stats.busy) < int(stats.steps) * stats.slots
+    else:  # every slot-step that decoded a live row made one of the rows' tokens 1..len-1
+        assert int(stats.busy) == int((np.asarray(static.lengths) - 1).sum())
+
+
+def test_paged_sharded_equals_unsharded(params, static_run):
+    """Rows, slots and pools over 2 data shards x 4-way tp, a short pool per shard."""
+    kw, static = static_run
     mesh = sharding.make_mesh([("data", 2), ("tp", 4)])
     placed = jax.device_put(params, NamedSharding(mesh, P()))
-    kw = {"rng": jax.random.key(6), "temperature": 1.0, "eos_id": [3, 9, 20]}
-    static, slotted, _ = _static_and_slots(placed, 4, mesh=mesh, **kw)
-    assert len(slotted.tokens.sharding.device_set) == 8
-    np.testing.assert_array_equal(slotted.tokens, static.tokens)
-    np.testing.assert_array_equal(slotted.lengths, static.lengths)
-    np.testing.assert_allclose(slotted.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    layout = {"slots": 4, "page_size": 2, "kv_pages": 20}
+    gen, stats = run(placed, mesh=mesh, stats=True, **kw, **layout)
+    assert len(gen.tokens.sharding.device_set) == 8
+    np.testing.assert_array_equal(gen.tokens, static.tokens)
+    np.testing.assert_array_equal(gen.lengths, static.lengths)
+    np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    assert stats.pages == 10 and stats.slots == 2
     with pytest.raises(ValueError, match="data shards"):
-        sampler.generate(
-            CONFIG, placed, PROMPTS, LENGTHS, max_new_tokens=4, slots=3, mesh=mesh, **kw
-        )
+        run(placed, mesh=mesh, **(kw | {"slots": 3}))

@@ -39,6 +39,13 @@ def test_micro_run_writes_fixed_metric_names(tmp_path):
     assert rows[-1]["perf/generated_tokens_total"] == sum(r["perf/step_tokens"] for r in rows[1:])
     assert os.listdir(tmp_path / "tb")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2", "4"]
+    # Not a terminal: progress lines; the summary names the last evaluation and its step.
+    assert "step 1/4: compiling" in out.stdout and "step 4/4 | reward" in out.stdout
+    end = f"-> {100 * rows[-1]['eval/pass@1']:.1f}% (step 4)"
+    assert end in out.stdout and not os.path.exists(tmp_path / ".lock")
+    again = _run("--config=configs/micro.py", f"--config.workdir={tmp_path}")  # finished
+    assert again.returncode == 0 and end in again.stdout, again.stderr[-3000:]
+    assert "Metadata file does not exist" not in again.stderr
 
 
 def test_bad_fields_fail_before_compiling(tmp_path):

@@ -411,10 +411,10 @@ def test_rollout_in_prompt_chunks_matches_one_call(setup):
             params,
             part.prompt_tokens,
             part.prompt_lengths,
-            max_new_tokens=c.sampler.max_new_tokens,
+            sampler.SamplerSpec(
+                max_new_tokens=c.sampler.max_new_tokens, num_samples=c.group_size, eos_ids=EOS
+            ),
             rng=jax.random.fold_in(key_r, k),
-            eos_id=EOS,
-            num_samples=c.group_size,
         )
         np.testing.assert_array_equal(chunked.tokens[2 * k : 2 * k + 2].reshape(8, -1), ref.tokens)
         np.testing.assert_allclose(
@@ -495,9 +495,16 @@ def test_packed_update_equals_padded_update(setup):
 def test_sample_completions_are_logged_every_n_steps(tmp_path):
     c = _config(workdir=str(tmp_path), total_steps=2, checkpoint_every=2, eval_every=2)
     c.log_samples_every, c.mesh.devices = 1, 1
+    c.estimator = "grpo"  # per-group advantages: checkable from the logged group alone
     loop.train(c, log=lambda *_: None)
     lines = (tmp_path / "samples.jsonl").read_text().splitlines()
     rows = [json.loads(x) for x in lines]
     assert sorted({r["step"] for r in rows}) == [1, 2]
     assert all(r["prompt"] and isinstance(r["completion"], str) for r in rows)
     assert all(r["reward"] in (0.0, 1.0) for r in rows)
+    for step in (1, 2):  # the advantage each completion was trained with (G = 4: all logged)
+        group = [r for r in rows if r["step"] == step]
+        rewards = jnp.array([[r["reward"] for r in group]])
+        want = advantages.grpo_advantage(rewards, mask=jnp.ones_like(rewards, bool))
+        got = [r["advantage"] for r in group]
+        np.testing.assert_allclose(got, np.asarray(want)[0], atol=1e-5)

@@ -1,6 +1,7 @@
 """The run's folder: writability, free space, the exclusive lock, refusing silent restarts,
 and the saved-config comparison on resume (issue 22)."""
 
+import fcntl
 import json
 import os
 import subprocess
@@ -71,6 +72,30 @@ def test_lock_is_exclusive_and_names_the_owner(tmp_path):
         assert again._fd is not None
 
 
+def test_lock_file_is_removed_on_release_and_a_lock_on_a_removed_file_is_not_taken(tmp_path):
+    lock = W.WorkdirLock(str(tmp_path)).acquire()
+    assert (tmp_path / W.LOCK_FILE).read_text() == f"{os.getpid()}\n"
+    # A second opener of the same file that locks only after the release (the race a removal
+    # opens) must notice that its file is gone and lock the path's new file instead.
+    stale = os.open(tmp_path / W.LOCK_FILE, os.O_RDWR)
+    lock.release()
+    assert not (tmp_path / W.LOCK_FILE).exists()
+    other = W.WorkdirLock(str(tmp_path))
+    fds = [stale]
+
+    def lock_once():  # first the stale fd (opened before the removal), then the real path
+        if fds:
+            fcntl.flock(fds[0], fcntl.LOCK_EX)
+            return fds.pop()
+        return W.WorkdirLock._lock_once(other)
+
+    other._lock_once = lock_once
+    other.acquire()
+    assert os.fstat(other._fd).st_ino == os.stat(tmp_path / W.LOCK_FILE).st_ino
+    other.release()
+    assert not (tmp_path / W.LOCK_FILE).exists()
+
+
 def test_lock_of_a_killed_process_is_free(tmp_path):
     code = "import sys, os; from ebpo_jax import workdir as W\nW.WorkdirLock(sys.argv[1]).acquire()\nos._exit(0)\n"
     subprocess.run(
@@ -139,3 +164,15 @@ def test_prepare_workdir_runs_every_check(tmp_path):
         W.prepare_workdir(c, min_free_bytes=1)
     c.restart = True
     W.prepare_workdir(c, min_free_bytes=1).release()  # the lock is released on errors too
+
+
+def test_a_field_added_since_the_run_was_saved_at_its_default_is_no_change(tmp_path):
+    """Upgrading the code adds config fields: a run saved before them still resumes."""
+    c = default_config()
+    old = c.to_dict()
+    del old["log_every_s"], old["sft"]["seed"]  # as a config.json written before they existed
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    assert W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, log=print) == []
+    c.sft.seed = 3  # not the default: a real change, refused as before
+    with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> 3"):
+        W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, log=print)

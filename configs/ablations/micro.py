@@ -7,7 +7,7 @@ def get_config():
     c = ml_collections.ConfigDict()
     c.name = "micro"
     c.base_config = "configs/micro.py"
-    c.out_dir = "/tmp/ebpo_runs/ablations/micro"
+    c.out_dir = "runs/ablations/micro"
     c.fixed = {"total_steps": 2, "eval_every": 2, "checkpoint_every": 2}
     c.blocks = [
         {

@@ -4,6 +4,7 @@ from ebpo_jax.ablation.grid import METHODS, Run, expand, run_config, with_seeds
 from ebpo_jax.ablation.results import (
     claims,
     collect,
+    paired_by_problem,
     paired_difference,
     summarize,
     to_markdown,
@@ -15,6 +16,7 @@ __all__ = [
     "claims",
     "collect",
     "expand",
+    "paired_by_problem",
     "paired_difference",
     "run_config",
     "summarize",

@@ -61,7 +61,7 @@ CPU_FIXED = {
     "lr": 5e-4,
 }
 _ALIASES = {"lr": "optimizer.learning_rate", "order": "task.order"}
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +149,7 @@ def with_seeds(grid: ml_collections.ConfigDict, seeds) -> ml_collections.ConfigD
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:
     """`get_config()` of a config file (relative paths are from the repository root)."""
-    full = path if os.path.isabs(path) else os.path.join(_REPO, path)
+    full = path if os.path.isabs(path) else os.path.join(REPO, path)
     if not os.path.exists(full):
         raise ConfigError(f"base_config {path!r}: no such file ({full})")
     spec = importlib.util.spec_from_file_location("_base_config", full)

@@ -24,7 +24,8 @@ TRAIN_PANELS = (
 
 def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> tuple[list[str], str | None]:
     """(series axes, facet axis): axes that vary in this block; group_size facets."""
-    fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "prompts_per_step", *CURVES}
+    fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "val_pass@1", *CURVES}
+    fixed.add("prompts_per_step")
     fixed |= set(PROVENANCE_FIELDS)  # runs adopted from other grids may differ in XLA flags
     axes = [c for c in df.columns if c not in fixed]
     varying = [a for a in axes if a not in ignore and df[a].nunique(dropna=True) > 1]

@@ -1,10 +1,12 @@
-"""Where a run's numbers came from: library versions, machine type, CPU model and XLA flags."""
+"""Where a run's numbers came from: library versions, machine type, CPU model and XLA flags,
+the warm start's SHA-256 and the SHA-256 of the claims file in force when it trained."""
 
 import os
 import platform
 
 # Columns added to every results.csv row (constant per run, not compared by --rerun).
-FIELDS = ("jax", "jaxlib", "machine", "cpu", "xla_flags", "matmul_precision", "backend")
+PROCESS = ("jax", "jaxlib", "machine", "cpu", "xla_flags", "matmul_precision", "backend")
+FIELDS = PROCESS + ("warm_start_sha256", "claims_sha256")  # the run's, from ablate.train_run
 
 
 def cpu_model(path: str = "/proc/cpuinfo") -> str:
@@ -20,8 +22,18 @@ def cpu_model(path: str = "/proc/cpuinfo") -> str:
     return platform.processor()
 
 
+def cpu_family(model: str) -> str:
+    """The CPU vendor of a model string ("amd", "intel", "arm"), else the string itself:
+    float rounding of XLA:CPU kernels is the same within a family, not across."""
+    low = str(model).lower()
+    for family, marks in (("amd", ("amd", "epyc")), ("intel", ("intel", "xeon"))):
+        if any(m in low for m in marks):
+            return family
+    return "arm" if any(m in low for m in ("neoverse", "arm", "graviton")) else low
+
+
 def provenance() -> dict[str, str]:
-    """The FIELDS of this process (imports jax; call it where jax is already in use)."""
+    """The PROCESS fields of this process (imports jax; call it where jax is already in use)."""
     import jax
     import jaxlib
 

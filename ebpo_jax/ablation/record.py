@@ -17,6 +17,7 @@ from ebpo_jax.ablation import results
 from ebpo_jax.ablation.grid import Run
 
 RESULTS, STEPS = "results.csv", "steps.csv.gz"  # per-step curves: gzip keeps them small in git
+PROBLEMS = "problems.csv.gz"  # each run's final evaluation per problem
 TABLES = (RESULTS, STEPS)
 # Deterministic gzip (no timestamp), so an unchanged table rewrites to the same bytes.
 GZIP = {"method": "gzip", "mtime": 0}
@@ -28,6 +29,27 @@ def write(out: str, evals: pd.DataFrame, steps: pd.DataFrame) -> dict:
     evals.to_csv(paths["results"], index=False)
     steps.to_csv(paths["steps"], index=False, compression=GZIP)
     return paths
+
+
+def write_problems(out: str, problems: pd.DataFrame) -> str | None:
+    """`out`/problems.csv.gz (deterministic gzip); None when there are no rows."""
+    if problems.empty:
+        return None
+    path = os.path.join(out, PROBLEMS)
+    problems.to_csv(path, index=False, compression=GZIP)
+    return path
+
+
+def collect_problems(out: str, runs: Sequence[Run]) -> pd.DataFrame:
+    """results.collect_problems over `out`/runs, plus the recorded rows of runs it has none of."""
+    new = results.collect_problems(os.path.join(out, "runs"), runs)
+    path = os.path.join(out, PROBLEMS)
+    if not os.path.exists(path):
+        return new
+    old = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    fresh = set(new.run_id) if not new.empty else set()
+    keep = {r.run_id for r in runs} - fresh
+    return pd.concat([new, old[old.run_id.isin(keep)]], ignore_index=True)
 
 
 def read(out: str) -> tuple[pd.DataFrame, pd.DataFrame]:

@@ -12,8 +12,9 @@ from scipy import stats
 from ebpo_jax.ablation import power
 from ebpo_jax.ablation.grid import Run
 from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
-from ebpo_jax.metrics import read_metrics
+from ebpo_jax.metrics import PER_PROBLEM_FILE, read_metrics
 
+VALIDATION_KEY = "eval/validation/pass@1"  # the validation split's (trainer.task.VALIDATION)
 # Training curves averaged over the steps since the previous eval in results.csv.
 CURVES = (
     "reward/mean",
@@ -58,10 +59,13 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
             tokens = rec.get("perf/generated_tokens_total") or tokens
             if "reward/mean" in rec:
                 since.append(rec)
-                steps.append({**cols, "step": rec["step"], **{k: rec.get(k) for k in CURVES}})
+                curves = {k: rec.get(k) for k in CURVES}
+                steps.append({**cols, "step": rec["step"], **curves, "generated_tokens": tokens})
             if rec.get("eval/pass@1") is not None:
                 row = {**cols, "step": rec["step"], "generated_tokens": tokens}
                 row["pass@1"] = rec["eval/pass@1"]
+                if rec.get(VALIDATION_KEY) is not None:  # chooses hyperparameters only
+                    row["val_pass@1"] = rec[VALIDATION_KEY]
                 for k in CURVES:
                     vals = [r[k] for r in since if r.get(k) is not None]
                     row[k] = float(np.mean(vals)) if vals else np.nan
@@ -70,6 +74,44 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
     return pd.DataFrame(evals), pd.DataFrame(steps)
 
 
+def collect_problems(runs_dir: str, runs: Sequence[Run]) -> pd.DataFrame:
+    """Each run's final evaluation per problem (the trainer's eval_problems.csv.gz) with the
+    run's columns: set, problem_id, topic, difficulty, samples, correct."""
+    frames = []
+    for run in runs:
+        path = os.path.join(runs_dir, run.run_id, PER_PROBLEM_FILE)
+        if os.path.exists(path):
+            frames.append(pd.read_csv(path).assign(**_run_columns(run)))
+    if not frames:
+        return pd.DataFrame()
+    out = pd.concat(frames, ignore_index=True)
+    first = [c for c in out.columns if c not in _PROBLEM_COLUMNS]
+    return out[first + list(_PROBLEM_COLUMNS)]
+
+
+def paired_by_problem(problems: pd.DataFrame, by: Sequence[str], column: str, a, b):
+    """Per setting `by`: each problem's pass rate of `column`=a minus `column`=b (samples
+    correct / samples, summed over the seeds both sides have), its mean over the problems
+    with a 95% t-interval and paired p-value across problems, and the problems and seeds."""
+    rows = problems[problems["set"] != "validation"] if "set" in problems else problems
+    rows = rows if "seed" in rows else rows.assign(seed=0)  # a grid without a seed axis
+    out = []
+    for key, grp in rows.groupby(list(by), sort=False):
+        sides = [grp[grp[column].astype(str) == str(v)] for v in (a, b)]
+        seeds = set(sides[0].seed) & set(sides[1].seed)
+        if not seeds:
+            continue
+        rate = [
+            s[s.seed.isin(seeds)].groupby("problem_id")[["correct", "samples"]].sum() for s in sides
+        ]
+        both = pd.concat([r.correct / r.samples for r in rate], axis=1, join="inner").dropna()
+        test = power.paired_test(both.iloc[:, 0], both.iloc[:, 1])
+        test["problems"] = test.pop("seeds")
+        out.append({**_key_dict(by, key), **test, "seeds": len(seeds)})
+    return pd.DataFrame(out)
+
+
+_PROBLEM_COLUMNS = ("set", "problem_id", "topic", "difficulty", "samples", "correct")
 _LAST_WINDOW = (
     ("entropy", "actor/entropy"),
     ("zero_adv", "adv/zero_frac"),

@@ -21,7 +21,8 @@ from ebpo_jax import workdir as workdir_lib
 # Copied from the source run; checkpoints and TensorBoard logs stay there.
 FILES = ("summary.json", workdir_lib.METRICS_FILE, workdir_lib.CONFIG_FILE)
 MARKER = "reused_from.txt"
-_IGNORED = ("workdir",)  # where a run trains does not change what it computes
+# Where a run trains, and where it exports its warm start, do not change what it computes.
+_IGNORED = ("workdir", "sft.export_dir")
 
 
 def _finished(folder: str) -> Iterable[str]:

@@ -38,7 +38,7 @@ def data_config() -> ml_collections.ConfigDict:
     c.topics = "field"  # field (the schema's topic) | kmeans (MiniLM embeddings) | none
     c.num_clusters = NUM_CLUSTERS  # for topics=kmeans
     c.reward = "math"  # a name in rewards.REWARDS or "pkg.module:fn"
-    c.reward_timeout_s = 10.0
+    c.reward_timeout_s = 10.0  # seconds per math-verify check (then reward 0)
     c.reward_workers = 0  # 0 = min(4, cpu count)
     c.format_weight = 0.0  # bonus for an "Answer:" line or \boxed{}
     # Held-out benchmarks for eval/pass@1 during training: comma-separated "path" or

@@ -5,6 +5,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ebpo_jax.data.schemas import DataError
+
 OVERFLOW = ("drop", "error")
 
 
@@ -61,13 +63,17 @@ def encode_prompts(
     too_long = np.flatnonzero(lengths > max_length)
     if too_long.size and on_overflow == "error":
         i = int(too_long[0])
-        raise ValueError(
-            f"{too_long.size} of {len(texts)} prompts exceed max_length={max_length} tokens; "
-            f"the first is item {i} ({lengths[i]} tokens): {texts[i][:80]!r}..."
+        raise DataError(
+            f"{too_long.size} of {len(texts)} prompts exceed max_length={max_length} tokens "
+            f"(data.max_prompt_len); the first is item {i} ({lengths[i]} tokens): "
+            f"{texts[i][:80]!r}..."
         )
     kept = np.flatnonzero(lengths <= max_length).astype(np.int32)
     if kept.size == 0:
-        raise ValueError(f"all {len(texts)} prompts exceed max_length={max_length} tokens")
+        raise DataError(
+            f"all {len(texts)} prompts exceed max_length={max_length} tokens "
+            f"(data.max_prompt_len; the shortest has {int(lengths.min())}): nothing to train on"
+        )
     tokens = np.full((kept.size, max_length), pad_id, np.int32)
     for row, i in enumerate(kept):
         tokens[row, : lengths[i]] = ids[i]

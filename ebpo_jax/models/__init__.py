@@ -4,6 +4,7 @@ from ebpo_jax.models.config import PRESETS, ModelConfig, get_config
 from ebpo_jax.models.hf import from_hf, load_tokenizer, to_hf
 from ebpo_jax.models.model import (
     abstract_params,
+    decode_step,
     forward,
     forward_cached,
     forward_grouped,
@@ -18,6 +19,7 @@ __all__ = [
     "PRESETS",
     "ModelConfig",
     "abstract_params",
+    "decode_step",
     "forward",
     "forward_cached",
     "forward_grouped",

@@ -437,6 +437,45 @@ def split_layers(config: ModelConfig, params) -> tuple:
     return tuple(zip(layers, ffns))
 
 
+def _layer_modules(config, block_def, layer_params, kind):
+    """(block, its feed-forward: MLP or MoE) from one entry of `split_layers`."""
+    if not config.is_moe:
+        block = nnx.merge(block_def, layer_params)
+        return block, block.mlp
+    block = nnx.merge(block_def, layer_params[0])
+    return block, nnx.merge(_ffn_graphdefs(config)[kind], layer_params[1])
+
+
+def decode_step(
+    config: ModelConfig, params, tokens_B, positions_B, attend, *, layers=None, with_router=False
+):
+    """Logits [B, V] float32 for one new token per row, its attention left to the caller.
+
+    `attend(layer, attn, q_B1Hd, k_B1Kd, v_B1Kd) -> [B, 1, D]` stores the new key/value in
+    the caller's cache (any layout: the sampler's is paged) and mixes the row's cached ones.
+    `layers`: `split_layers(params)`, computed once outside a decode loop. `with_router`
+    (mixture of experts): also the token's experts [sparse layers, B, k] (compact ints).
+    """
+    _check_tokens(config, tokens_B[:, None], "tokens_B")
+    rope = rope_cos_sin(config, positions_B[:, None])
+    block_def = graphdefs(config)[1]
+    layers = split_layers(config, params) if layers is None else layers
+    x_B1D = _embed(config, params, tokens_B[:, None])
+    experts = []
+    # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
+    for layer, kind in enumerate(config.layer_kinds):
+        block, ffn = _layer_modules(config, block_def, layers[layer], kind)
+        x_B1D, route = _block_step(
+            config, block, ffn, x_B1D, rope, functools.partial(attend, layer)
+        )
+        if route is not None:
+            experts.append(route["experts"][:, 0])
+    logits_BV = _head(config, params, x_B1D, False)[:, 0]
+    if not with_router:
+        return logits_BV
+    return logits_BV, jnp.stack(experts) if experts else None
+
+
 def _write(cache_BKSd, new_BTKd, start):
     """The cache with new_BTKd's T slots written at `start` (a scalar, or per row [B])."""
     new_BKTd = new_BTKd.astype(cache_BKSd.dtype).transpose(0, 2, 1, 3)
@@ -519,12 +558,7 @@ def forward_cached(
     layers = split_layers(config, params) if layers is None else layers
     # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
     for layer, kind in enumerate(config.layer_kinds):
-        if config.is_moe:
-            block = nnx.merge(block_def, layers[layer][0])
-            ffn = nnx.merge(_ffn_graphdefs(config)[kind], layers[layer][1])
-        else:
-            block = nnx.merge(block_def, layers[layer])
-            ffn = block.mlp
+        block, ffn = _layer_modules(config, block_def, layers[layer], kind)
 
         def attend(attn, q_BTHd, k_BTKd, v_BTKd, layer=layer):
             # Write the new keys first, then read the updated cache: reading the old cache

@@ -12,20 +12,24 @@ from jax.experimental import multihost_utils
 
 from ebpo_jax import distributed
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax import progress as progress_lib
 from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.trainer import lora_state
+from ebpo_jax.trainer.evaluator import write_per_problem
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.shardings import make_mesh, make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step, put
 from ebpo_jax.trainer.task import Reward, Task, build_task, mean_pass
+from ebpo_jax.trainer.task import get as get_family
+from ebpo_jax.trainer.update import SAMPLE_ADVANTAGES
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient."""
+    """Too many consecutive steps had a non-finite loss, gradient or updated state."""
 
 
 def _silent(*_args, **_kwargs) -> None:
@@ -40,8 +44,8 @@ def _any_process(flag: bool) -> bool:
 
 
 def _to_host(metrics) -> list[dict]:
-    """Stacked [K] device metrics (replicated) -> K dicts of Python floats."""
-    host = jax.device_get(metrics)
+    """Stacked [K] device metrics (replicated) -> K dicts of Python floats (scalars only)."""
+    host = {k: v for k, v in jax.device_get(metrics).items() if k != SAMPLE_ADVANTAGES}
     k = len(next(iter(host.values())))
     return [{name: float(v[i]) for name, v in host.items()} for i in range(k)]
 
@@ -83,12 +87,14 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
         log = _silent
     t_start = time.time()
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
-    lock = workdir_lib.prepare_workdir(config, log=log) if main else None
+    get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
+    lock = workdir_lib.prepare_workdir(config, log=log, write_config=False) if main else None
     task = None
     try:
         mesh = make_mesh(spec.mesh)
         task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
-        summary = _run(spec, task, mesh, log, stop_after)
+        save = (lambda: workdir_lib.save_config(config)) if main else (lambda: None)
+        summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
         if task is not None:
             task.close()  # reward worker processes, also when a step raised
@@ -126,8 +132,16 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
         return jax.jit(init, out_shardings=sh.state)(task.params), sh
 
 
+def _latest_eval(workdir: str, up_to: int) -> tuple[float, int] | None:
+    """(pass@1, step) of the last row of metrics.jsonl at or before `up_to` with one."""
+    rows = metrics_lib.read_metrics(workdir, log=_silent)
+    evals = [r for r in rows if r.get("step", up_to + 1) <= up_to and "eval/pass@1" in r]
+    evals = [r for r in evals if r["eval/pass@1"] is not None]
+    return (evals[-1]["eval/pass@1"], evals[-1]["step"]) if evals else None
+
+
 class _Log:
-    """Metrics rows, the progress bar, the token count and the latest pass@1."""
+    """Metrics rows, the progress display, the token count and the latest pass@1 (and its step)."""
 
     def __init__(self, spec: RunSpec, step: int, extra: dict, policy, state, evaluate, log):
         main = distributed.is_main_process()
@@ -141,28 +155,44 @@ class _Log:
             run_config=json.loads(spec.config_json),
             log=log,
         )
-        hide = None if main else True  # None: tqdm hides the bar when not on a terminal
-        self.bar = metrics_lib.ProgressBar(spec.total_steps, initial=step, disable=hide)
+        if extra:  # rows lost since the checkpoint was saved (a deleted file, a torn row)
+            self.writer.record_gap(step)
         # Counted on host in Python ints: the device counter is int32, and a pod run makes up
         # to P x G x N = 16.8M tokens a step (int32 wraps after ~128 such steps).
         self.tokens = extra.get("generated_tokens", int(state.generated_tokens))
         self.evaluate, self.spec = evaluate, spec
+        self.now, self.now_step = math.nan, None  # the latest evaluation and its step
+        self.sample_adv = None  # [G] advantages of the latest step's first prompt
         if "pass@1_start" in extra:
             self.start = math.nan if extra["pass@1_start"] is None else extra["pass@1_start"]
+            latest = _latest_eval(spec.workdir, step) if main else None
+            if latest is not None:  # a resume reports what the run reached, not its start
+                self.now, self.now_step = latest
         elif evaluate is None:
             self.start = math.nan
         else:
-            row = self.eval_row(policy, {})
+            row = self.eval_row(policy, {}, step)
             self.start = row["eval/pass@1"]
             self.writer.write(step, row)
-        if evaluate is not None:
+        if evaluate is not None and self.now_step:  # a resume: where the run got to
+            now = f"{100 * self.now:.1f}% at step {self.now_step}"
+            log(f"held-out pass@1: {100 * self.start:.1f}% at the warm start, {now}")
+        elif evaluate is not None:
             log(f"held-out pass@1 at the warm start: {100 * self.start:.1f}%")
-        self.now = self.start
+        # After the lines above: a bar must not have them printed into its line.
+        self.bar = progress_lib.progress(
+            spec.total_steps,
+            initial=step,
+            every=spec.log_every,
+            every_s=spec.log_every_s,
+            enabled=main,
+        )
 
-    def eval_row(self, params, row: dict) -> dict:
+    def eval_row(self, params, row: dict, step: int) -> dict:
         """`row` with eval/pass@1 (the sets' mean) and, for several sets, eval/<set>/pass@1."""
         per_set = self.evaluate(params)
         self.now = row["eval/pass@1"] = mean_pass(per_set)
+        self.now_step = step
         if len(per_set) > 1:
             row.update({f"eval/{name}/pass@1": v for name, v in per_set.items()})
         return row
@@ -170,6 +200,8 @@ class _Log:
     def rows(self, first_step: int, metrics, times: dict, dt: float, policy) -> list[dict]:
         """Write one row per step of a K-step call; eval on its last step when due."""
         rows = _to_host(metrics)
+        if SAMPLE_ADVANTAGES in metrics:  # the last step's, as samples() logs its rollout
+            self.sample_adv = np.asarray(jax.device_get(metrics[SAMPLE_ADVANTAGES]))[-1]
         for i, row in enumerate(rows):
             step = first_step + i + 1
             self.tokens += int(row["perf/step_tokens"])
@@ -179,10 +211,24 @@ class _Log:
             # eval_every and total_steps are multiples of K: this is the call's last step.
             due = step % self.spec.eval.every == 0 or step == self.spec.total_steps
             if due and self.evaluate is not None:
-                self.eval_row(policy(), row)
+                self.eval_row(policy(), row, step)
+                if step == self.spec.total_steps and distributed.is_main_process():
+                    write_per_problem(self.evaluate, self.spec.workdir)
             self.writer.write(step, row)
             self.bar.update(step - 1, row)
         return rows
+
+    def final_eval(self, step: int, policy) -> None:
+        """Evaluate once more when the last step reached has no evaluation (e.g. a run that
+        was already finished with another eval_every), so the summary is the run's end.
+
+        Single-process only: only process 0 reads metrics.jsonl, and an evaluation needs
+        every process to take part.
+        """
+        if self.evaluate is None or self.now_step == step or jax.process_count() > 1:
+            return
+        self.eval_row(policy(), {}, step)
+        self.bar.write(f"held-out pass@1 at step {step}: {100 * self.now:.1f}%")
 
     def samples(self, step: int, tokenizer, ro, rows: int = 4) -> None:
         """The first `rows` completions of the step's first prompt, decoded, to samples.jsonl."""
@@ -197,7 +243,8 @@ class _Log:
             for g in range(n)
         ]
         rewards = [float(r) for r in ro.rewards[0, :n]]
-        self.writer.write_samples(step, [prompt] * n, texts, rewards)
+        adv = None if self.sample_adv is None else [float(a) for a in self.sample_adv[:n]]
+        self.writer.write_samples(step, [prompt] * n, texts, rewards, adv)
 
     def extra(self, task: Task) -> dict:
         """What a checkpoint saves besides the state (JSON has no NaN: no eval stores None)."""
@@ -264,17 +311,23 @@ def _check_lora_base(spec: RunSpec, task: Task, extra: dict) -> None:
         )
 
 
-def _check_finite(spec: RunSpec, last: dict, step: int, ckpt) -> None:
-    if last["train/nonfinite_run"] >= spec.max_nonfinite_steps:
+def _check_finite(spec: RunSpec, rows: list[dict], step: int, ckpt) -> None:
+    """NonFiniteError once a streak reaches max_nonfinite_steps (at any step of a K-step call)."""
+    streak = max(int(r["train/nonfinite_run"]) for r in rows)
+    if streak >= spec.max_nonfinite_steps:
+        ckpt.wait()  # a save in flight is a good one: updates are only committed when finite
+        steps = ckpt.all_steps()
+        good = f"step {steps[-1]} in {ckpt.directory}" if steps else "none (no checkpoint yet)"
         raise NonFiniteError(
-            f"{int(last['train/nonfinite_run'])} steps in a row had a non-finite loss or "
-            f"gradient (max_nonfinite_steps={spec.max_nonfinite_steps}); stopped at step "
-            f"{step}, last good checkpoint in {ckpt.directory}"
+            f"{streak} steps in a row had a non-finite loss, gradient or update "
+            f"(max_nonfinite_steps={spec.max_nonfinite_steps}); stopped at step {step}; "
+            f"last good checkpoint: {good}"
         )
 
 
-def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
-    """The host loop of train() over a built task."""
+def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
+    """The host loop of train() over a built task; `save_config()` once the resume checks
+    (the checkpoint's too) have passed, before anything else is written to the workdir."""
     optimizer = make_optimizer(spec.optim)
     state, sh = _init_state(spec, task, optimizer, mesh)
     ckpt = Checkpointer(
@@ -286,14 +339,20 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
     out = None
     try:  # a save in flight is always committed (or named as failed), whatever happens
         state, extra, inflight = _restore(ckpt, state, sh, spec, task, log)
+        save_config()
         resumed_from = int(state.step) if extra else None
         step_fn = Step(spec, task, optimizer, sh)
         first_eval = task.evaluate is not None and "pass@1_start" not in extra
         policy = step_fn.policy(state) if first_eval else None
-        out = _Log(spec, int(state.step), extra, policy, state, task.evaluate, log)
+        first = int(state.step)
+        out = _Log(spec, first, extra, policy, state, task.evaluate, log)
+        if first < spec.total_steps:
+            out.bar.compiling()
         step, stopped = _loop(
-            spec, task, step_fn, (state, inflight), sh, ckpt, out, log, stop_after
+            spec, task, step_fn, (state, inflight), sh, ckpt, out, out.bar.write, stop_after
         )
+        if step == first:  # nothing left to train: `state` is the run's last one (not donated)
+            out.final_eval(step, lambda: step_fn.policy(state))
     finally:
         if out is not None:
             out.close()
@@ -301,9 +360,11 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after) -> dict:
     return {
         "pass@1_start": out.start,
         "pass@1_end": out.now,
+        "pass@1_end_step": out.now_step,
         "step": step,
         "stopped_early": stopped,
         "resumed_from": resumed_from,
+        "base_sha256": task.base_sha256,
         "workdir": spec.workdir,
         "metrics": os.path.join(spec.workdir, "metrics.jsonl"),
         "checkpoints": ckpt.directory,
@@ -346,11 +407,13 @@ def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, s
             saved = _checkpointable(state, inflight)
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
+                out.writer.flush()  # rows durable before the checkpoint that covers them
                 ckpt.save(step, saved, extra)
-            _check_finite(spec, rows[-1], step, ckpt)
+            _check_finite(spec, rows, step, ckpt)
             requested = _any_process(guard.requested)
             stopped = requested or (stop_after is not None and step - first >= stop_after)
             if stopped:
+                out.writer.flush()
                 ckpt.save(step, saved, extra, force=True)
                 why = f"signal {guard.signum or '(another process)'}" if requested else None
                 why = why or f"stop_after={stop_after}"

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ebpo_jax import sampler
 from ebpo_jax.spec import RolloutSpec
@@ -53,27 +54,31 @@ def compact(buffer: Rollout, filled_P, new: Rollout, keep_P) -> tuple[Rollout, j
     return merged, keys_2P[order_P]
 
 
+def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
+    """What one sampler call of the rollout draws: G samples per prompt, its slots and pages."""
+    eos = tuple(int(e) for e in np.atleast_1d(stop_ids))
+    return sampler.SamplerSpec(
+        max_new_tokens=spec.max_new_tokens,
+        num_samples=spec.group_size,
+        eos_ids=eos,
+        sampling=sampler.Sampling(spec.temperature, spec.top_k, spec.top_p),
+        slots=spec.slots,
+        page_size=spec.page_size,
+        kv_pages=spec.kv_pages,
+        record_routing=spec.routing_replay,
+    )
+
+
 def _sample(spec: RolloutSpec, model_config, stop_ids, mesh, params, b, rng):
     """Generation for b's P prompts: P / prompts_per_call sampler calls, one after another."""
     P, per_call = spec.prompts, spec.prompts_per_call
     chunks = P // per_call
 
+    sampler_spec = sampler_spec_of(spec, stop_ids)
+
     def call(tokens, lengths, key):
         return sampler.generate(
-            model_config,
-            params,
-            tokens,
-            lengths,
-            max_new_tokens=spec.max_new_tokens,
-            rng=key,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            top_k=spec.top_k,
-            eos_id=stop_ids,
-            num_samples=spec.group_size,
-            mesh=mesh,
-            slots=spec.slots,
-            record_routing=spec.routing_replay,
+            model_config, params, tokens, lengths, sampler_spec, rng=key, mesh=mesh
         )
 
     if chunks == 1:

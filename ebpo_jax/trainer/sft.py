@@ -1,4 +1,8 @@
-"""Supervised warm start on the synthetic tasks, cached on disk after the first run."""
+"""Supervised warm start on the synthetic tasks, cached on disk after the first run, and
+content-addressed: `params_digest` names a warm start by the SHA-256 of its bytes, `export`
+writes it as `<digest>.npz`, and `sft.params_file` starts a run from such a file (SFT's
+float rounding differs across CPU families, so only a shared file gives every machine
+the same start)."""
 
 import hashlib
 import json
@@ -12,12 +16,17 @@ import optax
 from ebpo_jax import losses, models, tasks
 from ebpo_jax.spec import TaskSpec
 
+# sft fields that do not change what SFT trains (the seed enters as init_seed).
+_NOT_IN_KEY = ("seed", "params_file", "params_sha256", "export_dir")
+_HEX = frozenset("0123456789abcdef")
+
 
 def _task_key(task) -> dict:
     """The task section as it keyed caches before `task.family` existed (same cache files)."""
     d = task.to_dict()
     if not d.get("family"):
         d.pop("family", None)
+    d.pop("val_per_cell", None)  # validation problems are never trained on
     return d
 
 
@@ -48,7 +57,7 @@ def cache_path(spec: TaskSpec, model_config, num_problems: int) -> str:
         [
             repr(model_config),
             # The seed enters as init_seed below: sft.seed = -1 and = the run's seed share a file.
-            {k: v for k, v in spec.sft.to_dict().items() if k != "seed"},
+            {k: v for k, v in spec.sft.to_dict().items() if k not in _NOT_IN_KEY},
             _task_key(spec.task),
             init_seed(spec),
             num_problems,
@@ -93,8 +102,59 @@ def base_source(spec: TaskSpec, model_config, num_problems: int) -> str:
     return cache_path(spec, model_config, num_problems)
 
 
+def params_digest(params) -> str:
+    """SHA-256 over the leaves' dtype, shape and bytes in tree order: a warm start's identity."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        a = np.ascontiguousarray(np.asarray(leaf))
+        h.update(f"{a.dtype.str}{a.shape};".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def export(params, folder: str) -> str:
+    """Write `params` to `<folder>/<digest>.npz` (compressed; kept if present); its path."""
+    path = os.path.join(folder, f"{params_digest(params)}.npz")
+    if not os.path.exists(path):
+        os.makedirs(folder, exist_ok=True)
+        tmp = path + ".tmp.npz"
+        np.savez_compressed(tmp, *[np.asarray(x) for x in jax.tree.leaves(params)])
+        os.replace(tmp, path)
+    return path
+
+
+def load_file(path: str, like):
+    """A committed warm start; a file named by a digest must hash to it."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"sft.params_file={path!r}: no such file")
+    params = _load(path, like)
+    stem = os.path.basename(path).removesuffix(".npz")
+    if len(stem) == 64 and set(stem) <= _HEX and params_digest(params) != stem:
+        raise ValueError(f"sft.params_file={path!r}: its params hash to {params_digest(params)}")
+    return params
+
+
+def check_digest(spec: TaskSpec, params) -> str:
+    """The warm start's digest (exported to `sft.export_dir` when set); ValueError when
+    `sft.params_sha256` names another one."""
+    digest = params_digest(params)
+    if spec.sft.get("export_dir", ""):
+        export(params, spec.sft.export_dir)
+    want = spec.sft.get("params_sha256", "")
+    if want and digest != want:
+        raise ValueError(
+            f"sft.params_sha256={want}: this warm start hashes to {digest} (SFT on another "
+            "CPU family or code rounds differently; start from the committed sft.params_file)"
+        )
+    return digest
+
+
 def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log=print):
-    """Params after `spec.sft.steps` supervised steps on `problems` (loaded if cached)."""
+    """Params after `spec.sft.steps` supervised steps on `problems` (loaded if cached), or
+    the committed `sft.params_file`."""
+    if spec.sft.get("params_file", ""):
+        log(f"SFT warm start: committed params {spec.sft.params_file}")
+        return load_file(spec.sft.params_file, params)
     if spec.sft.steps == 0:
         return params
     path = cache_path(spec, model_config, len(problems))

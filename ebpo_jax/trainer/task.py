@@ -37,6 +37,7 @@ class Task(NamedTuple):
     evaluate: Callable[[Any], dict[str, float]] | None  # params -> {set name: pass@1}
     close: Callable[[], None] = lambda: None  # stops reward worker processes
     base_source: str = ""  # what `params` came from (HF folder, SFT cache file, seeded init)
+    base_sha256: str = ""  # the initial policy's digest (synthetic families: sft.params_digest)
 
 
 # Built-in families, imported on first use: "module:function".
@@ -88,6 +89,10 @@ def tokenizer_vocab(tokenizer) -> int:
     return len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
 
 
+VALIDATION = "validation"  # the eval set that picks hyperparameters: never in eval/pass@1
+
+
 def mean_pass(per_set: dict[str, float]) -> float:
-    """The eval sets' mean pass@1 (NaN with no sets)."""
-    return float(sum(per_set.values()) / len(per_set)) if per_set else math.nan
+    """The test sets' mean pass@1, without the validation set (NaN with no test set)."""
+    test = [v for name, v in per_set.items() if name != VALIDATION]
+    return float(sum(test) / len(test)) if test else math.nan

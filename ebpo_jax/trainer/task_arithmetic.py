@@ -5,6 +5,7 @@ exact-answer reward, EB clusters per topic or per (topic, difficulty) cell.
 family there is its problem module (make_splits, TOPICS, DIFFICULTIES), tokenizer and reward.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,23 +17,49 @@ from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.trainer import sft
 from ebpo_jax.trainer.evaluator import EvalSet, make_evaluator
-from ebpo_jax.trainer.task import Reward, Task, model_config_from, tokenizer_vocab
+from ebpo_jax.trainer.task import VALIDATION, Reward, Task, model_config_from, tokenizer_vocab
+
+
+def _splits(t, family, train_per_cell: int):
+    """make_splits of the `task` section `t` with `train_per_cell` training problems per cell."""
+    topics = tuple(x for x in t.topics.split(",") if x) or family.TOPICS
+    levels = tuple(d for d in family.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
+    return family.make_splits(
+        t.seed,
+        train_per_cell=train_per_cell,
+        test_per_cell=t.test_per_cell,
+        topics=topics,
+        difficulties=levels,
+    )
 
 
 def load_problems(spec: TaskSpec, family=tasks, tokenizer=None):
     """(tokenizer, train problems, held-out problems) of the `task` section for a generated
     family (a module with make_splits, TOPICS and DIFFICULTIES; default arithmetic)."""
-    t = spec.task
-    topics = tuple(x for x in t.topics.split(",") if x) or family.TOPICS
-    levels = tuple(d for d in family.DIFFICULTIES if not t.max_difficulty or d <= t.max_difficulty)
-    train, test = family.make_splits(
-        t.seed,
-        train_per_cell=t.train_per_cell,
-        test_per_cell=t.test_per_cell,
-        topics=topics,
-        difficulties=levels,
-    )
+    train, test = _splits(spec.task, family, spec.task.train_per_cell)
     return tokenizer or tasks.CharTokenizer(), train, test
+
+
+def validation_problems(spec: TaskSpec, family=tasks) -> list:
+    """Each cell's next `task.val_per_cell` problems after its training ones ([] when 0).
+
+    A family's make_splits draws each cell in one seeded sequence (test first, then train),
+    so asking for more training problems keeps the first ones: the extra ones are disjoint
+    from train and test and leave both unchanged.
+    """
+    t = spec.task
+    n = t.get("val_per_cell", 0)
+    if not n:
+        return []
+    longer, _ = _splits(t, family, t.train_per_cell + n)
+    out, seen = [], {}
+    for p in longer:
+        cell = (p.topic, p.difficulty)
+        seen[cell] = seen.get(cell, 0) + 1
+        if seen[cell] > t.train_per_cell:
+            pid = f"validation/{p.topic}/{p.difficulty}/{len(out)}"
+            out.append(dataclasses.replace(p, id=pid))
+    return out
 
 
 def num_clusters(eb_clusters: str, family=tasks) -> int:
@@ -62,7 +89,8 @@ def eval_set(problems, tokenizer, reward_fn, name: str = "heldout") -> EvalSet:
         r = reward(tokens, lengths, rep(data.answer_tokens), rep(data.answer_lengths))
         return np.asarray(r)
 
-    return EvalSet(name, data.prompt_tokens, data.prompt_lengths, score)
+    meta = tuple((p.id, p.topic, p.difficulty) for p in problems)
+    return EvalSet(name, data.prompt_tokens, data.prompt_lengths, score, problems=meta)
 
 
 def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, log=print):
@@ -85,8 +113,15 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         )
     params = models.init_params(model_config, jax.random.key(sft.init_seed(spec)))
     params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
+    try:
+        digest = sft.check_digest(spec, params)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     eos = tokenizer.eos_id
     sets = [eval_set(test_problems, tokenizer, reward_fn)]
+    val = validation_problems(spec, family)
+    if val:  # sampled in its own calls: the test set's draws stay the same
+        sets.append(eval_set(val, tokenizer, reward_fn, VALIDATION))
     levels = len(family.DIFFICULTIES)
     return Task(
         tokenizer=tokenizer,
@@ -99,6 +134,7 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         stop_ids=eos,
         evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
         base_source=sft.base_source(spec, model_config, len(train_problems)),
+        base_sha256=digest,
     )
 
 

@@ -229,6 +229,14 @@ def _accumulate(spec: UpdateSpec, grad_fn, params, ref_params, mb, denom):
     return grads, loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
 
 
+def all_finite(tree) -> jax.Array:
+    """Scalar bool: every float leaf of `tree` is finite (x * 0 is 0 for finite x, NaN else,
+    so one sum per leaf and one `&` across leaves, fused by XLA into the update)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    sums = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in leaves]
+    return jnp.isfinite(sum(sums, jnp.zeros((), jnp.float32)))
+
+
 def _batch_shards(model_config) -> int:
     """Devices the rows of a batch are split over, under the ambient mesh (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -253,9 +261,11 @@ def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry,
     else:
         grads, loss, metrics = packing.accumulate(grad_fn, params, ref_params, mb, denom, lay)
     grad_norm = optax.tree.norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
+    # A finite gradient can still overflow the update (a huge learning rate times weight
+    # decay): the committed params and moments must be finite too, or a checkpoint is poisoned.
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & all_finite((new_params, new_opt))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     params, opt_state = keep(new_params, params), keep(new_opt, opt_state)
     metrics = dict(
@@ -357,6 +367,9 @@ def _step_metrics(ro: Rollout, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens
     }
 
 
+SAMPLE_ADVANTAGES = "samples/advantages_G"  # the [G] advantages of the step's first prompt
+
+
 def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState, ro: Rollout):
     """Advantages, then PPO epochs x mini-batches over the rollout: (new state, metrics)."""
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
@@ -426,6 +439,8 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         base=state.base,
     )
     metrics["train/nonfinite_run"] = nonfinite_run
+    # Not a scalar metric: the first prompt's advantages, for samples.jsonl (the loop pops it).
+    metrics[SAMPLE_ADVANTAGES] = adv_PG[0]
     return new_state, metrics
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import sampling
+from ebpo_jax.sampler import selection as sampling
 
 LOGITS_V = np.array([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 

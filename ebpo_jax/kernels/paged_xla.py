@@ -1,0 +1,53 @@
+"""Decode attention over a paged KV cache in plain XLA: gather the row's pages, masked softmax.
+
+The CPU path, the GPU fallback, and the reference the Pallas kernels are tested against.
+Each row gathers its whole page-table width (pages_per_row * page_size tokens) and masks
+the tokens past kv_len, so its cost follows the table width, not the row's length: the
+kernels are what read only the row's own pages.
+"""
+
+import jax
+import jax.numpy as jnp
+
+
+def check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R) -> None:
+    """One-line ValueError naming the argument whose shape breaks the shared layout."""
+    R, H, D = q_RHD.shape
+    _, _, C, Dk = kv_pages_PSCD.shape
+    if C % 2 or H % (C // 2):
+        raise ValueError(
+            f"kv_pages_PSCD combined heads {C}: need 2 * num_kv_heads dividing 2 * {H} query heads"
+        )
+    if Dk != D:
+        raise ValueError(f"kv_pages_PSCD head_dim {Dk} != q_RHD head_dim {D}")
+    if page_table_RN.ndim != 2 or page_table_RN.shape[0] != R:
+        raise ValueError(
+            f"page_table_RN shape {page_table_RN.shape}: expected ({R}, pages_per_row)"
+        )
+    if kv_lens_R.shape != (R,):
+        raise ValueError(f"kv_lens_R shape {kv_lens_R.shape}: expected ({R},)")
+
+
+def paged_decode_attention_xla(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None):
+    """softmax(q k^T * scale) v over each row's first kv_len cached tokens: [R, H, D].
+
+    scale defaults to 1/sqrt(head_dim); scores and softmax in float32; idle rows give 0.
+    """
+    check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+    R, H, D = q_RHD.shape
+    C = kv_pages_PSCD.shape[2]
+    K = C // 2
+    scale = D**-0.5 if scale is None else scale
+    kv_RTCD = kv_pages_PSCD[page_table_RN].reshape(R, -1, C, D)
+    k_RTKD, v_RTKD = kv_RTCD[:, :, 0::2], kv_RTCD[:, :, 1::2]
+    q_RKGD = q_RHD.reshape(R, K, H // K, D)
+    s_RKGT = jnp.einsum("rkgd,rtkd->rkgt", q_RKGD, k_RTKD, preferred_element_type=jnp.float32)
+    valid_RT = jnp.arange(kv_RTCD.shape[1])[None, :] < kv_lens_R[:, None]
+    s_RKGT = jnp.where(valid_RT[:, None, None, :], s_RKGT * scale, -jnp.inf)
+    # An idle row (kv_len 0) has no valid key: a softmax of all -inf would be NaN.
+    p_RKGT = jax.nn.softmax(jnp.where(kv_lens_R[:, None, None, None] > 0, s_RKGT, 0.0), axis=-1)
+    out_RKGD = jnp.einsum(
+        "rkgt,rtkd->rkgd", p_RKGT.astype(v_RTKD.dtype), v_RTKD, preferred_element_type=jnp.float32
+    )
+    out_RHD = out_RKGD.reshape(R, H, D).astype(q_RHD.dtype)
+    return jnp.where(kv_lens_R[:, None, None] > 0, out_RHD, 0)

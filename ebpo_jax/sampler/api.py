@@ -1,0 +1,96 @@
+"""`generate`: checks a call's inputs, plans it, runs the engine's prefill then its decode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ebpo_jax.sampler import engine
+from ebpo_jax.sampler.spec import Generation, SamplerSpec, validated
+
+
+def _check_prompts(config, prompt_tokens, prompt_lengths, max_new_tokens):
+    """Shapes and dtypes, and (when concrete) the lengths and ids, with one-line errors."""
+    if jnp.ndim(prompt_tokens) != 2:
+        raise ValueError(f"prompt_tokens must be [B, Tp], got shape {jnp.shape(prompt_tokens)}")
+    batch, prompt_len = jnp.shape(prompt_tokens)
+    if jnp.shape(prompt_lengths) != (batch,):
+        raise ValueError(
+            f"prompt_lengths must have shape ({batch},) to match prompt_tokens "
+            f"{jnp.shape(prompt_tokens)}, got {jnp.shape(prompt_lengths)}"
+        )
+    for name, x in (("prompt_tokens", prompt_tokens), ("prompt_lengths", prompt_lengths)):
+        if not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"{name} must be integer, got {jnp.result_type(x)}")
+    if isinstance(prompt_lengths, jax.core.Tracer) or isinstance(prompt_tokens, jax.core.Tracer):
+        return
+    lengths = np.asarray(prompt_lengths)
+    if lengths.size and (lengths.min() < 1 or lengths.max() > prompt_len):
+        raise ValueError(
+            f"prompt_lengths must lie in [1, {prompt_len}] (the prompt_tokens width), "
+            f"got min {lengths.min()} max {lengths.max()}"
+        )
+    if lengths.size and lengths.max() + max_new_tokens > config.max_position_embeddings:
+        raise ValueError(
+            f"longest prompt {lengths.max()} + max_new_tokens {max_new_tokens} exceeds "
+            f"config.max_position_embeddings {config.max_position_embeddings}"
+        )
+    tokens = np.asarray(prompt_tokens)
+    real = np.arange(prompt_len)[None] < lengths[:, None]
+    if np.any(real & ((tokens < 0) | (tokens >= config.vocab_size))):
+        raise ValueError(f"prompt_tokens hold ids outside the vocabulary [0, {config.vocab_size})")
+
+
+def generate(
+    config, params, prompt_tokens, prompt_lengths, spec: SamplerSpec, *, rng, mesh=None,
+    data_axes=None,
+) -> Generation:  # fmt: skip
+    """`spec.num_samples` completions per right-padded prompt, as a `Generation`.
+
+    prompt_tokens [B, Tp] int, prompt_tokens[b, :prompt_lengths[b]] is prompt b. Rows of the
+    output are prompt-major: prompt b's samples are rows b*G .. (b+1)*G - 1. Row r's token t
+    is drawn with fold_in(fold_in(rng, r), t), so neither the slots, the pages nor the batch
+    around a row change its tokens. With `mesh`, rows, slots and pages are split over
+    `data_axes` (default: the rules' batch axes); params keep whatever sharding they have.
+    spec.record_routing (mixture of experts): returns (Generation, routing) with routing =
+    {"prompt": [rows, sparse layers, Tp, k], "comp": [rows, sparse layers, N, k]}, every input
+    token's experts as compact ints, for routing replay (a row's last token has zeros).
+    """
+    return generate_with_stats(
+        config, params, prompt_tokens, prompt_lengths, spec, rng=rng, mesh=mesh,
+        data_axes=data_axes,
+    )[0]  # fmt: skip
+
+
+def generate_with_stats(
+    config, params, prompt_tokens, prompt_lengths, spec: SamplerSpec, *, rng, mesh=None,
+    data_axes=None, row_limits=None,
+) -> tuple[Generation, engine.Stats]:  # fmt: skip
+    """generate, and the decode's Stats (steps, busy slot-steps, preemptions, peak pages).
+
+    row_limits: [rows] int, a token limit per row (<= max_new_tokens), as if each row's
+    stop id came at that length: how benchmarks impose a length distribution.
+    """
+    spec = validated(spec, config.vocab_size)
+    if spec.record_routing and not config.is_moe:
+        raise ValueError("record_routing needs a mixture-of-experts config (num_experts > 0)")
+    _check_prompts(config, prompt_tokens, prompt_lengths, spec.max_new_tokens)
+    num_prompts, prompt_len = jnp.shape(prompt_tokens)
+    rows = num_prompts * spec.num_samples
+    if row_limits is not None and jnp.shape(row_limits) != (rows,):
+        raise ValueError(f"row_limits must have shape ({rows},), got {jnp.shape(row_limits)}")
+    limit_R = None if row_limits is None else jnp.asarray(row_limits, jnp.int32)
+    plan = engine.make_plan(spec, num_prompts, prompt_len, mesh, data_axes, config.sharding_rules)
+    prompt_PT = jnp.asarray(prompt_tokens, jnp.int32)
+    lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
+    eos_E = jnp.asarray(spec.eos_ids, jnp.int32).reshape(-1)
+    static = {"config": config, "spec": spec, "plan": plan}
+    staged, first_R, logp_R, *prompt_routes = engine.prefill_jit(
+        params, prompt_PT, lengths_P, rng, **static
+    )
+    gen, stats = engine.decode_jit(
+        params, staged, first_R, logp_R, lengths_P, rng, eos_E, limit_R, **static
+    )
+    if spec.record_routing:
+        gen, comp_routes = gen
+        gen = (gen, {"prompt": prompt_routes[0], "comp": comp_routes})
+    return gen, stats

@@ -1,0 +1,316 @@
+"""The sampling engine: one jitted prefill, one jitted decode loop over a paged KV cache.
+
+Prefill runs each prompt once (models.prefill: splash / cuDNN / XLA attention) and keeps its
+keys and values as pages. The decode loop runs `slots` rows at a time per data shard; each
+step feeds every live row its last token, writes its key/value into its own page, attends
+over its own pages (sampler.attention), samples, then frees the pages of rows that ended,
+gives growing rows their next page and refills free slots (sampler.schedule). With a slot
+per row it is the static batch. Row r's token t is drawn with fold_in(fold_in(rng, r), t),
+so a row's tokens do not depend on the slots, the pages or the rows around it.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ebpo_jax import models
+from ebpo_jax.sampler import attention, layout, pages, schedule, selection
+from ebpo_jax.sampler.spec import PAD_ID, Generation, SamplerSpec
+
+
+class Plan(NamedTuple):
+    """The static shape of a call: per data shard D, its rows, slots, prompts and pages."""
+
+    shards: int  # D
+    rows: int  # per shard
+    slots: int
+    prompts: int  # prompts a shard's rows come from
+    pages: int  # pool pages per shard
+    width: int  # pages of the prompt width
+    max_pages: int  # page-table columns: a row's longest cache
+    impl: str  # paged decode attention
+    reserve: bool  # the pool holds every slot's longest row: rows take all their pages at once
+    lead: object  # NamedSharding of axis 0 over the data axes, or None
+    prompt_lead: object  # the same for the prefill's prompts (None if they do not split)
+
+
+class Stats(NamedTuple):
+    """Decode steps, slot-steps that decoded a live row, preemptions, most pages held."""
+
+    steps: jax.Array
+    busy: jax.Array
+    preempted: jax.Array
+    peak_pages: jax.Array  # per shard, the largest over shards
+    slots: int  # per shard
+    pages: int  # per shard
+
+
+def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, rules=None):
+    """The Plan of a call, after one-line checks that rows, slots and pages fit the shards."""
+    D = layout.data_size(mesh, axes, rules)
+    G, N, ps = spec.num_samples, spec.max_new_tokens, spec.page_size
+    R = num_prompts * G
+    if R % D:
+        raise ValueError(f"{R} rows (prompts x num_samples) cannot be split over {D} data shards")
+    slots = R if spec.slots == 0 or spec.slots >= R else spec.slots
+    if slots % D:
+        raise ValueError(f"slots={spec.slots} must be a multiple of the {D} data shards")
+    width = pages.pages_for(prompt_len, ps)
+    max_pages = max(pages.pages_for(prompt_len + N - 1, ps), width)
+    total = spec.kv_pages or slots * max_pages
+    if total % D:
+        raise ValueError(f"kv_pages={spec.kv_pages} must be a multiple of the {D} data shards")
+    if total // D < max_pages:
+        raise ValueError(
+            f"kv_pages={spec.kv_pages} gives {total // D} pages per data shard, but one row "
+            f"(prompt width {prompt_len} + max_new_tokens {N} - 1 tokens) needs {max_pages} "
+            f"pages of page_size {ps}"
+        )
+    Rd = R // D
+    first = [d * Rd // G for d in range(D)]
+    prompts = max(((d + 1) * Rd - 1) // G - first[d] + 1 for d in range(D))
+    lead = layout.leading_sharding(mesh, axes, rules)
+    prompt_lead = lead if num_prompts % D == 0 else None
+    impl = attention.resolve(spec.attention, _platform(mesh))
+    reserve = spec.kv_pages == 0
+    return Plan(
+        D, Rd, slots // D, prompts, total // D, width, max_pages, impl, reserve, lead, prompt_lead
+    )
+
+
+def _platform(mesh):
+    if mesh is None:
+        return None
+    platform = mesh.devices.flat[0].platform
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def _shard_prompts(plan: Plan, num_samples: int):
+    """[D, Q] global prompt of each shard's local prompt, [D, R] local prompt of each row."""
+    D, Rd, G = plan.shards, plan.rows, num_samples
+    row_DR = np.arange(D * Rd).reshape(D, Rd)
+    first_D = row_DR[:, 0] // G
+    prompt_DQ = np.minimum(first_D[:, None] + np.arange(plan.prompts)[None], (D * Rd - 1) // G)
+    return prompt_DQ, row_DR // G - first_D[:, None]
+
+
+def prefill(params, prompt_PT, lengths_P, rng, *, config, spec: SamplerSpec, plan: Plan):
+    """Each prompt once: its pages per layer [D, Q, W, page_size, 2K, Dh] and every row's token 0.
+
+    spec.record_routing: a fourth output, each row's prompt experts [rows, sparse layers, Tp, k].
+    """
+    Tp, G = prompt_PT.shape[1], spec.num_samples
+    mask_PT = jnp.arange(Tp)[None] < lengths_P[:, None]
+    # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
+    prompt_PT = jnp.where(mask_PT, prompt_PT, PAD_ID)
+    last_PV, cache, *route = models.prefill(
+        config,
+        params,
+        prompt_PT,
+        mask=mask_PT,
+        cache_size=Tp,
+        logits_at=lengths_P - 1,
+        with_router=spec.record_routing,
+    )
+    prompt_DQ, _ = _shard_prompts(plan, G)
+    D, Q = prompt_DQ.shape
+
+    def stage(k_PKTd, v_PKTd):
+        kv = pages.prompt_pages(k_PKTd, v_PKTd, spec.page_size)
+        if D * Q == kv.shape[0] and (prompt_DQ.reshape(-1) == np.arange(D * Q)).all():
+            kv = kv.reshape(D, Q, *kv.shape[1:])  # each shard's prompts are its own: no gather
+        else:
+            kv = kv[prompt_DQ]
+        return layout.constrain(kv, plan.lead)
+
+    staged = tuple(map(stage, cache["k"], cache["v"]))
+    last_RV = jnp.repeat(last_PV, G, axis=0)
+    s = spec.sampling
+    first_R, logp_R = selection.select_tokens(
+        selection.row_keys(rng, jnp.arange(last_RV.shape[0]), 0), last_RV, **s._asdict()
+    )
+    if spec.record_routing:
+        prompt_routes = jnp.repeat(route[0]["experts"].transpose(1, 0, 2, 3), G, axis=0)
+        return staged, first_R, logp_R, prompt_routes
+    return staged, first_R, logp_R
+
+
+def _copy_prompts(pools, staged, copy: schedule.Copy):
+    """Admitted rows' pages filled from their prompt's pages (one shard, every layer)."""
+
+    def layer(pool_PSCD, kv_QWSCD):
+        W = kv_QWSCD.shape[1]
+        pool_PSCD = pages.write_pages(pool_PSCD, kv_QWSCD[copy.prompt_C], copy.shared_CW)
+        partial_C = jnp.minimum(copy.partial_C, W - 1)
+        src_C1SCD = kv_QWSCD[copy.prompt_C, partial_C][:, None]
+        return pages.write_pages(pool_PSCD, src_C1SCD, copy.own_C[:, None])
+
+    return tuple(map(layer, pools, staged))
+
+
+def _admit(st, pools, staged, rows, *, plan, page_size):
+    """admit on every shard; the page copies only on steps that admit a row."""
+    admit = functools.partial(schedule.admit, page_size=page_size, reserve=plan.reserve)
+    st, copy = jax.vmap(admit)(st, rows)
+    admitted = jnp.any(copy.own_C < plan.pages)
+    copy_all = lambda p: jax.vmap(_copy_prompts)(p, staged, copy)
+    pools = jax.lax.cond(admitted, copy_all, lambda p: p, pools)
+    return st, layout.constrain_tree(pools, plan.lead)
+
+
+def _forward(params, layers, st, pools, *, config, plan, page_size, with_router=False):
+    """One decode step of every slot: logits [D * S, V], the pools with the new keys, experts.
+
+    with_router: the experts are the input token's [D, S, sparse layers, k]; else None.
+    """
+    D, S = plan.shards, plan.slots
+    kv_DS = schedule.kv_len(st)
+    col_DS = kv_DS // page_size
+    page_DS = jnp.take_along_axis(
+        st.table_SM, jnp.minimum(col_DS, plan.max_pages - 1)[..., None], 2
+    )
+    page_DS = jnp.where(st.live_S, page_DS[..., 0], plan.pages)  # idle slots write nowhere
+    lens_DS = jnp.where(st.live_S, kv_DS + 1, 0)
+    flat = lambda x: layout.constrain(x.reshape(D * S, *x.shape[2:]), plan.lead)
+    new_pools = []
+    attend_one = functools.partial(attention.paged_decode_attention, impl=plan.impl)
+
+    def attend(layer, attn, q_B1Hd, k_B1Kd, v_B1Kd):
+        kv_DSCd = pages.interleave(k_B1Kd[:, 0], v_B1Kd[:, 0]).reshape(D, S, -1, k_B1Kd.shape[-1])
+        pool = jax.vmap(pages.write_token)(pools[layer], kv_DSCd, page_DS, kv_DS % page_size)
+        pool = layout.constrain(pool, plan.lead)
+        new_pools.append(pool)
+        q_DSHd = q_B1Hd[:, 0].reshape(D, S, *q_B1Hd.shape[2:])
+        out_DSHd = jax.vmap(attend_one)(q_DSHd, pool, st.table_SM, lens_DS)
+        return attn.output(out_DSHd.reshape(D * S, 1, *out_DSHd.shape[2:]))
+
+    out = models.decode_step(
+        config, params, flat(st.prev_S), flat(kv_DS), attend, layers=layers,
+        with_router=with_router,
+    )  # fmt: skip
+    if not with_router:
+        return out, tuple(new_pools), None
+    logits_BV, experts_LBk = out
+    experts_DSLk = experts_LBk.transpose(1, 0, 2).reshape(D, S, *experts_LBk.shape[::2])
+    return logits_BV, tuple(new_pools), experts_DSLk
+
+
+def _record(st, out, tok_DS, logp_DS, experts_DSLk=None):
+    """Live rows write their token t, its log-prob and their length t + 1 (others nowhere).
+
+    With routes, also the experts of their input token t - 1: a preempted row that
+    recomputes its tokens writes them again, so the last write matches its final tokens.
+    """
+    tokens_DRN, logps_DRN, gen_len_DR, *routes = out
+    rows = tokens_DRN.shape[1]
+    row_DS = jnp.where(st.live_S, st.row_S, rows)
+    put = jax.vmap(lambda x, r, t, v: x.at[r, t].set(v, mode="drop"))
+    tokens_DRN = put(tokens_DRN, row_DS, st.t_S, tok_DS)
+    logps_DRN = put(logps_DRN, row_DS, st.t_S, logp_DS)
+    gen_len_DR = jax.vmap(lambda x, r, v: x.at[r].set(v, mode="drop"))(
+        gen_len_DR, row_DS, st.t_S + 1
+    )
+    if not routes:
+        return tokens_DRN, logps_DRN, gen_len_DR
+    put_route = jax.vmap(lambda x, r, t, v: x.at[r, :, t].set(v, mode="drop"))
+    routes_DRLNk = put_route(routes[0], row_DS, st.t_S - 1, experts_DSLk)
+    return tokens_DRN, logps_DRN, gen_len_DR, routes_DRLNk
+
+
+def _finish(st, rows, tok_DS, eos_E, *, release=True):
+    """Rows that stopped are done (and release their pages); the others move to token t + 1."""
+    ends_DS = st.live_S & (jnp.isin(tok_DS, eos_E) | (st.t_S + 1 >= st.limit_S))
+    done_DR = jax.vmap(
+        lambda s, r, e: s.at[jnp.where(e, r, s.shape[0])].set(schedule.DONE, mode="drop")
+    )
+    st = st._replace(
+        status_R=done_DR(st.status_R, st.row_S, ends_DS),
+        t_S=st.t_S + st.live_S,
+        prev_S=jnp.where(st.live_S, tok_DS, st.prev_S),
+    )
+    if not release:
+        return st._replace(live_S=st.live_S & ~ends_DS)
+    return jax.vmap(schedule.release)(st, rows, ends_DS)
+
+
+def decode(
+    params, staged, first_R, logp_R, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
+):
+    """Every row through the slots: (Generation, Stats).
+
+    spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
+    experts of each fed-back token (a row's last token, never fed back, keeps zeros).
+    """
+    D, Rd, S, N, G = plan.shards, plan.rows, plan.slots, spec.max_new_tokens, spec.num_samples
+    ps = spec.page_size
+    prompt_DQ, prompt_DR = _shard_prompts(plan, G)
+    limit_R = jnp.full((D * Rd,), N, jnp.int32) if limit_R is None else limit_R
+    rows = schedule.Rows(
+        prompt_R=jnp.asarray(prompt_DR, jnp.int32),
+        plen_R=jnp.repeat(lengths_P, G).reshape(D, Rd),
+        first_R=first_R.reshape(D, Rd),
+        limit_R=limit_R.reshape(D, Rd),
+        full_Q=lengths_P[prompt_DQ] // ps,
+    )
+    init = functools.partial(
+        schedule.init, slots=S, width=plan.width, max_pages=plan.max_pages, num_pages=plan.pages
+    )
+    st = layout.constrain_tree(jax.vmap(init, in_axes=(0, None))(rows, eos_E), plan.lead)
+    out = (
+        jnp.zeros((D, Rd, N), jnp.int32).at[:, :, 0].set(rows.first_R),
+        jnp.zeros((D, Rd, N), jnp.float32).at[:, :, 0].set(logp_R.reshape(D, Rd)),
+        jnp.ones((D, Rd), jnp.int32),
+    )
+    if spec.record_routing:
+        k, dtype = config.num_experts_per_tok, models.moe.expert_dtype(config.num_experts)
+        out += (jnp.zeros((D, Rd, config.num_sparse_layers, N, k), dtype),)
+    out = layout.constrain_tree(out, plan.lead)
+    pools = layout.constrain_tree(pages.init_pools(config, D, plan.pages, ps), plan.lead)
+    layers = models.split_layers(config, params) if layout.on_cpu(plan.lead) else None
+    admit = functools.partial(_admit, staged=staged, rows=rows, plan=plan, page_size=ps)
+    st, pools = admit(st, pools)
+    row_offset_D1 = (Rd * jnp.arange(D))[:, None]
+    s = spec.sampling
+
+    def cond(carry):
+        st = carry[0]
+        return jnp.any(st.live_S) | jnp.any(st.status_R == schedule.PENDING)
+
+    def body(carry):
+        st, pools, out, steps, busy, peak = carry
+        busy = busy + st.live_S.sum(dtype=jnp.int32)
+        logits_BV, pools, experts_DSLk = _forward(
+            params, layers, st, pools, config=config, plan=plan, page_size=ps,
+            with_router=spec.record_routing,
+        )  # fmt: skip
+        keys = selection.row_keys(rng, (st.row_S + row_offset_D1).reshape(-1), st.t_S.reshape(-1))
+        tok_B, logp_B = selection.select_tokens(keys, logits_BV, **s._asdict())
+        tok_DS, logp_DS = tok_B.reshape(D, S), logp_B.reshape(D, S)
+        out = _record(st, out, tok_DS, logp_DS, experts_DSLk)
+        # The static batch with reserved pages: every row was admitted before the loop and
+        # holds all its pages, so nothing is freed, grown or admitted inside it.
+        static = plan.reserve and S == Rd
+        st = _finish(st, rows, tok_DS, eos_E, release=not static)
+        if not plan.reserve:
+            st = jax.vmap(functools.partial(schedule.grow, page_size=ps))(st, rows)
+        if not static:
+            st, pools = admit(st, pools)
+        peak = jnp.maximum(peak, plan.pages - st.free_P.sum(-1).min())
+        return st, pools, out, steps + 1, busy, peak
+
+    held = plan.pages - st.free_P.sum(-1).min()
+    carry = (st, pools, out, jnp.int32(0), jnp.int32(0), held)
+    st, _, out, steps, busy, peak = jax.lax.while_loop(cond, body, carry)
+    tokens_DRN, logps_DRN, gen_len_DR, *routes = out
+    R = D * Rd
+    gen = Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))
+    if routes:
+        gen = (gen, routes[0].reshape(R, *routes[0].shape[2:]))
+    return gen, Stats(steps, busy, st.preempted.sum(), peak, S, plan.pages)
+
+
+prefill_jit = jax.jit(prefill, static_argnames=("config", "spec", "plan"))
+decode_jit = jax.jit(decode, static_argnames=("config", "spec", "plan"))

@@ -1,0 +1,67 @@
+"""The paged KV cache of one data shard: page pools, the free mask, and page moves.
+
+Per layer a pool [pages, page_size, 2 * kv_heads, head_dim] (sampler.attention's layout).
+A page is free or held; `take` hands out the lowest free ids, `give_back` frees them. All
+functions are fixed-shape and jittable; page id `pages` (one past the last) means "none",
+and every scatter drops it, so a row that takes no page writes nowhere.
+"""
+
+import jax.numpy as jnp
+
+
+def pages_for(tokens, page_size):
+    """Pages that hold `tokens` tokens (int or array)."""
+    return -(-tokens // page_size)
+
+
+def init_pools(config, shards: int, pages: int, page_size: int) -> tuple:
+    """One zero pool per layer, [shards, pages, page_size, 2 * kv_heads, head_dim] each."""
+    shape = (shards, pages, page_size, 2 * config.num_kv_heads, config.head_dim)
+    return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
+
+
+def interleave(k_BKD, v_BKD):
+    """[B, 2K, D]: key head k at index 2k, its value at 2k + 1."""
+    B, K, D = k_BKD.shape
+    return jnp.stack([k_BKD, v_BKD], axis=2).reshape(B, 2 * K, D)
+
+
+def prompt_pages(cache_k_PKTD, cache_v_PKTD, page_size):
+    """A prefilled prompt cache (head-major) as pages: [P, ceil(T / page_size), page_size, 2K, D]."""
+    P, K, T, D = cache_k_PKTD.shape
+    M = pages_for(T, page_size)
+    kv_PTCD = jnp.stack([cache_k_PKTD, cache_v_PKTD], axis=2)  # [P, K, 2, T, D]
+    kv_PTCD = kv_PTCD.reshape(P, 2 * K, T, D).transpose(0, 2, 1, 3)
+    kv_PTCD = jnp.pad(kv_PTCD, ((0, 0), (0, M * page_size - T), (0, 0), (0, 0)))
+    return kv_PTCD.reshape(P, M, page_size, 2 * K, D)
+
+
+def take(free_P, count_C, width: int):
+    """(page ids [C, width], free mask): count_C[c] new pages for each c, "none" after them.
+
+    The caller makes sure count_C.sum() pages are free.
+    """
+    P = free_P.shape[0]
+    free_list = jnp.nonzero(free_P, size=P, fill_value=P)[0]
+    first_C = jnp.cumsum(count_C) - count_C
+    j_W = jnp.arange(width)
+    want_CW = j_W[None] < count_C[:, None]
+    idx_CW = jnp.minimum(first_C[:, None] + j_W[None], P - 1)
+    pages_CW = jnp.where(want_CW, free_list[idx_CW], P)
+    return pages_CW, free_P.at[pages_CW].set(False, mode="drop")
+
+
+def give_back(free_P, pages_CW, mask_CW):
+    """The free mask with pages_CW[mask_CW] free again."""
+    P = free_P.shape[0]
+    return free_P.at[jnp.where(mask_CW, pages_CW, P)].set(True, mode="drop")
+
+
+def write_token(pool_PSCD, kv_BCD, page_B, offset_B):
+    """The pool with row b's new key/value at (page_B[b], offset_B[b]); page "none" drops it."""
+    return pool_PSCD.at[page_B, offset_B].set(kv_BCD.astype(pool_PSCD.dtype), mode="drop")
+
+
+def write_pages(pool_PSCD, src_CWSCD, pages_CW):
+    """The pool with src_CWSCD[c, w] copied into page pages_CW[c, w] ("none" skipped)."""
+    return pool_PSCD.at[pages_CW].set(src_CWSCD.astype(pool_PSCD.dtype), mode="drop")

@@ -1,0 +1,81 @@
+"""What `generate` takes and returns: the typed sampler spec and the Generation.
+
+Padding convention of a `Generation` (rows = prompts x samples, prompt-major):
+  tokens[r, :lengths[r]] are the generated tokens (the last one is the stop id if the row
+  stopped on one); tokens[r, lengths[r]:] == 0 (pad id 0).
+  logprobs[r, t] is log p(tokens[r, t] | prompt, tokens[r, :t]) under the policy at
+  temperature 1 over the full vocabulary, whatever temperature/top-k/top-p sampled it;
+  0 at padding.
+"""
+
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from ebpo_jax.sampler import selection
+
+PAD_ID = 0
+ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
+
+
+class Sampling(NamedTuple):
+    """How a token is chosen from the logits; temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+
+
+class SamplerSpec(NamedTuple):
+    """Everything static about one `generate` call (hashable: one jit per spec).
+
+    Limits: max_new_tokens N per row, stop ids. Slots: rows decoded at once (0 or >= rows:
+    every row at once, the static batch; fewer: a slot is refilled as its row ends). Pages:
+    the KV cache is `kv_pages` pages of `page_size` tokens over all data shards (0 = enough
+    for every slot's longest row, so admission never waits).
+    """
+
+    max_new_tokens: int
+    num_samples: int = 1
+    eos_ids: tuple = ()  # stop ids (an int or None are accepted too)
+    sampling: Sampling = Sampling()
+    slots: int = 0
+    page_size: int = 16
+    kv_pages: int = 0
+    attention: str = "auto"  # paged decode attention: sampler.attention.IMPLS or "auto"
+    # Mixture of experts: generate returns (Generation, routing), every input token's experts.
+    record_routing: bool = False
+
+
+class Generation(NamedTuple):
+    """Sampled completions; the module docstring gives the padding convention."""
+
+    tokens: jax.Array  # [rows, N] int32
+    logprobs: jax.Array  # [rows, N] float32
+    lengths: jax.Array  # [rows] int32, generated tokens including the stop id
+
+
+def check_int(name, value, minimum):
+    """ValueError unless `value` is an int >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def validated(spec: SamplerSpec, vocab_size: int) -> SamplerSpec:
+    """The spec with plain Python values, after one-line checks of every field."""
+    if not isinstance(spec, SamplerSpec):
+        raise TypeError(f"spec must be a sampler.SamplerSpec, got {type(spec).__name__}")
+    check_int("max_new_tokens", spec.max_new_tokens, 1)
+    check_int("num_samples", spec.num_samples, 1)
+    check_int("slots", spec.slots, 0)
+    check_int("page_size", spec.page_size, 1)
+    check_int("kv_pages", spec.kv_pages, 0)
+    if not isinstance(spec.record_routing, bool):
+        raise TypeError(f"record_routing must be a bool, got {spec.record_routing!r}")
+    if spec.attention not in ATTENTION_IMPLS:
+        raise ValueError(f"attention={spec.attention!r}; expected one of {ATTENTION_IMPLS}")
+    s = spec.sampling
+    eos = selection.validate_sampling(s.temperature, s.top_p, s.top_k, spec.eos_ids, vocab_size)
+    sampling = Sampling(float(s.temperature), int(s.top_k), float(s.top_p))
+    return spec._replace(eos_ids=eos, sampling=sampling)

@@ -1,0 +1,73 @@
+"""Draw one run's curves: `python experiments/plot_run.py WORKDIR [--out=FILE.png]` (or `make plot`).
+
+Reads `<WORKDIR>/metrics.jsonl` and writes a PNG (default `<WORKDIR>/curves.png`) with the
+training reward, held-out pass@1, entropy, KL to the reference, response length and the share
+of zero advantages against the step; prints the PNG's path. Works while the run trains.
+"""
+
+import argparse
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # a file, no display (pods, CI, ssh)
+import matplotlib.pyplot as plt
+
+from ebpo_jax import metrics as metrics_lib
+
+PANELS = (
+    ("reward/mean", "training reward (mean)"),
+    ("eval/pass@1", "held-out pass@1"),
+    ("actor/entropy", "entropy (nats / token)"),
+    ("actor/kl", "KL to the reference"),
+    ("response_length/mean", "response length (tokens)"),
+    ("adv/zero_frac", "zero-advantage share"),
+)
+
+
+def series(rows: list[dict], name: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the rows that have a finite `name`."""
+    points = [(r["step"], r[name]) for r in rows if r.get(name) is not None]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def plot(rows: list[dict], out: str, title: str) -> str:
+    """Write the six panels of `rows` (metrics.jsonl records) to `out`; returns `out`."""
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), constrained_layout=True)
+    for ax, (name, label) in zip(axes.flat, PANELS):
+        steps, values = series(rows, name)
+        marker = "o" if name.startswith("eval/") else None
+        ax.plot(steps, values, marker=marker, markersize=3, linewidth=1.2)
+        ax.set_title(label, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if not steps:
+            ax.text(0.5, 0.5, f"no {name} yet", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(title, fontsize=10)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workdir", help="a run's folder (the one holding metrics.jsonl)")
+    parser.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
+    args = parser.parse_args(argv)
+    path = os.path.join(args.workdir, metrics_lib.METRICS_FILE)
+    if not os.path.isfile(path):
+        print(f"error: {path} does not exist (not a run's workdir?)", file=sys.stderr)
+        return 2
+    rows = metrics_lib.read_metrics(path)
+    if not rows:
+        print(f"error: {path} has no rows yet", file=sys.stderr)
+        return 2
+    out = args.out or os.path.join(args.workdir, "curves.png")
+    title = f"{os.path.abspath(args.workdir)}: steps 0-{rows[-1]['step']}"
+    print(plot(rows, out, title))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""experiments/plot_run.py: one run's curves as a PNG, its path printed; one-line errors."""
+
+import json
+import os
+import sys
+
+import matplotlib.image
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "experiments"))
+import plot_run
+
+
+def test_plot_writes_a_png_of_the_six_curves_and_prints_its_path(tmp_path, capsys):
+    rows = [{"step": 0, "eval/pass@1": 0.25}]
+    for s in range(1, 6):
+        row = {n: 0.1 * s for n, _ in plot_run.PANELS if n != "eval/pass@1"}
+        rows.append({"step": s, **row, "actor/kl": None})  # a skipped value is left out
+    rows[-1]["eval/pass@1"] = 0.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_run.main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == str(tmp_path / "curves.png")
+    image = matplotlib.image.imread(out)
+    assert image.shape[0] > 500 and image.shape[1] > 1000
+    assert plot_run.series(rows, "eval/pass@1") == ([0, 5], [0.25, 0.5])
+    assert plot_run.series(rows, "actor/kl") == ([], [])
+
+
+def test_not_a_workdir_is_a_one_line_error(tmp_path, capsys):
+    assert plot_run.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1

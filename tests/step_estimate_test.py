@@ -1,0 +1,122 @@
+"""The paged decode estimate of aot_report against hand computations, and the issue-29 table."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from ebpo_jax import aot_report as aot
+from ebpo_jax.hardware import ChipSpec
+
+
+def test_paged_schedule_by_hand():
+    """Rows of 3, 1, 2 tokens in 2 slots, prompts of 10, pages of 4, kernel blocks of 8.
+
+    Step 0: row 0 live at 11 tokens (row 1 ended at prefill); step 1: rows 0 and 2 at 12 and
+    11. Reads round up to 16 each; own pages: 3 minus the 2 full prompt pages, per row.
+    """
+    sched = aot._paged_schedule(np.array([[3, 1, 2]]), 2, 10, 4, 8)
+    np.testing.assert_array_equal(sched.live_SD[:, 0], [1, 2])
+    np.testing.assert_array_equal(sched.kv_SD[:, 0], [11, 23])
+    np.testing.assert_array_equal(sched.read_SD[:, 0], [16, 32])
+    np.testing.assert_array_equal(sched.pages_SD[:, 0], [1, 2])
+
+
+def test_decode_step_is_a_roofline_by_hand():
+    spec = ChipSpec("x", 0, peak_flops=100.0, hbm_bandwidth=10.0, cores_in_name=1, torus_dims=2)
+    cost = aot.DecodeCost(weight_bytes=100, kv_token_bytes=2, row_flops=10, kv_token_flops=1)
+    # 2 rows reading 16 tokens: (100 + 32) / 10 s of traffic against (20 + 11) / 100 s of compute.
+    assert cost.seconds(spec, 2, 16, 11) == pytest.approx(13.2)
+    # 1000 rows: compute bound, (10000 + 50) / 100.
+    assert cost.seconds(spec, 1000, 0, 50) == pytest.approx(100.5)
+
+
+def test_decode_cost_of_a_model_by_hand():
+    from ebpo_jax import models
+
+    mc = models.get_config("qwen3_8b")
+    cost = aot.decode_cost(mc, tp=4)
+    # 36 layers x 8 kv heads x 128 dims x (K, V) x 2 bytes, over 4 chips.
+    assert cost.kv_token_bytes == 36 * 8 * 128 * 2 * 2 / 4
+    assert cost.weight_bytes == 2 * aot.total_params(mc) / 4
+    assert cost.kv_token_flops == 4 * 36 * 32 * 128 / 4
+
+
+def _qwen3_8b_aot(slots: int, **sampler):
+    spec = importlib.util.spec_from_file_location("qwen3_8b", "configs/qwen3_8b.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    config = module.get_config("aot")
+    config.unlock()
+    config.sampler.slots = slots
+    config.sampler.update(sampler)
+    return config
+
+
+def test_static_paged_decode_equals_a_step_by_step_sum():
+    """Every row at the limit, a slot per row: L - 1 steps, all rows live, summed by hand."""
+    from ebpo_jax import models
+
+    config = _qwen3_8b_aot(0, max_new_tokens=100, prompts_per_call=16, page_size=4)
+    config.prompts_per_step = 16
+    mc = models.get_config("qwen3_8b")
+    hw = aot.CHIPS["v5p"]
+    lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
+    est = aot.step_time_estimate(config, mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths)
+    cost, rows, block = aot.decode_cost(mc, 4), 16 * 4 // 2, est["paged"]["kernel_block_tokens"]
+    assert block == 16 * 4  # pages of 4 tokens, at most 16 pages per kernel block
+    want = 0.0
+    for t in range(1, 100):  # token t + 1 is written at decode step t
+        kv = 10 + t
+        read = -(-kv // block) * block
+        traffic = (cost.weight_bytes + rows * read * cost.kv_token_bytes) / hw.hbm_bandwidth
+        compute = rows * (cost.row_flops + kv * cost.kv_token_flops) / hw.peak_flops
+        want += max(traffic, compute)
+    assert est["decode_s_after"] == pytest.approx(want, rel=1e-9)
+    assert est["paged"]["steps"] == 99 and est["paged"]["concurrent_rows"] == 64
+    assert est["step_s_after"] == pytest.approx(want + est["update_s_after_packed"])
+    assert any("slowest data shard" in a for a in est["assumptions"])
+
+
+@pytest.mark.slow
+def test_issue_29_slots_table():
+    """Qwen3-8B on v5p-64: today's blocked decode and the ideal per-row decode by slots."""
+    from ebpo_jax import models
+
+    mc = models.get_config("qwen3_8b")
+    table = {256: (125, 60), 512: (125, 46), 1024: (133, 38), 2048: (245, 34)}
+    for slots, (blocked, ideal) in table.items():
+        est = aot.step_time_estimate(
+            _qwen3_8b_aot(slots, page_size=128), mc, aot.CHIPS["v5p"], prompt_len=4096,
+            shards=8, tp=4,
+        )  # fmt: skip
+        assert round(est["decode_s_slots_blocked"]) == blocked
+        assert round(est["decode_s_ragged_ideal"]) == ideal
+        # The kernel rounds rows up to its blocks: a little above the ideal, far below blocked.
+        assert ideal < est["decode_s_after"] < 1.2 * ideal
+
+
+def test_paged_report_fields_by_hand():
+    """Pool bytes per chip and the pages HBM would hold beside the train state, by hand."""
+    from types import SimpleNamespace
+
+    from ebpo_jax import aot as aot_compile
+    from ebpo_jax import models
+
+    mc = models.get_config("qwen3_8b", dtype="bfloat16")
+    page = aot_compile.page_bytes_per_chip(mc, 128, tp=4)
+    assert page == 128 * (2 * 8 // 4) * 128 * 36 * 2  # tokens x kv heads per chip x dim x layers
+    plan = SimpleNamespace(pages=1000, shards=8, slots=256, rows=256, impl="pallas_tpu")
+    spec = SimpleNamespace(page_size=128)
+    mesh = SimpleNamespace(shape={"data": 8, "tp": 4})
+    gib = 2**30
+    report = lambda name, args, peak: aot.ProgramReport(
+        name, "", args, 0, 0, peak - args, 0, 95 * gib, 0.0, 1.0
+    )
+    reports = [report("train update", 4 * gib, 17 * gib), report("sampler decode", 0, 30 * gib)]
+    meta = aot_compile.paged_meta(plan, spec, mc, mesh, reports)
+    assert meta["kv_pages"] == 8000 and meta["concurrent_rows"] == 2048
+    assert meta["pool_gib_per_chip"] == pytest.approx(1000 * page / gib)
+    assert meta["decode_peak_with_train_state_gib_per_chip"] == pytest.approx(34)
+    assert meta["headroom_gib_per_chip"] == pytest.approx(95 - 4 - 30)
+    assert "2048 of 2048 rows at once" in aot.paged_lines({"paged": meta})[0]
