@@ -306,6 +306,7 @@ def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
     assert with_replay <= 1e-6
 
 
+@pytest.mark.slow
 def test_routing_replay_with_few_slots_and_a_short_page_pool():
     from ebpo_jax import sampler
 
