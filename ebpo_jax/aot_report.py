@@ -119,22 +119,30 @@ def libtpu_available() -> str | None:
 # ---------------------------------------------------------------- analytic FLOPs
 
 
+def _ffn_params(mc, active: bool) -> int:
+    """Feed-forward matmul parameters of all layers; of a mixture of experts, the router and
+    the k experts a token runs (`active`) or all of them."""
+    D, L = mc.hidden_size, mc.num_layers
+    sparse = mc.num_sparse_layers if getattr(mc, "is_moe", False) else 0
+    dense = (L - sparse) * 3 * D * mc.intermediate_size
+    if not sparse:
+        return dense
+    experts = mc.num_experts_per_tok if active else mc.num_experts
+    return dense + sparse * (D * mc.num_experts + experts * 3 * D * mc.moe_intermediate_size)
+
+
 def matmul_params(mc) -> dict[str, int]:
-    """Matmul parameter counts: per layer (attention + MLP) and the output head."""
-    D, H, K, Dh, F = (
-        mc.hidden_size,
-        mc.num_heads,
-        mc.num_kv_heads,
-        mc.head_dim,
-        mc.intermediate_size,
-    )
-    per_layer = D * Dh * (2 * H + 2 * K) + 3 * D * F
-    return {"layers": mc.num_layers * per_layer, "head": D * mc.vocab_size}
+    """Matmul parameter counts a token runs through: layers (attention + MLP or its active
+    experts) and the output head."""
+    D, H, K, Dh = mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    attn = mc.num_layers * D * Dh * (2 * H + 2 * K)
+    return {"layers": attn + _ffn_params(mc, active=True), "head": D * mc.vocab_size}
 
 
 def total_params(mc) -> int:
     """Every parameter, embeddings included (norms too), as a count."""
     m = matmul_params(mc)
+    m["layers"] += _ffn_params(mc, active=False) - _ffn_params(mc, active=True)
     norms = mc.num_layers * (2 * mc.hidden_size + (2 * mc.head_dim if mc.qk_norm else 0))
     embed = mc.vocab_size * mc.hidden_size
     head = 0 if mc.tie_word_embeddings else m["head"]

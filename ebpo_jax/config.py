@@ -95,6 +95,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.model.lora.targets = "q,k,v,o,gate,up,down"  # any of these, comma-separated
     # The frozen base's storage: "" = model param_dtype, float32, bfloat16, or QLoRA's int8 / nf4.
     c.model.lora.base_dtype = ""
+    # Mixture-of-experts policies (a qwen3_moe preset or checkpoint): routing replay records
+    # the experts the sampler chose for every token and makes the update (and the old
+    # log-prob recompute) use them; lb_coef weights the router load-balancing loss.
+    c.model.moe = ml_collections.ConfigDict()
+    c.model.moe.routing_replay = False
+    c.model.moe.lb_coef = 0.0
 
     # Math data (ebpo_jax.data); path "" = the synthetic arithmetic tasks of `task` below.
     c.data = data_config()

@@ -31,7 +31,10 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_heads", "tp"),
     ("head_dim", None),
     ("norm", None),
-    ("lora_rank", None),  # LoRA adapters' rank dim: small, never split
+    ("lora_rank", None),
+    ("expert", "fsdp"),  # expert parallelism: MoE experts split over the FSDP axis
+    ("moe_mlp", "tp"),
+    ("router", None),  # LoRA adapters' rank dim: small, never split
     ("act_embed", None),
     ("act_mlp", "tp"),
     ("act_heads", "tp"),

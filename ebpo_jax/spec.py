@@ -42,6 +42,7 @@ class RolloutSpec:
     turn_tokens: int = 0  # tokens per model turn; 0 = max_new_tokens
     env_workers: int = 2  # environment worker processes (0 = in process)
     env_timeout_s: float = 10.0  # per environment call
+    routing_replay: bool = False  # record each token's experts (mixture of experts)
 
     @property
     def rounds(self) -> int:
@@ -88,6 +89,8 @@ class UpdateSpec:
     is_low: float
     is_high: float
     lora: Any = None  # models.lora.LoraSpec: params are adapters on a frozen base; None = full
+    routing_replay: bool = False  # forwards replay the rollout's recorded experts
+    lb_coef: float = 0.0  # router load-balancing loss weight (mixture of experts)
 
     @property
     def updates(self) -> int:
@@ -216,6 +219,7 @@ def rollout_spec(c) -> RolloutSpec:
         turn_tokens=int(c.rollout.get("turn_tokens", 0)),
         env_workers=int(c.rollout.get("env_workers", 2)),
         env_timeout_s=float(c.rollout.get("env_timeout_s", 10.0)),
+        routing_replay=bool(c.model.get("moe", {}).get("routing_replay", False)),
     )
 
 
@@ -259,6 +263,8 @@ def update_spec(c) -> UpdateSpec:
         is_low=float(lc.is_low),
         is_high=float(lc.is_high),
         lora=lora_spec(c),
+        routing_replay=bool(c.model.get("moe", {}).get("routing_replay", False)),
+        lb_coef=float(c.model.get("moe", {}).get("lb_coef", 0.0)),
     )
 
 

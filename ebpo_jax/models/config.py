@@ -5,7 +5,8 @@ from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _REMAT = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
-_MODEL_TYPES = ("llama", "qwen3")
+_MODEL_TYPES = ("llama", "qwen3", "qwen3_moe")
+_MOE_IMPLS = ("xla", "megablox", "auto")
 _ATTENTION = ("xla", "splash", "cudnn", "auto")
 
 
@@ -41,6 +42,17 @@ class ModelConfig:
     attention: str = "xla"
     # (logical axis, mesh axes) pairs replacing ebpo_jax.sharding.DEFAULT_RULES; None = default.
     sharding_rules: tuple[tuple[str, Any], ...] | None = None
+    # Mixture of experts (Qwen3-MoE; num_experts 0 = dense): HF's field meanings. A layer i
+    # is sparse when i is not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # Grouped matmul of the experts (models/gmm.py): "xla" ragged_dot, "megablox" (Pallas,
+    # TPU), "auto" (megablox when compiling for TPU, else xla).
+    moe_impl: str = "xla"
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
@@ -76,9 +88,68 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        self._check_moe()
         rope_type = self.rope_scaling_dict.get("rope_type", "default")
         if rope_type not in ("default", "llama3"):
             raise ValueError(f"rope_type={rope_type!r} unsupported; expected 'default' or 'llama3'")
+
+    def _check_moe(self):
+        if self.moe_impl not in _MOE_IMPLS:
+            raise ValueError(
+                f"ModelConfig.moe_impl={self.moe_impl!r}; expected one of {_MOE_IMPLS}"
+            )
+        if (self.model_type == "qwen3_moe") != (self.num_experts > 0):
+            raise ValueError(
+                f"model_type={self.model_type!r} with num_experts={self.num_experts}: "
+                "qwen3_moe needs num_experts >= 1, the dense types 0"
+            )
+        if not self.num_experts:
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, "
+                f"num_experts={self.num_experts}]"
+            )
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError(
+                f"moe_intermediate_size={self.moe_intermediate_size} and decoder_sparse_step="
+                f"{self.decoder_sparse_step} must be >= 1"
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layers of {self.num_layers}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer "moe" or "dense" (HF Qwen3MoeDecoderLayer's rule)."""
+        return tuple(
+            "moe"
+            if self.is_moe
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            else "dense"
+            for i in range(self.num_layers)
+        )
+
+    @property
+    def layer_runs(self) -> tuple[tuple[str, int, int, int], ...]:
+        """Maximal runs of one layer kind: (kind, first layer, end layer, index in its stack)."""
+        kinds, runs, start, done = self.layer_kinds, [], 0, {"moe": 0, "dense": 0}
+        for i in range(1, self.num_layers + 1):
+            if i == self.num_layers or kinds[i] != kinds[start]:
+                runs.append((kinds[start], start, i, done[kinds[start]]))
+                done[kinds[start]] += i - start
+                start = i
+        return tuple(runs)
+
+    @property
+    def num_sparse_layers(self) -> int:
+        return self.layer_kinds.count("moe")
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any]:
@@ -118,6 +189,25 @@ _QWEN3 = {
     "dtype": "bfloat16",
     "remat": "dots_with_no_batch_dims_saveable",
 }
+_QWEN3_MOE = dict(_QWEN3, model_type="qwen3_moe", norm_topk_prob=True)
+_TINY_MOE = dict(
+    _QWEN3_MOE,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=192,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    max_position_embeddings=512,
+    param_dtype="float32",
+    dtype="float32",
+    remat="none",
+)
 _LLAMA31_SCALING = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -155,6 +245,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="float32",
         remat="none",
     ),
+    # Every layer sparse, k * moe_intermediate_size = the tiny default's intermediate_size
+    # (configs/tiny.py overrides the rest): the CPU MoE policy.
+    "tiny_moe": _TINY_MOE,
+    # Layer 0 dense, then sparse every other layer: the mixed layout's scan runs.
+    "tiny_moe_mixed": dict(_TINY_MOE, num_layers=4, decoder_sparse_step=2, mlp_only_layers=(0,)),
     "llama3_8b": _LLAMA3_8B,
     "llama3_1_8b": dict(_LLAMA3_8B, rope_scaling=_LLAMA31_SCALING, max_position_embeddings=131072),
     "qwen3_0_6b": dict(
@@ -187,6 +282,18 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=17408,
         num_layers=40,
         num_heads=40,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_30b_a3b": dict(
+        _QWEN3_MOE,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
         tie_word_embeddings=False,
     ),
 }

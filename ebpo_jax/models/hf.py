@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 from contextlib import ExitStack
 
 import jax
@@ -16,7 +17,11 @@ from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.model import abstract_params
 
-_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 # Floating safetensors dtypes we convert exactly enough; quantised ones (I8, F8_*) are refused.
 _LOADABLE = ("F64", "F32", "BF16", "F16")
@@ -24,7 +29,8 @@ _INDEX = "model.safetensors.index.json"
 
 # Our param path -> (HF tensor name, layout). Layouts: "same"; "linear" (HF [out, in] is our
 # [in, out]); "heads_in" (HF [N*Dh, D] is our [D, N, Dh]); "heads_out" (HF [D, H*Dh] is our
-# [H, Dh, D]). Names with {i} are stacked over layers on our side.
+# [H, Dh, D]). Names with {i} are stacked over layers on our side (over the sparse / dense
+# layers for the `moe` / `dense_mlp` stacks of a mixture of experts), {e} over experts.
 _TENSORS = {
     ("embed",): ("model.embed_tokens.weight", "same"),
     ("final_norm", "scale"): ("model.norm.weight", "same"),
@@ -40,7 +46,48 @@ _TENSORS = {
     ("layers", "mlp", "gate"): ("model.layers.{i}.mlp.gate_proj.weight", "linear"),
     ("layers", "mlp", "up"): ("model.layers.{i}.mlp.up_proj.weight", "linear"),
     ("layers", "mlp", "down"): ("model.layers.{i}.mlp.down_proj.weight", "linear"),
+    ("dense_mlp", "gate"): ("model.layers.{i}.mlp.gate_proj.weight", "linear"),
+    ("dense_mlp", "up"): ("model.layers.{i}.mlp.up_proj.weight", "linear"),
+    ("dense_mlp", "down"): ("model.layers.{i}.mlp.down_proj.weight", "linear"),
+    ("moe", "router"): ("model.layers.{i}.mlp.gate.weight", "linear"),
+    ("moe", "gate"): ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "linear"),
+    ("moe", "up"): ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", "linear"),
+    ("moe", "down"): ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", "linear"),
 }
+_MOE_FIELDS = (
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+)
+
+
+def _layer_ids(config: ModelConfig, stack: str) -> list[int] | None:
+    """HF layer index of each row of a stacked param (None: not stacked over layers)."""
+    kinds = config.layer_kinds
+    if stack == "layers":
+        return list(range(config.num_layers))
+    if stack in ("moe", "dense_mlp"):
+        want = "moe" if stack == "moe" else "dense"
+        return [i for i, kind in enumerate(kinds) if kind == want]
+    return None
+
+
+def _hf_tensors(config: ModelConfig, ours: tuple, shape: tuple):
+    """[(HF tensor name, index into our array, our per-tensor shape)] for one param."""
+    name, _ = _TENSORS[ours]
+    ids = _layer_ids(config, ours[0])
+    if ids is None:
+        return [(name, (), tuple(shape))]
+    out = []
+    for row, i in enumerate(ids):
+        if "{e}" in name:
+            out += [(name.format(i=i, e=e), (row, e), tuple(shape[2:])) for e in range(shape[1])]
+        else:
+            out.append((name.format(i=i), (row,), tuple(shape[1:])))
+    return out
 
 
 def _hf_shape(layout, shape):
@@ -142,12 +189,28 @@ def config_from_hf_dict(hf: dict, *, dtype=None, source="config.json") -> ModelC
         rope_scaling=tuple(sorted(rope.items())) if rope_type == "llama3" else None,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         model_type=model_type,
+        **_moe_from_hf(hf, model_type),
         param_dtype=dtype,
         dtype=dtype,
         max_position_embeddings=hf.get("max_position_embeddings", 8192),
     )
+
+
+def _moe_from_hf(hf: dict, model_type: str) -> dict:
+    """The ModelConfig MoE fields of a qwen3_moe config.json ({} for dense types)."""
+    if model_type != "qwen3_moe":
+        return {}
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": hf["num_experts_per_tok"],
+        "moe_intermediate_size": hf["moe_intermediate_size"],
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)),
+        "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+    }
 
 
 def config_to_hf_dict(config: ModelConfig, dtype: str) -> dict:
@@ -176,6 +239,10 @@ def config_to_hf_dict(config: ModelConfig, dtype: str) -> dict:
     }
     if config.model_type == "llama":
         out["mlp_bias"] = False
+    if config.is_moe:
+        out.update({f: getattr(config, f) for f in _MOE_FIELDS})
+        out["mlp_only_layers"] = list(config.mlp_only_layers)
+        out["use_sliding_window"] = False
     return out
 
 
@@ -290,26 +357,26 @@ def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfi
         reader = _Reader(path, stack)
         # Refuse tensors we would drop (biases, extra modules) before reading any weights.
         known = {"model.layers.{i}.self_attn.rotary_emb.inv_freq", "lm_head.weight"}
-        patterns = [name.split("{i}") for name in known | {_TENSORS[p][0] for p in paths}]
+        names = known | {_TENSORS[p][0] for p in paths}
+        pattern = re.compile(
+            "|".join(
+                re.escape(n).replace(r"\{i\}", r"\d+").replace(r"\{e\}", r"\d+") for n in names
+            )
+        )
         for name in reader.weight_map:
-            if not any(name.startswith(p[0]) and name.endswith(p[-1]) for p in patterns):
+            if not pattern.fullmatch(name):
                 raise HFCheckpointError(
                     f"{path}: unexpected tensor {name} ({reader.weight_map[name]})"
                 )
         out = []
         for ours, leaf, placement in zip(paths, leaves, placements):
-            name, layout = _TENSORS[ours]
-            if ours[0] == "layers":
-                # Fill the stacked array layer by layer: one HF tensor in flight at a time.
-                stacked = np.empty(leaf.shape, np_dtype)
-                hf_shape = _hf_shape(layout, leaf.shape[1:])
-                for i in range(config.num_layers):
-                    w = reader.read(name.format(i=i), hf_shape, np_dtype)
-                    stacked[i] = _from_hf_layout(layout, w, leaf.shape[1:])
-                out.append(jax.device_put(stacked, placement))
-            else:
-                w = reader.read(name, _hf_shape(layout, leaf.shape), np_dtype)
-                out.append(jax.device_put(_from_hf_layout(layout, w, leaf.shape), placement))
+            layout = _TENSORS[ours][1]
+            # Fill a stacked array tensor by tensor: one HF tensor in flight at a time.
+            array = np.empty(leaf.shape, np_dtype)
+            for name, where, shape in _hf_tensors(config, ours, leaf.shape):
+                w = reader.read(name, _hf_shape(layout, shape), np_dtype)
+                array[where] = _from_hf_layout(layout, w, shape)
+            out.append(jax.device_put(array, placement))
     return config, jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -336,13 +403,10 @@ def to_hf(
 
     def tensors():
         for ours, (_, leaf) in zip(expected, flat):
-            name, layout = _TENSORS[ours]
+            layout = _TENSORS[ours][1]
             w = np.asarray(jax.device_get(leaf)).astype(np_dtype)
-            if ours[0] == "layers":
-                for i in range(config.num_layers):
-                    yield name.format(i=i), np.ascontiguousarray(_to_hf_layout(layout, w[i]))
-            else:
-                yield name, np.ascontiguousarray(_to_hf_layout(layout, w))
+            for name, where, _ in _hf_tensors(config, ours, w.shape):
+                yield name, np.ascontiguousarray(_to_hf_layout(layout, w[where]))
 
     # Shards are flushed as they fill, so only one shard is held in host memory; their final
     # names (…-of-N) are known only at the end.

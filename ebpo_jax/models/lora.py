@@ -153,6 +153,11 @@ def init_adapters(config: ModelConfig, spec: LoraSpec, rng) -> nnx.State:
     B = 0 makes the adapted model exactly the base at step 0. Jit-able (shapes are static).
     """
     L, r, shapes = config.num_layers, spec.rank, _shapes(config)
+    mlp = [t for t in spec.targets if TARGETS[t][0] == "mlp"]
+    if config.is_moe and mlp:
+        raise ValueError(
+            f"lora targets {mlp}: a mixture-of-experts model adapts attention only (q, k, v, o)"
+        )
     keys = jax.random.split(rng, len(spec.targets))
     tree: dict = {}
     for key, t in zip(keys, spec.targets):
@@ -221,8 +226,9 @@ def merge(params, adapters, spec: LoraSpec, dtype=None):
 
 
 def _projection_vars(params):
-    """[(group, name, Param)] for the seven projections of the stacked layers."""
-    return [(g, n, params["layers"][g][n]) for g, n, _ in TARGETS.values()]
+    """[(group, name, Param)] for the projections of the stacked layers (attention only for MoE)."""
+    layers = params["layers"]
+    return [(g, n, layers[g][n]) for g, n, _ in TARGETS.values() if g in layers]
 
 
 def quantize_base(params, spec: LoraSpec):
@@ -235,7 +241,9 @@ def quantize_base(params, spec: LoraSpec):
     import qwix  # the [lora] extra; only QLoRA needs it
 
     out = jax.tree.map(lambda x: x, params)
-    for (group, name, n_in), (_, _, var) in zip(TARGETS.values(), _projection_vars(params)):
+    n_inputs = {(g, n): n_in for g, n, n_in in TARGETS.values()}
+    for group, name, var in _projection_vars(params):
+        n_in = n_inputs[group, name]
         w = var.get_value()
         out_axes = (0, *range(1 + n_in, w.ndim))
         tiled = {}

@@ -12,6 +12,7 @@ from ebpo_jax import sharding
 from ebpo_jax.models import attention, decode
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.modules import Decoder, rope_cos_sin
+from ebpo_jax.models.moe import MoE
 
 _REMAT_POLICIES = {
     "full": None,
@@ -25,6 +26,17 @@ def graphdefs(config: ModelConfig):
     """(decoder graphdef, stacked-block graphdef) for `config`, built without allocating."""
     abstract = nnx.eval_shape(lambda: Decoder(config))
     return nnx.graphdef(abstract), nnx.graphdef(abstract.layers)
+
+
+_FFN_STACKS = {"moe": "moe", "dense": "dense_mlp"}
+
+
+@functools.lru_cache(maxsize=64)
+def _ffn_graphdefs(config: ModelConfig) -> dict:
+    """kind -> graphdef of a mixture-of-experts config's per-kind feed-forward stack."""
+    abstract = nnx.eval_shape(lambda: Decoder(config))
+    stacks = {kind: getattr(abstract, name) for kind, name in _FFN_STACKS.items()}
+    return {kind: nnx.graphdef(m) for kind, m in stacks.items() if m is not None}
 
 
 def _randomize(state, rng, stddev=0.02):
@@ -107,19 +119,91 @@ def _head(config, params, x_BTD, return_hidden):
     return sharding.constrain(logits_BTV, ("batch", "seq", "act_vocab"), config.sharding_rules)
 
 
-def _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend):
-    """One layer; `attend(attn, q, k, v) -> [B, T, D]` is the attention over the new q/k/v."""
-    q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), cos_BTd, sin_BTd)
+def _block_step(config, block, ffn, x_BTD, rope, attend, mask_BT=None, replay_BTk=None):
+    """One layer: (x, route); `attend(attn, q, k, v) -> [B, T, D]` mixes the new q/k/v.
+
+    `ffn` is the layer's MLP, or its MoE (then `route` is its routing, see models/moe.py).
+    """
+    q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), *rope)
     x_BTD = x_BTD + attend(block.attn, q_BTHd, k_BTKd, v_BTKd)
-    return _residual(config, x_BTD + block.mlp(block.mlp_norm(x_BTD)))
+    h_BTD = block.mlp_norm(x_BTD)
+    if isinstance(ffn, MoE):
+        y_BTD, route = ffn(h_BTD, mask_BT, replay_BTk)
+    else:
+        y_BTD, route = ffn(h_BTD), None
+    return _residual(config, x_BTD + y_BTD), route
+
+
+def _rows(tree, start, stop, total):
+    """Rows [start, stop) of every leaf (the tree itself when that is all of them)."""
+    if tree is None or (start == 0 and stop == total):
+        return tree
+    return jax.tree.map(lambda a: a[start:stop], tree)
+
+
+def _concat(parts):
+    if not parts or parts[0] is None:
+        return None
+    return parts[0] if len(parts) == 1 else jax.tree.map(lambda *a: jnp.concatenate(a), *parts)
+
+
+def _over_layers(config, params, layer_fn, carry, replay=None):
+    """(carry, ys over all layers, routes over sparse layers) by one scan per run of a kind.
+
+    `layer_fn(carry, block, ffn, replay) -> (carry, (y, route))`. A dense model is one run;
+    a mixed MoE one scans each run of consecutive same-kind layers (config.layer_runs),
+    slicing its layers out of the all-layer and per-kind stacks. `replay` (a tree of
+    [num_sparse_layers, ...] arrays) is sliced the same way for the sparse runs.
+    """
+    block_def = graphdefs(config)[1]
+    L, Ls = config.num_layers, config.num_sparse_layers
+    ys, routes = [], []
+    for kind, start, stop, first in config.layer_runs:
+        n = stop - start
+        xs = {"block": _rows(params["layers"], start, stop, L)}
+        if config.is_moe:
+            total = Ls if kind == "moe" else L - Ls
+            xs["ffn"] = _rows(params[_FFN_STACKS[kind]], first, first + n, total)
+        if kind == "moe" and replay is not None:
+            xs["replay"] = _rows(replay, first, first + n, Ls)
+
+        def body(carry, xs, kind=kind):
+            block = nnx.merge(block_def, xs["block"])
+            ffn = nnx.merge(_ffn_graphdefs(config)[kind], xs["ffn"]) if "ffn" in xs else block.mlp
+            return layer_fn(carry, block, ffn, xs.get("replay"))
+
+        unroll = min(config.scan_unroll, n)
+        carry, (y, route) = jax.lax.scan(_remat(config, body), carry, xs, unroll=unroll)
+        ys.append(y)
+        if kind == "moe":
+            routes.append(route)
+    return carry, _concat(ys), _concat(routes)
+
+
+def _check_replay(config, routing, shape, name="routing"):
+    if routing is None:
+        return
+    if not config.is_moe:
+        raise ValueError(f"{name} (routing replay) needs a mixture-of-experts config")
+    _check_shape(name, routing, (config.num_sparse_layers, *shape, config.num_experts_per_tok))
 
 
 def _layer_scan(
-    config, params, tokens_BT, positions, mask, *, with_kv=False, segment_ids=None, prefix_ids=None
+    config,
+    params,
+    tokens_BT,
+    positions,
+    mask,
+    *,
+    with_kv=False,
+    segment_ids=None,
+    prefix_ids=None,
+    routing=None,
 ):
-    """Embedding and the layer scan of `forward`: (x [B, T, D], per-layer k/v [L, B, T, K, d])."""
+    """Embedding and the layer scans of `forward`: (x [B, T, D], k/v [L, B, T, K, d], route)."""
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
+    _check_replay(config, routing, (B, T))
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
     if segment_ids is not None:
         if mask is not None:
@@ -133,27 +217,22 @@ def _layer_scan(
     mask_BT = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     _check_shape("positions", positions_BT, (B, T))
     _check_shape("mask", mask_BT, (B, T))
-    cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
+    rope = rope_cos_sin(config, positions_BT)
     attend = attention.make_attend(config, mask_BT, segment_ids, prefix_ids)
-    block_def = graphdefs(config)[1]
 
-    def layer(x_BTD, layer_params):
-        block = nnx.merge(block_def, layer_params)
+    def layer(x_BTD, block, ffn, replay_BTk):
         kv = []
 
         def attend_keeping_kv(attn, q_BTHd, k_BTKd, v_BTKd):
             kv.extend([k_BTKd, v_BTKd])
             return attend(attn, q_BTHd, k_BTKd, v_BTKd)
 
-        x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend_keeping_kv)
-        return x_BTD, (tuple(kv) if with_kv else None)
+        x_BTD, route = _block_step(
+            config, block, ffn, x_BTD, rope, attend_keeping_kv, mask_BT, replay_BTk
+        )
+        return x_BTD, ((tuple(kv) if with_kv else None), route)
 
-    return jax.lax.scan(
-        _remat(config, layer),
-        _embed(config, params, tokens_BT),
-        params["layers"],
-        unroll=min(config.scan_unroll, config.num_layers),
-    )
+    return _over_layers(config, params, layer, _embed(config, params, tokens_BT), routing)
 
 
 def forward(
@@ -166,32 +245,50 @@ def forward(
     return_hidden=False,
     segment_ids=None,
     prefix_ids=None,
+    routing=None,
+    with_router=False,
 ):
     """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked.
 
     Packed rows: `segment_ids` [B, T] int (0 = padding) confine attention to a query's own
     segment, `prefix_ids` [B, T] (XLA attention only) also open segment prefix_ids[b, t] to
     it, and `positions` [B, T] restart per sequence (trainer/packing.py builds all three).
+    Mixture of experts: `routing` [sparse layers, B, T, k] replays recorded experts;
+    `with_router` returns (out, route): route["experts"] [sparse layers, B, T, k] compact
+    ints and per-layer router stats [sparse layers] ("lb_loss", "load_max", "entropy").
     """
-    x_BTD, _ = _layer_scan(
-        config, params, tokens_BT, positions, mask, segment_ids=segment_ids, prefix_ids=prefix_ids
+    x_BTD, _, route = _layer_scan(
+        config,
+        params,
+        tokens_BT,
+        positions,
+        mask,
+        segment_ids=segment_ids,
+        prefix_ids=prefix_ids,
+        routing=routing,
     )
-    return _head(config, params, x_BTD, return_hidden)
+    out = _head(config, params, x_BTD, return_hidden)
+    return (out, route) if with_router else out
 
 
-def prefill(config: ModelConfig, params, tokens_BT, *, mask, cache_size: int, logits_at):
+def prefill(
+    config: ModelConfig, params, tokens_BT, *, mask, cache_size: int, logits_at, with_router=False
+):
     """Whole prompts at slots [0, T): (logits [B, V] at time index logits_at[b], KV cache).
 
     The cache is init_cache's with the prompt's keys and values in slots [0, T), ready for
     forward_cached at start=T. Unlike forward_cached this is `forward`'s layer scan with its
     attention (splash where configured): XLA compiles one layer body, where a Python loop
     over 36 layers took ten minutes to compile for an 8B config, and held more memory.
+    `with_router`: also the prompt's route (as `forward`'s), a third output.
     """
     B, T = tokens_BT.shape
     if not T <= cache_size:
         raise ValueError(f"{T} prompt tokens do not fit a cache of {cache_size} slots")
     _check_shape("logits_at", logits_at, (B,))
-    x_BTD, (k_LBTKd, v_LBTKd) = _layer_scan(config, params, tokens_BT, None, mask, with_kv=True)
+    x_BTD, (k_LBTKd, v_LBTKd), route = _layer_scan(
+        config, params, tokens_BT, None, mask, with_kv=True
+    )
     x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
     logits_BV = _head(config, params, x_B1D, False)[:, 0]
     dtype = config.dtype
@@ -204,7 +301,7 @@ def prefill(config: ModelConfig, params, tokens_BT, *, mask, cache_size: int, lo
         name: tuple(layer_cache(x[layer]) for layer in range(config.num_layers))
         for name, x in (("k", k_LBTKd), ("v", v_LBTKd))
     }
-    return logits_BV, cache
+    return (logits_BV, cache, route) if with_router else (logits_BV, cache)
 
 
 def forward_grouped(
@@ -216,6 +313,8 @@ def forward_grouped(
     *,
     comp_len_B=None,
     return_hidden=False,
+    routing=None,
+    with_router=False,
 ):
     """Each prompt once, its G = B/P completions attending to it: (prompt out, completion out).
 
@@ -224,6 +323,9 @@ def forward_grouped(
     prompt's layers run once per group instead of G times. Out: [P, Tp, V] and [B, N, V]
     logits float32, or final-normed hidden [.., D]. comp_len_B masks completion keys.
     Attention is cuDNN's where configured, else XLA's (splash only does self-attention).
+    Mixture of experts: `routing` = (prompt [sparse layers, P, Tp, k], completion [.., B, N,
+    k]) replays recorded experts; `with_router` adds a third output, (prompt route,
+    completion route) as `forward`'s.
     """
     _check_tokens(config, prompt_PTp, "prompt_PTp")
     _check_tokens(config, comp_BN, "comp_BN")
@@ -240,11 +342,15 @@ def forward_grouped(
     attend_p, attend_c = attention.make_grouped_attend(
         config, prompt_len_P, comp_len_B, Tp=Tp, N=N, G=G
     )
-    block_def = graphdefs(config)[1]
+    if routing is not None:
+        _check_replay(config, routing[0], (P, Tp), "routing[0]")
+        _check_replay(config, routing[1], (B, N), "routing[1]")
+    prompt_mask_PT = jnp.arange(Tp)[None] < prompt_len_P[:, None]
+    comp_mask_BN = None if comp_len_B is None else jnp.arange(N)[None] < comp_len_B[:, None]
 
-    def layer(carry, layer_params):
+    def layer(carry, block, ffn, replay):
         xp_PTD, xc_BND = carry
-        block = nnx.merge(block_def, layer_params)
+        replay_p, replay_c = (None, None) if replay is None else replay
         prompt_kv = []
 
         def attend_prompt(attn, q_PTHd, k_PTKd, v_PTKd):
@@ -256,17 +362,16 @@ def forward_grouped(
             v_BSKd = jnp.concatenate([prompt_kv[1], v_BNKd], axis=1)
             return attend_c(attn, q_BNHd, k_BSKd, v_BSKd)
 
-        xp_PTD = _block_step(config, block, xp_PTD, *rope_p, attend_prompt)
-        xc_BND = _block_step(config, block, xc_BND, *rope_c, attend_comp)
-        return (xp_PTD, xc_BND), None
+        step = functools.partial(_block_step, config, block, ffn)
+        xp_PTD, route_p = step(xp_PTD, rope_p, attend_prompt, prompt_mask_PT, replay_p)
+        xc_BND, route_c = step(xc_BND, rope_c, attend_comp, comp_mask_BN, replay_c)
+        return (xp_PTD, xc_BND), (None, None if route_p is None else (route_p, route_c))
 
-    (xp_PTD, xc_BND), _ = jax.lax.scan(
-        _remat(config, layer),
-        (_embed(config, params, prompt_PTp), _embed(config, params, comp_BN)),
-        params["layers"],
-        unroll=min(config.scan_unroll, config.num_layers),
-    )
+    embed = (_embed(config, params, prompt_PTp), _embed(config, params, comp_BN))
+    (xp_PTD, xc_BND), _, route = _over_layers(config, params, layer, embed, routing)
     head = functools.partial(_head, config, params, return_hidden=return_hidden)
+    if with_router:
+        return head(xp_PTD), head(xc_BND), route
     return head(xp_PTD), head(xc_BND)
 
 
@@ -315,32 +420,60 @@ def _check_cache(config, cache, batch):
 
 
 def split_layers(config: ModelConfig, params) -> tuple:
-    """The layer-stacked weights as one params tree per layer (forward_cached's `layers`)."""
-    return tuple(
+    """The layer-stacked weights as one params tree per layer (forward_cached's `layers`).
+
+    A mixture-of-experts config's entries are (layer tree, its feed-forward stack's row).
+    """
+    layers = tuple(
         jax.tree.map(operator.itemgetter(layer), params["layers"])
         for layer in range(config.num_layers)
     )
+    if not config.is_moe:
+        return layers
+    ffns = []
+    for kind, start, stop, first in config.layer_runs:
+        stack = params[_FFN_STACKS[kind]]
+        ffns += [jax.tree.map(operator.itemgetter(first + i), stack) for i in range(stop - start)]
+    return tuple(zip(layers, ffns))
 
 
-def decode_step(config: ModelConfig, params, tokens_B, positions_B, attend, *, layers=None):
+def _layer_modules(config, block_def, layer_params, kind):
+    """(block, its feed-forward: MLP or MoE) from one entry of `split_layers`."""
+    if not config.is_moe:
+        block = nnx.merge(block_def, layer_params)
+        return block, block.mlp
+    block = nnx.merge(block_def, layer_params[0])
+    return block, nnx.merge(_ffn_graphdefs(config)[kind], layer_params[1])
+
+
+def decode_step(
+    config: ModelConfig, params, tokens_B, positions_B, attend, *, layers=None, with_router=False
+):
     """Logits [B, V] float32 for one new token per row, its attention left to the caller.
 
     `attend(layer, attn, q_B1Hd, k_B1Kd, v_B1Kd) -> [B, 1, D]` stores the new key/value in
     the caller's cache (any layout: the sampler's is paged) and mixes the row's cached ones.
-    `layers`: `split_layers(params)`, computed once outside a decode loop.
+    `layers`: `split_layers(params)`, computed once outside a decode loop. `with_router`
+    (mixture of experts): also the token's experts [sparse layers, B, k] (compact ints).
     """
     _check_tokens(config, tokens_B[:, None], "tokens_B")
-    cos_B1d, sin_B1d = rope_cos_sin(config, positions_B[:, None])
+    rope = rope_cos_sin(config, positions_B[:, None])
     block_def = graphdefs(config)[1]
     layers = split_layers(config, params) if layers is None else layers
     x_B1D = _embed(config, params, tokens_B[:, None])
+    experts = []
     # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
-    for layer in range(config.num_layers):
-        block = nnx.merge(block_def, layers[layer])
-        x_B1D = _block_step(
-            config, block, x_B1D, cos_B1d, sin_B1d, functools.partial(attend, layer)
+    for layer, kind in enumerate(config.layer_kinds):
+        block, ffn = _layer_modules(config, block_def, layers[layer], kind)
+        x_B1D, route = _block_step(
+            config, block, ffn, x_B1D, rope, functools.partial(attend, layer)
         )
-    return _head(config, params, x_B1D, False)[:, 0]
+        if route is not None:
+            experts.append(route["experts"][:, 0])
+    logits_BV = _head(config, params, x_B1D, False)[:, 0]
+    if not with_router:
+        return logits_BV
+    return logits_BV, jnp.stack(experts) if experts else None
 
 
 def _write(cache_BKSd, new_BTKd, start):
@@ -381,6 +514,7 @@ def forward_cached(
     logits_at=None,
     layers=None,
     kv_block=decode.BLOCK,
+    with_router=False,
 ):
     """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
 
@@ -394,7 +528,8 @@ def forward_cached(
     prefix, not the cache size. `logits_at` [B] int: return only logits [B, V] at time index
     logits_at[b] of each row instead of [B, T, V]. `layers`: `split_layers(params)`,
     computed once outside a decode loop; without it each call slices the stacked weights,
-    which XLA:CPU does not hoist out of a while_loop.
+    which XLA:CPU does not hoist out of a while_loop. `with_router`: also the new tokens'
+    route (as `forward`'s), a third output.
     """
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
@@ -416,14 +551,14 @@ def forward_cached(
     start = jnp.asarray(start, jnp.int32)
     slot_BT = jnp.broadcast_to(start[..., None] + jnp.arange(T, dtype=jnp.int32), (B, T))
     allowed = _cached_allowed(slot_BT, kv_mask_BS, kv_len_B)
-    cos_BTd, sin_BTd = rope_cos_sin(config, positions_BT)
+    rope = rope_cos_sin(config, positions_BT)
     block_def = graphdefs(config)[1]
     x_BTD = _embed(config, params, tokens_BT)
-    new_k, new_v = [], []
+    new_k, new_v, routes = [], [], []
     layers = split_layers(config, params) if layers is None else layers
     # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
-    for layer in range(config.num_layers):
-        block = nnx.merge(block_def, layers[layer])
+    for layer, kind in enumerate(config.layer_kinds):
+        block, ffn = _layer_modules(config, block_def, layers[layer], kind)
 
         def attend(attn, q_BTHd, k_BTKd, v_BTKd, layer=layer):
             # Write the new keys first, then read the updated cache: reading the old cache
@@ -442,9 +577,16 @@ def forward_cached(
                 attn, q_BTHd, k_BKSd, v_BKSd, allowed, limit, block=kv_block
             )
 
-        x_BTD = _block_step(config, block, x_BTD, cos_BTd, sin_BTd, attend)
+        x_BTD, route = _block_step(config, block, ffn, x_BTD, rope, attend)
+        if route is not None:
+            routes.append(route)
     new_cache = {"k": tuple(new_k), "v": tuple(new_v)}
     if logits_at is not None:
         x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
-        return _head(config, params, x_B1D, False)[:, 0], new_cache
-    return _head(config, params, x_BTD, False), new_cache
+        out = _head(config, params, x_B1D, False)[:, 0]
+    else:
+        out = _head(config, params, x_BTD, False)
+    if with_router:
+        route = jax.tree.map(lambda *a: jnp.stack(a), *routes) if routes else None
+        return out, new_cache, route
+    return out, new_cache

@@ -10,6 +10,7 @@ from flax import nnx
 from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.lora import matmul
+from ebpo_jax.models.moe import MoE
 
 # Masked attention logits get this instead of -inf so that a row with no visible key
 # (a padding query) gives a uniform softmax rather than NaN.
@@ -167,20 +168,29 @@ class MLP(nnx.Module):
 class Block(nnx.Module):
     """One pre-norm decoder layer; built with lead=(num_layers,) to hold all layers stacked."""
 
-    def __init__(self, config: ModelConfig, lead=()):
+    def __init__(self, config: ModelConfig, lead=(), with_mlp=True):
         self.attn_norm = RMSNorm(config.hidden_size, config, lead)
         self.attn = Attention(config, lead)
         self.mlp_norm = RMSNorm(config.hidden_size, config, lead)
-        self.mlp = MLP(config, lead)
+        self.mlp = MLP(config, lead) if with_mlp else None
 
 
 class Decoder(nnx.Module):
-    """Token embedding, stacked layers, final norm and (untied) output head."""
+    """Token embedding, stacked layers, final norm and (untied) output head.
+
+    A mixture-of-experts config keeps each layer kind's feed-forward in its own stack:
+    `layers` (attention and norms, all layers) has no `mlp`; `moe` stacks the sparse layers'
+    and `dense_mlp` the dense layers' (in layer order), so runs of one kind scan.
+    """
 
     def __init__(self, config: ModelConfig):
         V, D, pd = config.vocab_size, config.hidden_size, config.param_dtype
         self.embed = _param((V, D), ("vocab", "embed"), pd)
-        self.layers = Block(config, lead=(config.num_layers,))
+        self.layers = Block(config, lead=(config.num_layers,), with_mlp=not config.is_moe)
+        n_sparse = config.num_sparse_layers
+        n_dense = config.num_layers - n_sparse
+        self.moe = MoE(config, lead=(n_sparse,)) if config.is_moe and n_sparse else None
+        self.dense_mlp = MLP(config, lead=(n_dense,)) if config.is_moe and n_dense else None
         self.final_norm = RMSNorm(D, config)
         self.lm_head = (
             None if config.tie_word_embeddings else _param((D, V), ("embed", "vocab"), pd)

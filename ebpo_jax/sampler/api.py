@@ -51,6 +51,9 @@ def generate(
     is drawn with fold_in(fold_in(rng, r), t), so neither the slots, the pages nor the batch
     around a row change its tokens. With `mesh`, rows, slots and pages are split over
     `data_axes` (default: the rules' batch axes); params keep whatever sharding they have.
+    spec.record_routing (mixture of experts): returns (Generation, routing) with routing =
+    {"prompt": [rows, sparse layers, Tp, k], "comp": [rows, sparse layers, N, k]}, every input
+    token's experts as compact ints, for routing replay (a row's last token has zeros).
     """
     return generate_with_stats(
         config, params, prompt_tokens, prompt_lengths, spec, rng=rng, mesh=mesh,
@@ -68,6 +71,8 @@ def generate_with_stats(
     stop id came at that length: how benchmarks impose a length distribution.
     """
     spec = validated(spec, config.vocab_size)
+    if spec.record_routing and not config.is_moe:
+        raise ValueError("record_routing needs a mixture-of-experts config (num_experts > 0)")
     _check_prompts(config, prompt_tokens, prompt_lengths, spec.max_new_tokens)
     num_prompts, prompt_len = jnp.shape(prompt_tokens)
     rows = num_prompts * spec.num_samples
@@ -79,7 +84,13 @@ def generate_with_stats(
     lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
     eos_E = jnp.asarray(spec.eos_ids, jnp.int32).reshape(-1)
     static = {"config": config, "spec": spec, "plan": plan}
-    staged, first_R, logp_R = engine.prefill_jit(params, prompt_PT, lengths_P, rng, **static)
-    return engine.decode_jit(
+    staged, first_R, logp_R, *prompt_routes = engine.prefill_jit(
+        params, prompt_PT, lengths_P, rng, **static
+    )
+    gen, stats = engine.decode_jit(
         params, staged, first_R, logp_R, lengths_P, rng, eos_E, limit_R, **static
     )
+    if spec.record_routing:
+        gen, comp_routes = gen
+        gen = (gen, {"prompt": prompt_routes[0], "comp": comp_routes})
+    return gen, stats

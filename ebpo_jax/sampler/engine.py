@@ -98,13 +98,22 @@ def _shard_prompts(plan: Plan, num_samples: int):
 
 
 def prefill(params, prompt_PT, lengths_P, rng, *, config, spec: SamplerSpec, plan: Plan):
-    """Each prompt once: its pages per layer [D, Q, W, page_size, 2K, Dh] and every row's token 0."""
+    """Each prompt once: its pages per layer [D, Q, W, page_size, 2K, Dh] and every row's token 0.
+
+    spec.record_routing: a fourth output, each row's prompt experts [rows, sparse layers, Tp, k].
+    """
     Tp, G = prompt_PT.shape[1], spec.num_samples
     mask_PT = jnp.arange(Tp)[None] < lengths_P[:, None]
     # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
     prompt_PT = jnp.where(mask_PT, prompt_PT, PAD_ID)
-    last_PV, cache = models.prefill(
-        config, params, prompt_PT, mask=mask_PT, cache_size=Tp, logits_at=lengths_P - 1
+    last_PV, cache, *route = models.prefill(
+        config,
+        params,
+        prompt_PT,
+        mask=mask_PT,
+        cache_size=Tp,
+        logits_at=lengths_P - 1,
+        with_router=spec.record_routing,
     )
     prompt_DQ, _ = _shard_prompts(plan, G)
     D, Q = prompt_DQ.shape
@@ -123,6 +132,9 @@ def prefill(params, prompt_PT, lengths_P, rng, *, config, spec: SamplerSpec, pla
     first_R, logp_R = selection.select_tokens(
         selection.row_keys(rng, jnp.arange(last_RV.shape[0]), 0), last_RV, **s._asdict()
     )
+    if spec.record_routing:
+        prompt_routes = jnp.repeat(route[0]["experts"].transpose(1, 0, 2, 3), G, axis=0)
+        return staged, first_R, logp_R, prompt_routes
     return staged, first_R, logp_R
 
 
@@ -149,8 +161,11 @@ def _admit(st, pools, staged, rows, *, plan, page_size):
     return st, layout.constrain_tree(pools, plan.lead)
 
 
-def _forward(params, layers, st, pools, *, config, plan, page_size):
-    """One decode step of every slot: logits [D * S, V] and the pools with the new keys."""
+def _forward(params, layers, st, pools, *, config, plan, page_size, with_router=False):
+    """One decode step of every slot: logits [D * S, V], the pools with the new keys, experts.
+
+    with_router: the experts are the input token's [D, S, sparse layers, k]; else None.
+    """
     D, S = plan.shards, plan.slots
     kv_DS = schedule.kv_len(st)
     col_DS = kv_DS // page_size
@@ -172,15 +187,24 @@ def _forward(params, layers, st, pools, *, config, plan, page_size):
         out_DSHd = jax.vmap(attend_one)(q_DSHd, pool, st.table_SM, lens_DS)
         return attn.output(out_DSHd.reshape(D * S, 1, *out_DSHd.shape[2:]))
 
-    logits_BV = models.decode_step(
-        config, params, flat(st.prev_S), flat(kv_DS), attend, layers=layers
-    )
-    return logits_BV, tuple(new_pools)
+    out = models.decode_step(
+        config, params, flat(st.prev_S), flat(kv_DS), attend, layers=layers,
+        with_router=with_router,
+    )  # fmt: skip
+    if not with_router:
+        return out, tuple(new_pools), None
+    logits_BV, experts_LBk = out
+    experts_DSLk = experts_LBk.transpose(1, 0, 2).reshape(D, S, *experts_LBk.shape[::2])
+    return logits_BV, tuple(new_pools), experts_DSLk
 
 
-def _record(st, out, tok_DS, logp_DS):
-    """Live rows write their token t, its log-prob and their length t + 1 (others nowhere)."""
-    tokens_DRN, logps_DRN, gen_len_DR = out
+def _record(st, out, tok_DS, logp_DS, experts_DSLk=None):
+    """Live rows write their token t, its log-prob and their length t + 1 (others nowhere).
+
+    With routes, also the experts of their input token t - 1: a preempted row that
+    recomputes its tokens writes them again, so the last write matches its final tokens.
+    """
+    tokens_DRN, logps_DRN, gen_len_DR, *routes = out
     rows = tokens_DRN.shape[1]
     row_DS = jnp.where(st.live_S, st.row_S, rows)
     put = jax.vmap(lambda x, r, t, v: x.at[r, t].set(v, mode="drop"))
@@ -189,7 +213,11 @@ def _record(st, out, tok_DS, logp_DS):
     gen_len_DR = jax.vmap(lambda x, r, v: x.at[r].set(v, mode="drop"))(
         gen_len_DR, row_DS, st.t_S + 1
     )
-    return tokens_DRN, logps_DRN, gen_len_DR
+    if not routes:
+        return tokens_DRN, logps_DRN, gen_len_DR
+    put_route = jax.vmap(lambda x, r, t, v: x.at[r, :, t].set(v, mode="drop"))
+    routes_DRLNk = put_route(routes[0], row_DS, st.t_S - 1, experts_DSLk)
+    return tokens_DRN, logps_DRN, gen_len_DR, routes_DRLNk
 
 
 def _finish(st, rows, tok_DS, eos_E, *, release=True):
@@ -211,7 +239,11 @@ def _finish(st, rows, tok_DS, eos_E, *, release=True):
 def decode(
     params, staged, first_R, logp_R, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
 ):
-    """Every row through the slots: (Generation, Stats)."""
+    """Every row through the slots: (Generation, Stats).
+
+    spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
+    experts of each fed-back token (a row's last token, never fed back, keeps zeros).
+    """
     D, Rd, S, N, G = plan.shards, plan.rows, plan.slots, spec.max_new_tokens, spec.num_samples
     ps = spec.page_size
     prompt_DQ, prompt_DR = _shard_prompts(plan, G)
@@ -232,6 +264,9 @@ def decode(
         jnp.zeros((D, Rd, N), jnp.float32).at[:, :, 0].set(logp_R.reshape(D, Rd)),
         jnp.ones((D, Rd), jnp.int32),
     )
+    if spec.record_routing:
+        k, dtype = config.num_experts_per_tok, models.moe.expert_dtype(config.num_experts)
+        out += (jnp.zeros((D, Rd, config.num_sparse_layers, N, k), dtype),)
     out = layout.constrain_tree(out, plan.lead)
     pools = layout.constrain_tree(pages.init_pools(config, D, plan.pages, ps), plan.lead)
     layers = models.split_layers(config, params) if layout.on_cpu(plan.lead) else None
@@ -247,13 +282,14 @@ def decode(
     def body(carry):
         st, pools, out, steps, busy, peak = carry
         busy = busy + st.live_S.sum(dtype=jnp.int32)
-        logits_BV, pools = _forward(
-            params, layers, st, pools, config=config, plan=plan, page_size=ps
-        )
+        logits_BV, pools, experts_DSLk = _forward(
+            params, layers, st, pools, config=config, plan=plan, page_size=ps,
+            with_router=spec.record_routing,
+        )  # fmt: skip
         keys = selection.row_keys(rng, (st.row_S + row_offset_D1).reshape(-1), st.t_S.reshape(-1))
         tok_B, logp_B = selection.select_tokens(keys, logits_BV, **s._asdict())
         tok_DS, logp_DS = tok_B.reshape(D, S), logp_B.reshape(D, S)
-        out = _record(st, out, tok_DS, logp_DS)
+        out = _record(st, out, tok_DS, logp_DS, experts_DSLk)
         # The static batch with reserved pages: every row was admitted before the loop and
         # holds all its pages, so nothing is freed, grown or admitted inside it.
         static = plan.reserve and S == Rd
@@ -268,9 +304,11 @@ def decode(
     held = plan.pages - st.free_P.sum(-1).min()
     carry = (st, pools, out, jnp.int32(0), jnp.int32(0), held)
     st, _, out, steps, busy, peak = jax.lax.while_loop(cond, body, carry)
-    tokens_DRN, logps_DRN, gen_len_DR = out
+    tokens_DRN, logps_DRN, gen_len_DR, *routes = out
     R = D * Rd
     gen = Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))
+    if routes:
+        gen = (gen, routes[0].reshape(R, *routes[0].shape[2:]))
     return gen, Stats(steps, busy, st.preempted.sum(), peak, S, plan.pages)
 
 

@@ -44,6 +44,8 @@ class SamplerSpec(NamedTuple):
     page_size: int = 16
     kv_pages: int = 0
     attention: str = "auto"  # paged decode attention: sampler.attention.IMPLS or "auto"
+    # Mixture of experts: generate returns (Generation, routing), every input token's experts.
+    record_routing: bool = False
 
 
 class Generation(NamedTuple):
@@ -69,6 +71,8 @@ def validated(spec: SamplerSpec, vocab_size: int) -> SamplerSpec:
     check_int("slots", spec.slots, 0)
     check_int("page_size", spec.page_size, 1)
     check_int("kv_pages", spec.kv_pages, 0)
+    if not isinstance(spec.record_routing, bool):
+        raise TypeError(f"record_routing must be a bool, got {spec.record_routing!r}")
     if spec.attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention={spec.attention!r}; expected one of {ATTENTION_IMPLS}")
     s = spec.sampling

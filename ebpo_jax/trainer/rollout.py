@@ -31,6 +31,9 @@ class Rollout(NamedTuple):
     # [P, G, N] bool: True on tokens the policy sampled, False on environment observations
     # (multi-turn episodes): only actions get loss, KL, entropy and count in normalisers.
     action_mask: jax.Array
+    # Routing replay (mixture of experts): the sampler's experts per token, sampler.generate's
+    # routing as [P, G, ...] ({"prompt", "comp"}); None when not recorded.
+    routing: Any = None
 
 
 RewardFn = Callable[[Any, Any, Any, Any], jax.Array]  # (tokens, lengths, answers, answer_lengths)
@@ -65,6 +68,7 @@ def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
         slots=spec.slots,
         page_size=spec.page_size,
         kv_pages=spec.kv_pages,
+        record_routing=spec.routing_replay,
     )
 
 
@@ -97,6 +101,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
     b = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0), batch)
     gen = sample(params, b, jax.random.fold_in(rng, r))
+    gen, routing = gen if spec.routing_replay else (gen, None)
     rep = lambda x: jnp.repeat(x, G, axis=0)
     if reward_fn is None:  # a host reward fills these in between the two jits
         rewards_PG = jnp.zeros((P, G), jnp.float32)
@@ -118,6 +123,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
         generated_tokens=gen.lengths.sum().astype(jnp.int32),
         all_same_frac=all_same(rewards_PG).mean(),
         action_mask=jnp.ones((P, G, N), bool),
+        routing=jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), routing),
     )
 
 

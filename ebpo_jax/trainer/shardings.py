@@ -58,12 +58,16 @@ def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
         raise config_lib.ConfigError(f"sampler.mesh: {e}") from None
 
 
-def rollout_shardings(mesh, prompts: int) -> Rollout:
-    """A Rollout of shardings: per-prompt fields over the batch axes (if they divide P)."""
+def rollout_shardings(mesh, prompts: int, routing: bool = False) -> Rollout:
+    """A Rollout of shardings: per-prompt fields over the batch axes (if they divide P).
+
+    `routing`: the rollout carries recorded experts (routing replay); else that field is None.
+    """
     rows = NamedSharding(mesh, sharding.rows_spec(mesh, prompts))
     rep = NamedSharding(mesh, P())
     scalars = ("generated_tokens", "all_same_frac")
-    return Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
+    out = Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
+    return out._replace(routing=rows if routing else None)
 
 
 class Shardings(NamedTuple):
@@ -106,8 +110,8 @@ def make_shardings(
         mesh=mesh,
         sampler_mesh=s_mesh,
         state=state_shardings(model_config, optimizer, abstract_state, mesh),
-        rollout=rollout_shardings(mesh, P_),
-        sampler_rollout=rollout_shardings(s_mesh, P_),
+        rollout=rollout_shardings(mesh, P_, spec.rollout.routing_replay),
+        sampler_rollout=rollout_shardings(s_mesh, P_, spec.rollout.routing_replay),
         sampler_params=sharding.param_shardings(
             model_config, _sampled(spec, model_config, abstract_state), s_mesh
         ),

@@ -16,7 +16,8 @@ from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
 
 METRIC_DEFAULTS = ("eb/shrinkage_mean", "eb/mu_glob", "eb/sigma2", "eb/tau2")
-_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high")
+_ROUTER = ("router/lb_loss", "router/load_max", "router/entropy")
+_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high", *_ROUTER)
 
 
 def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
@@ -42,28 +43,37 @@ def completion_logprobs(
     *,
     with_entropy,
     chunk_size=0,
+    routing=None,
+    with_router=False,
 ):
     """Per-token log-probs [B, N] (and entropy) of each completion given its prompt.
 
     Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
     row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
-    does self-attention, gets packed rows instead.
+    does self-attention, gets packed rows instead. Mixture of experts: `routing` (the
+    sampler's, as [P, G, ...]) replays its experts (not under splash); `with_router`
+    returns (out, router metrics averaged over the sparse layers: of the completion tokens,
+    or under splash of the packed prompt and completion tokens).
     """
     P, B = prompt_PTp.shape[0], comp_BN.shape[0]
     G, N = B // P, comp_BN.shape[1]
+    router = {"with_router": True} if with_router else {}
     if attention.resolve(model_config.attention) == "splash":
+        if routing is not None:
+            raise ValueError("routing replay needs attention 'xla' or 'cudnn' (splash packs rows)")
         prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
         tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
-        hidden_BTD = models.forward(
-            model_config, params, tokens_BT, mask=mask_BT, return_hidden=True
+        out = models.forward(
+            model_config, params, tokens_BT, mask=mask_BT, return_hidden=True, **router
         )
+        hidden_BTD, route = out if with_router else (out, None)
         # The hidden state at slot L-1+n predicts completion token n.
         idx_BN = jnp.minimum(
             prompt_len_B[:, None] - 1 + jnp.arange(N)[None], tokens_BT.shape[1] - 1
         )
         h_BND = jnp.take_along_axis(hidden_BTD, idx_BN[..., None], axis=1)
     else:
-        h_PTD, h_BND = models.forward_grouped(
+        out = models.forward_grouped(
             model_config,
             params,
             prompt_PTp,
@@ -71,10 +81,33 @@ def completion_logprobs(
             comp_BN,
             comp_len_B=comp_len_B,
             return_hidden=True,
+            routing=_replay_layout(routing),
+            **router,
         )
-        # The prompt's last token predicts completion token 0; completion token n-1, token n.
-        last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
-        h_BND = jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
+        route = out[2][1] if with_router else None  # the completions' tokens
+        h_BND = _shift(out[0], out[1], prompt_len_P, G)
+    result = _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size)
+    if not with_router:
+        return result
+    return result, {f"router/{k}": jnp.mean(route[k]) for k in ("lb_loss", "load_max", "entropy")}
+
+
+def _replay_layout(routing):
+    """Recorded routing [P, G, layers, T, k] as forward_grouped's (prompt, completion) replay."""
+    if routing is None:
+        return None
+    to_layers = lambda x: x.reshape(-1, *x.shape[-3:]).transpose(1, 0, 2, 3)
+    return to_layers(routing["prompt"][:, 0]), to_layers(routing["comp"])
+
+
+def _shift(h_PTD, h_BND, prompt_len_P, G):
+    """The hidden state before each completion token: the prompt's last, then token n-1's."""
+    last_P1D = jnp.take_along_axis(h_PTD, (prompt_len_P - 1)[:, None, None], axis=1)
+    return jnp.concatenate([jnp.repeat(last_P1D, G, 0), h_BND[:, :-1]], axis=1)
+
+
+def _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size):
+    """Log-probs [B, N] (and entropies) of comp_BN from the hidden states before each token."""
     w_DV = models.output_embedding(model_config, params)
     if chunk_size:  # large vocabularies: never hold all [B, N, V] logits at once
         return losses.logprobs_from_hidden(
@@ -105,6 +138,8 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
     """(params, with_entropy) -> log-probs [B, N] of a padded or a packed micro-batch."""
     N = spec.max_new_tokens
     if "packed" in mb:
+        if spec.routing_replay or spec.lb_coef:
+            raise ValueError("routing replay and the router loss need the padded update")
         return functools.partial(
             packing.packed_completion_logprobs,
             model_config,
@@ -120,6 +155,7 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
         comp_BN=mb["tokens"].reshape(-1, N),
         comp_len_B=mb["lengths"].reshape(-1),
         chunk_size=spec.logits_chunk,
+        routing=mb.get("routing"),
     )
 
 
@@ -135,7 +171,10 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     """
     N = spec.max_new_tokens
     logprobs = _logprobs_fn(spec, model_config, mb)
-    logp_BN, ent_BN = logprobs(params=policy(spec, params, ref_params), with_entropy=True)
+    moe = model_config.is_moe and "packed" not in mb  # router metrics on the padded path
+    out = logprobs(params=policy(spec, params, ref_params), with_entropy=True,
+                   **({"with_router": True} if moe else {}))  # fmt: skip
+    (logp_BN, ent_BN), router = out if moe else (out, {})
     if spec.entropy_coef == 0:
         ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
     ref_BN = None
@@ -163,6 +202,9 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     )
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
     share = mask_BN.sum() / jnp.maximum(mb["mb_tokens"], 1.0)
+    if spec.lb_coef:
+        loss = loss + spec.lb_coef * share * router["router/lb_loss"]
+    metrics = dict(metrics, **router)
     metrics = {k: v * share if k in _TOKEN_WEIGHTED else v for k, v in metrics.items()}
     metrics.setdefault("actor/kl", jnp.zeros(()))
     return loss, metrics
@@ -265,7 +307,7 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
     split = lambda x: x.reshape(P // per, per, *x.shape[1:])
 
     def one(mb):
-        prompt_PTp, plen_P, comp_PGN, clen_PG = mb
+        prompt_PTp, plen_P, comp_PGN, clen_PG, routing = mb
         logp_BN = completion_logprobs(
             model_config,
             params,
@@ -275,10 +317,12 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
             clen_PG.reshape(-1),
             with_entropy=False,
             chunk_size=spec.logits_chunk,
+            routing=routing,
         )
         return logp_BN.reshape(per, G, N)
 
-    chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths)
+    routing = ro.routing if spec.routing_replay else None
+    chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths, routing)
     old_CPGN = jax.lax.map(one, jax.tree.map(split, chunks))
     return jax.lax.stop_gradient(old_CPGN.reshape(P, G, N))
 
@@ -351,6 +395,10 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         "adv": adv_PG,
         "loss_mask": loss_mask_PGN,
     }
+    if spec.routing_replay:
+        if ro.routing is None:
+            raise ValueError("model.moe.routing_replay: the rollout recorded no routing")
+        data["routing"] = ro.routing
     off_metrics = {}
     if spec.recompute_old_logprobs:
         params = policy(spec, state.params, state.base)

@@ -1,0 +1,159 @@
+"""Qwen3-MoE sparse MLP: softmax top-k router, dropless expert dispatch by sorting, router stats.
+
+Routing is transformers' Qwen3MoeTopKRouter: softmax over all experts' logits (float32), the
+top k, renormalised over those k when `norm_topk_prob`. Dispatch is dropless: the B*T*k
+(token, expert) pairs are sorted by expert and run through the experts' SwiGLU as three
+grouped matmuls (models/gmm.py), then scattered back and mixed by the routing weights.
+`replay_BTk` fixes the experts (routing replay: the sampler's choice); the weights are then
+the current router's probabilities of those experts, so the router still gets gradients.
+
+Under a mesh the dispatch is a shard_map whose axes come from the rules table: each
+device sorts its own rows (the `batch` axes) and runs every expert on them, the experts'
+hidden dim split over the `moe_mlp` axes (tensor parallel, one psum after the down
+projection). The expert weights are stored split over the `expert` axes (FSDP-style expert
+sharding) and gathered at the shard_map's boundary, as FSDP gathers a dense layer.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from ebpo_jax import sharding
+from ebpo_jax.models import gmm
+from ebpo_jax.models.config import ModelConfig
+
+
+def expert_dtype(num_experts: int):
+    """The compact integer dtype that holds an expert index (recorded routing)."""
+    return jnp.uint8 if num_experts <= 256 else jnp.int16
+
+
+def route(logits_NE, k: int, norm_topk_prob: bool, replay_Nk=None):
+    """(weights [N, k] f32, experts [N, k] int32, probs [N, E] f32) of HF's top-k softmax router."""
+    probs_NE = jax.nn.softmax(logits_NE.astype(jnp.float32), axis=-1)
+    if replay_Nk is None:
+        top_Nk, experts_Nk = jax.lax.top_k(probs_NE, k)
+    else:
+        experts_Nk = replay_Nk.astype(jnp.int32)
+        top_Nk = jnp.take_along_axis(probs_NE, experts_Nk, axis=-1)
+    if norm_topk_prob:
+        top_Nk = top_Nk / jnp.sum(top_Nk, axis=-1, keepdims=True)
+    return top_Nk, experts_Nk, probs_NE
+
+
+def router_stats(probs_NE, experts_Nk, mask_N):
+    """Load-balancing loss (Switch / HF form: E * sum_e f_e P_e), max/mean expert load, entropy.
+
+    Over the tokens where mask_N: f_e is expert e's share of the token-expert assignments,
+    P_e its mean router probability; load max/mean is max_e f_e * E (1 = perfectly even).
+    """
+    E = probs_NE.shape[-1]
+    w_N = mask_N.astype(jnp.float32)
+    n = jnp.maximum(jnp.sum(w_N), 1.0)
+    hits_NE = jnp.sum(jax.nn.one_hot(experts_Nk, E, dtype=jnp.float32), axis=1)
+    f_E = jnp.sum(hits_NE * w_N[:, None], 0) / (n * experts_Nk.shape[-1])
+    p_E = jnp.sum(probs_NE * w_N[:, None], 0) / n
+    entropy_N = -jnp.sum(probs_NE * jnp.log(jnp.maximum(probs_NE, 1e-30)), axis=-1)
+    return {
+        "lb_loss": E * jnp.sum(jax.lax.stop_gradient(f_E) * p_E),
+        "load_max": jax.lax.stop_gradient(jnp.max(f_E) * E),
+        "entropy": jax.lax.stop_gradient(jnp.sum(entropy_N * w_N) / n),
+    }
+
+
+def dispatch(x_ND, experts_Nk, weights_Nk, expert_fn, E: int):
+    """sum_j weights[n, j] * expert_fn(sorted rows, group sizes)[row of (n, j)]: [N, D]."""
+    N, k = experts_Nk.shape
+    flat_M = experts_Nk.reshape(-1)
+    order_M = jnp.argsort(flat_M, stable=True)
+    x_MD = jnp.take(x_ND, order_M // k, axis=0)
+    sizes_E = jnp.zeros((E,), jnp.int32).at[flat_M].add(1)
+    y_MD = expert_fn(x_MD, sizes_E)
+    y_NkD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(N, k, -1)
+    return jnp.einsum("nkd,nk->nd", y_NkD, weights_Nk.astype(y_NkD.dtype))
+
+
+def _axes(rules, name, mesh) -> tuple[str, ...]:
+    entry = sharding.logical_to_spec((name,), rules, mesh)[0]
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def swiglu_experts(x_MD, sizes_E, gate_EDI, up_EDI, down_EID, impl):
+    """The experts' SwiGLU on expert-sorted rows (three grouped matmuls)."""
+    gate_MI = gmm.grouped_matmul(x_MD, gate_EDI, sizes_E, impl)
+    up_MI = gmm.grouped_matmul(x_MD, up_EDI, sizes_E, impl)
+    return gmm.grouped_matmul(jax.nn.silu(gate_MI) * up_MI, down_EID, sizes_E, impl)
+
+
+def sharded_dispatch(x_ND, experts_Nk, weights_Nk, w, impl, rules=None):
+    """`dispatch` through the experts `w` = (gate, up, down): per row shard under a mesh."""
+    E, I = w[0].shape[0], w[0].shape[-1]
+
+    def local(x_ND, experts_Nk, weights_Nk, gate, up, down, tp=()):
+        fn = lambda x_MD, sizes_E: swiglu_experts(x_MD, sizes_E, gate, up, down, impl)
+        y_ND = dispatch(x_ND, experts_Nk, weights_Nk, fn, E)
+        return jax.lax.psum(y_ND, tp) if tp else y_ND
+
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return local(x_ND, experts_Nk, weights_Nk, *w)
+    rows = _axes(rules, "batch", mesh)
+    tp = tuple(a for a in _axes(rules, "moe_mlp", mesh) if a not in rows)
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    if x_ND.shape[0] % size(rows):  # e.g. one decode row: rows stay whole
+        rows = ()
+    if I % size(tp):
+        tp = ()
+    r, t = P(rows or None), P(None, None, tp or None)
+    fn = jax.shard_map(
+        lambda *a: local(*a, tp=tp),
+        mesh=mesh,
+        in_specs=(r, r, r, t, t, P(None, tp or None, None)),
+        out_specs=r,
+        check_vma=False,  # pallas_call (megablox) outputs carry no varying-axes type
+    )
+    return fn(x_ND, experts_Nk, weights_Nk, *w)
+
+
+class MoE(nnx.Module):
+    """Router [D, E] and stacked experts' SwiGLU weights [E, D, I] / [E, I, D]."""
+
+    def __init__(self, config: ModelConfig, lead=()):
+        la = ("layers",) * len(lead)
+        D, E, I = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        pd = config.param_dtype
+        zeros = lambda shape, axes: nnx.Param(jnp.zeros(shape, pd), axes=axes)
+        self.router = zeros((*lead, D, E), (*la, "embed", "router"))
+        self.gate = zeros((*lead, E, D, I), (*la, "expert", "embed", "moe_mlp"))
+        self.up = zeros((*lead, E, D, I), (*la, "expert", "embed", "moe_mlp"))
+        self.down = zeros((*lead, E, I, D), (*la, "expert", "moe_mlp", "embed"))
+        self.k = config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+        self.impl = config.moe_impl
+        self.dtype = config.dtype
+        self.rules = config.sharding_rules
+        self.num_experts = E
+
+    def __call__(self, x_BTD, mask_BT=None, replay_BTk=None):
+        """(out [B, T, D], {"experts": [B, T, k] compact ints, "lb_loss", "load_max", "entropy"})."""
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(B * T, D)
+        logits_NE = jnp.einsum(
+            "nd,de->ne",
+            x_ND,
+            self.router[...].astype(self.dtype),
+            preferred_element_type=jnp.float32,
+        )
+        replay_Nk = None if replay_BTk is None else replay_BTk.reshape(B * T, self.k)
+        weights_Nk, experts_Nk, probs_NE = route(logits_NE, self.k, self.norm_topk_prob, replay_Nk)
+        w = tuple(p[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
+        out_ND = sharded_dispatch(
+            x_ND, experts_Nk, weights_Nk.astype(self.dtype), w, self.impl, self.rules
+        )
+        mask_N = jnp.ones((B * T,), bool) if mask_BT is None else mask_BT.reshape(-1)
+        aux = router_stats(probs_NE, experts_Nk, mask_N)
+        aux["experts"] = experts_Nk.astype(expert_dtype(self.num_experts)).reshape(B, T, self.k)
+        return out_ND.reshape(B, T, D), aux
