@@ -99,8 +99,8 @@ def default_config() -> ml_collections.ConfigDict:
     # the experts the sampler chose for every token and makes the update (and the old
     # log-prob recompute) use them; lb_coef weights the router load-balancing loss.
     c.model.moe = ml_collections.ConfigDict()
-    c.model.moe.routing_replay = False
-    c.model.moe.lb_coef = 0.0
+    c.model.moe.routing_replay = False  # the update reuses the sampler's experts per token
+    c.model.moe.lb_coef = 0.0  # router load-balancing loss coefficient (0 = off, as for RL)
 
     # Math data (ebpo_jax.data); path "" = the synthetic arithmetic tasks of `task` below.
     c.data = data_config()
@@ -138,10 +138,10 @@ def default_config() -> ml_collections.ConfigDict:
     # Multi-turn episodes (a task with an environment, docs/multiturn.md): model turns at most,
     # tokens per model turn (0 = sampler.max_new_tokens, the episode's whole budget), and the
     # environment's worker processes (0 = in the trainer's process) and per-call timeout.
-    c.rollout.max_turns = 1
-    c.rollout.turn_tokens = 0
-    c.rollout.env_workers = 2
-    c.rollout.env_timeout_s = 10.0
+    c.rollout.max_turns = 1  # model turns per episode
+    c.rollout.turn_tokens = 0  # tokens per model turn; 0 = sampler.max_new_tokens
+    c.rollout.env_workers = 2  # environment worker processes; 0 = in the trainer's process
+    c.rollout.env_timeout_s = 10.0  # seconds per environment call before a tool error
     # Decode slots per sampler call: 0 = every row of the call decodes as one static batch
     # until the longest ends; S > 0 = continuous batching, S rows at a time, a slot refilled
     # as soon as its row ends. A multiple of the sampler mesh's data shards.
@@ -149,8 +149,8 @@ def default_config() -> ml_collections.ConfigDict:
     # The paged KV cache (docs/sampler.md): pages of `page_size` tokens; `kv_pages` pages per
     # sampler call over all data shards (0 = enough for every slot's longest row). When the
     # pool is short, new rows wait for pages; one row must fit the pool on its own.
-    c.sampler.page_size = 16
-    c.sampler.kv_pages = 0
+    c.sampler.page_size = 16  # tokens per KV cache page
+    c.sampler.kv_pages = 0  # KV pages per sampler call; 0 = every slot's longest row
 
     c.optimizer = ml_collections.ConfigDict()
     c.optimizer.learning_rate = 1e-6  # AdamW peak learning rate
