@@ -303,8 +303,9 @@ def run(
     elif attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is not None:
         attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
         reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
-    meta = _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh,
-                        prompt_len=prompt_len)  # fmt: skip
+    meta = {"step_estimate": _estimate(config, mc, hw, s_mesh, prompt_len)}
+    meta |= {"topology": topology, "chip_topology": chip_name}
+    meta |= _layout_meta(config, spec, mc, devices, (mesh, s_mesh), prompt_len)
     if "plan" in compiled:
         meta["paged"] = paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
     return reports, meta
@@ -340,18 +341,19 @@ def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), params)
 
 
-def _report_meta(config, spec, mc, hw, topology, chip_name, devices, mesh, s_mesh, *, prompt_len):
-    """The report's JSON fields besides the programs: the step estimate and the layout."""
+def _estimate(config, mc, hw, s_mesh, prompt_len):
+    """The step-time estimate on the sampler mesh's data shards and tp."""
     from ebpo_jax.sampler import layout
 
     shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
+    return step_time_estimate(config, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp)
+
+
+def _layout_meta(config, spec, mc, devices, meshes, prompt_len):
+    """The report's JSON fields on the model, the devices and the meshes."""
+    mesh, s_mesh = meshes
     return {
-        "step_estimate": step_time_estimate(
-            config, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp
-        ),
-        "topology": topology,
-        "chip_topology": chip_name,
         "devices": len(devices),
         "device_kind": devices[0].device_kind,
         "model": dataclasses.asdict(mc),

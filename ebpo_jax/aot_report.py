@@ -7,6 +7,7 @@ GPU nodes (H100, H200) are described in ebpo_jax.gpu_topology and dispatched to 
 """
 
 import dataclasses
+from typing import NamedTuple
 import json
 import math
 import os
@@ -466,13 +467,24 @@ def decode_cost(mc, tp: int) -> DecodeCost:
     )
 
 
-def paged_decode_estimate(config, mc, spec, rows_C, *, shards, tp, prompt_tokens, page_size,
-                          kv_pages, block_tokens):  # fmt: skip
+class PagedPool(NamedTuple):
+    """The paged engine's layout for the estimate: shards, pages and the kernel's block."""
+
+    shards: int  # data shards of the sampler mesh
+    tp: int  # tensor-parallel chips per shard
+    prompt_tokens: int
+    page_size: int
+    kv_pages: int  # the pool over all shards (0: not checked)
+    block_tokens: int  # KV tokens the kernel copies per block
+
+
+def paged_decode_estimate(config, mc, spec, rows_C, pool: PagedPool):
     """Seconds and page use of the paged engine over one sampler call's rows `rows_C`.
 
     The SPMD step waits for its slowest shard: per step the maximum over shards of the
-    roofline time. kv_pages: the pool over all shards (0: not checked).
+    roofline time.
     """
+    shards, tp, prompt_tokens, page_size, kv_pages, block_tokens = pool
     per_call = rows_C.size
     slots = min(config.sampler.get("slots", 0) or per_call, per_call)
     sched = _paged_schedule(rows_C.reshape(shards, -1), slots // shards, prompt_tokens,
@@ -571,13 +583,10 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     page_size = int(config.sampler.get("page_size", 0) or 16)
     block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
     kv_pages = int(config.sampler.get("kv_pages", 0))
+    pool = PagedPool(shards, tp, prompt_tokens, page_size, kv_pages, block_tokens)
     paged = [
-        paged_decode_estimate(
-            config, mc, spec, call.reshape(-1), shards=shards, tp=tp, kv_pages=kv_pages,
-            prompt_tokens=prompt_tokens, page_size=page_size, block_tokens=block_tokens,
-        )
-        for call in calls_CDR
-    ]  # fmt: skip
+        paged_decode_estimate(config, mc, spec, call.reshape(-1), pool) for call in calls_CDR
+    ]
     after = sum(c["decode_s"] for c in paged)
     paged_meta = {
         "page_size": page_size,
