@@ -554,6 +554,17 @@ def kernel_block_tokens(page_size: int, pages_per_row: int, rows: int) -> int:
     return block_sizes(page_size, pages_per_row, rows)[0] * page_size
 
 
+def _paged_calls(config, mc, spec, calls_CDR, pool: PagedPool):
+    """Decode seconds of the paged engine over every call, and the first call's page use."""
+    paged = [paged_decode_estimate(config, mc, spec, c.reshape(-1), pool) for c in calls_CDR]
+    meta = {
+        "page_size": pool.page_size,
+        "kernel_block_tokens": pool.block_tokens,
+        "decode_s_bandwidth_only": sum(c["decode_s_bandwidth_only"] for c in paged),
+    }
+    return sum(c["decode_s"] for c in paged), paged[0] | meta
+
+
 def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
     """Seconds per RL step (decode and update), for today's samplers and the paged engine.
 
@@ -584,15 +595,7 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
     kv_pages = int(config.sampler.get("kv_pages", 0))
     pool = PagedPool(shards, tp, prompt_tokens, page_size, kv_pages, block_tokens)
-    paged = [
-        paged_decode_estimate(config, mc, spec, call.reshape(-1), pool) for call in calls_CDR
-    ]
-    after = sum(c["decode_s"] for c in paged)
-    paged_meta = {
-        "page_size": page_size,
-        "kernel_block_tokens": block_tokens,
-        "decode_s_bandwidth_only": sum(c["decode_s_bandwidth_only"] for c in paged),
-    }
+    after, paged = _paged_calls(config, mc, spec, calls_CDR, pool)
     devices, peak = shards * tp, spec.peak_flops
     update_after = _update_seconds(config, mc, rows, prompt_tokens, devices, peak)
     return {
@@ -605,7 +608,7 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
         "decode_s_slots_blocked": float(blocked),
         "decode_s_ragged_ideal": float(ideal),
         "decode_s_after": float(after),
-        "paged": paged[0] | paged_meta,
+        "paged": paged,
         "update_s_before": update_flops(config, mc, prompt_len) / devices / peak,
         "update_s_after_packed": update_after,
         "step_s_slots_blocked": float(blocked) + update_after,
