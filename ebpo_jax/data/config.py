@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from ebpo_jax.data.clustering import NUM_CLUSTERS, cluster_texts
+from ebpo_jax.data.clustering import cluster_texts
 from ebpo_jax.data.loading import load_records
 from ebpo_jax.data.prompts import TEMPLATES
 from ebpo_jax.data.schemas import SCHEMAS, DataError
@@ -23,30 +23,10 @@ TOPIC_SOURCES = ("field", "kmeans", "none")
 
 
 def data_config() -> ml_collections.ConfigDict:
-    """Every field of the math data section, with defaults (path "" = not used)."""
-    c = ml_collections.ConfigDict()
-    c.path = ""  # a json/jsonl/parquet file or folder of them
-    c.schema = "dapo"  # a name in SCHEMAS, or a field mapping {"prompt": ..., "answer": ...}
-    c.limit = 0  # 0 = every row
-    c.template = "answer"  # answer (the paper's) | boxed | plain | a string with {problem}
-    c.chat = True  # wrap in the tokenizer's chat template
-    c.system = ""  # optional system prompt (chat only)
-    c.max_prompt_len = 1024  # tokens
-    c.on_overflow = "drop"  # drop (and count) or error
-    c.order = "naive"  # naive | topic | difficulty
-    c.shuffle_clusters = True  # topic order: clusters in seeded order per epoch
-    c.topics = "field"  # field (the schema's topic) | kmeans (MiniLM embeddings) | none
-    c.num_clusters = NUM_CLUSTERS  # for topics=kmeans
-    c.reward = "math"  # a name in rewards.REWARDS or "pkg.module:fn"
-    c.reward_timeout_s = 10.0  # seconds per math-verify check (then reward 0)
-    c.reward_workers = 0  # 0 = min(4, cpu count)
-    c.format_weight = 0.0  # bonus for an "Answer:" line or \boxed{}
-    # Held-out benchmarks for eval/pass@1 during training: comma-separated "path" or
-    # "schema:path" entries (pass@1 is averaged over them); "" = no eval.
-    c.eval_path = ""
-    c.eval_schema = "math500"  # for eval entries without a schema
-    c.eval_limit = 0  # first N problems of each eval file; 0 = all
-    return c
+    """The `data` section of the training config as a ConfigDict, with its defaults."""
+    from ebpo_jax.config import default_config  # late: the config imports this package
+
+    return default_config().data
 
 
 def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
@@ -105,7 +85,7 @@ def source_from_config(
 ) -> tuple[MathPromptSource, Callable]:
     """(prompt source, host reward) for the data section `c`."""
     validate_data_config(c)
-    schema = c.schema.to_dict() if isinstance(c.schema, ml_collections.ConfigDict) else c.schema
+    schema = c.schema if isinstance(c.schema, str) else dict(c.schema)
     records = load_records(c.path, schema, limit=c.limit or None)
     topic_ids = None
     if c.topics == "kmeans":
@@ -116,15 +96,9 @@ def source_from_config(
         records,
         tokenizer,
         batch_size,
-        max_prompt_len=c.max_prompt_len,
-        template=c.template,
-        chat=c.chat,
-        system=c.system or None,
-        on_overflow=c.on_overflow,
-        order=c.order,
+        c,
         seed=seed,
         topic_ids=topic_ids,
-        shuffle_clusters=c.shuffle_clusters,
         num_hosts=num_hosts,
         host_id=host_id,
     )
