@@ -551,6 +551,8 @@ def docs() -> dict[str, str]:
     def walk(cls, prefix):
         for f in _fields(cls):
             if f.metadata.get("section"):
+                if f.name not in FLAT:
+                    out[prefix + f.name] = f.metadata["doc"]
                 walk(f.metadata["section"], prefix if f.name in FLAT else f"{prefix}{f.name}.")
             elif not (cls is EstimatorOptions and f.name == "extra"):
                 out[prefix + f.name] = f.metadata["doc"]

@@ -268,7 +268,7 @@ def _estimator_options(c: Config) -> None:
         raise ConfigError(f"estimator={name!r} is not in the advantages registry ({e})") from None
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for option, value in c.estimator_options.as_kwargs().items():
+    for option, value in sorted(c.estimator_options.as_kwargs().items()):
         need(
             value is None or takes_any or option in params,
             f"estimator_options.{option}={value!r}: estimator {name!r} takes no option {option!r}",

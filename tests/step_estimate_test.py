@@ -68,7 +68,9 @@ def test_static_paged_decode_equals_a_step_by_step_sum():
     mc = models.get_config("qwen3_8b")
     hw = aot.CHIPS["v5p"]
     lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
-    est = aot.step_time_estimate(_spec(config), mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths)
+    est = aot.step_time_estimate(
+        _spec(config), mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths
+    )
     cost, rows, block = aot.decode_cost(mc, 4), 16 * 4 // 2, est["paged"]["kernel_block_tokens"]
     assert block == 16 * 4  # pages of 4 tokens, at most 16 pages per kernel block
     want = 0.0

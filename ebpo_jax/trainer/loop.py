@@ -233,7 +233,11 @@ class _Log:
 
     def samples(self, step: int, tokenizer, ro, rows: int = 4) -> None:
         """The first `rows` completions of the step's first prompt, decoded, to samples.jsonl."""
-        if ro is None or not self.spec.run.log_samples_every or step % self.spec.run.log_samples_every:
+        if (
+            ro is None
+            or not self.spec.run.log_samples_every
+            or step % self.spec.run.log_samples_every
+        ):
             return
         ro = distributed.to_host(ro)
         plen = int(ro.prompt_lengths[0])

@@ -35,7 +35,11 @@ def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
     total = max(opt.run.total_steps * per, warm + 1)
     if opt.optimizer.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            0.0, opt.optimizer.learning_rate, warm, total, end_value=opt.optimizer.learning_rate * opt.optimizer.final_lr_frac
+            0.0,
+            opt.optimizer.learning_rate,
+            warm,
+            total,
+            end_value=opt.optimizer.learning_rate * opt.optimizer.final_lr_frac,
         )
     if warm == 0:
         return optax.constant_schedule(opt.optimizer.learning_rate)
@@ -53,7 +57,10 @@ def make_optimizer(opt: OptimSpec) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(opt.optimizer.clip_norm),
         optax.adamw(
-            learning_rate_schedule(opt), b1=opt.optimizer.b1, b2=opt.optimizer.b2, weight_decay=opt.optimizer.weight_decay
+            learning_rate_schedule(opt),
+            b1=opt.optimizer.b1,
+            b2=opt.optimizer.b2,
+            weight_decay=opt.optimizer.weight_decay,
         ),
     )
 

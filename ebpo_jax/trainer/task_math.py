@@ -123,7 +123,9 @@ def _record_set(spec: TaskSpec, name, records, enc, tokenizer) -> EvalSet:
         )
         return r_B > 0.5
 
-    stride = min(spec.eval.run.eval_batch_size, len(records))  # chunk i folds in its first row's index
+    stride = min(
+        spec.eval.run.eval_batch_size, len(records)
+    )  # chunk i folds in its first row's index
     return EvalSet(name, enc.tokens, enc.lengths, score, key_stride=stride)
 
 
