@@ -18,15 +18,14 @@ from ebpo_jax.data.source import MathPromptSource, make_host_reward
 from ebpo_jax.data.tokenize import OVERFLOW
 from ebpo_jax.order import ORDERS
 from ebpo_jax.rewards import get_reward
+from ebpo_jax.schema import Data
 
 TOPIC_SOURCES = ("field", "kmeans", "none")
 
 
 def data_config() -> ml_collections.ConfigDict:
     """The `data` section of the training config as a ConfigDict, with its defaults."""
-    from ebpo_jax.config import default_config  # late: the config imports this package
-
-    return default_config().data
+    return ml_collections.ConfigDict(dataclasses.asdict(Data()))
 
 
 def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
