@@ -212,5 +212,7 @@ def test_custom_estimator_options_and_model_overrides_are_typed_and_hashable():
     assert typed.model.overrides["num_layers"] == 1 and "num_layers" in dict(typed.model.overrides)
     hash(typed)
     c.model.overrides.num_layerz = 1
-    with pytest.raises(ConfigError, match=r"model.overrides: unknown ModelConfig field\(s\) \['num_layerz'\]"):
+    with pytest.raises(
+        ConfigError, match=r"model.overrides: unknown ModelConfig field\(s\) \['num_layerz'\]"
+    ):
         validate(c)
