@@ -286,10 +286,10 @@ class Rollout:
         "0: sample with the params updated; 1: rollout t+1 with params t during update t",
         must(lambda v: v in (0, 1), "0 or 1"),
     )
-    max_turns: int = setting(1, "model turns per episode", int_at_least(1))
+    max_turns: int = setting(1, "model turns per episode", at_least(1))
     turn_tokens: int = setting(0, "tokens per model turn; 0 = sampler.max_new_tokens")
     env_workers: int = setting(
-        2, "environment worker processes; 0 = in the trainer's process", int_at_least(0)
+        2, "environment worker processes; 0 = in the trainer's process", nonneg
     )
     env_timeout_s: float = setting(
         10.0, "seconds per environment call before a tool error", positive

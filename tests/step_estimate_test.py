@@ -65,6 +65,8 @@ def test_static_paged_decode_equals_a_step_by_step_sum():
 
     config = _qwen3_8b_aot(0, max_new_tokens=100, prompts_per_call=16, page_size=4)
     config.prompts_per_step = 16
+    config.loss.num_minibatches = config.loss.num_microbatches = 1  # a valid split of 16 prompts
+    config.loss.logits_chunk = 0  # (1024 does not divide 100 new tokens)
     mc = models.get_config("qwen3_8b")
     hw = aot.CHIPS["v5p"]
     lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
