@@ -281,7 +281,6 @@ def run(
     mc = model_config_of(spec)
     mesh = make_mesh(spec.mesh, devices[: spec.mesh.mesh.devices or len(devices)])
     s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
-    ro = spec.rollout
     step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
     epochs = (
         f"{spec.update.loss.ppo_epochs} epoch(s) x {spec.update.loss.num_minibatches} mini-batches"
@@ -300,23 +299,37 @@ def run(
         log("update_only: no weight move or sampler programs compiled")
         return reports, meta
     params = _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh)
-    prompts = sampler_prompts or ro.prompts
-    note = f"{prompts} prompts x {ro.group_size} per call, {math.ceil(ro.prompts / prompts)} call(s) per step"
+    abstract_params = abstract(params, step.sh.sampler_params)
+    prompts = sampler_prompts or spec.rollout.prompts
+    paged = _compile_sampler_programs(
+        attempt, reports, spec.rollout, mc, (s_mesh, abstract_params), prompts, prompt_len
+    )
+    if paged is not None:
+        meta["paged"] = paged
+    return reports, meta
+
+
+def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
+    """Compile the sampler's prefill and decode on `on` = (sampler mesh, abstract params);
+    returns the paged KV cache's report fields (None when prefill does not fit)."""
+    s_mesh, params = on
+    calls = math.ceil(ro.prompts / prompts)
+    note = f"{prompts} prompts x {ro.group_size} per call, {calls} call(s) per step"
     s_spec = sampler_spec_of(ro, 1)  # the stop id's value does not change the program
     sflops = sampler_flops(mc, prompts, ro.group_size, prompt_len, ro.max_new_tokens)
     compiled = {}
 
     def sampler_programs():
         compiled["prefill"], compiled["decode"], compiled["plan"] = compile_sampler(
-            s_spec, mc, s_mesh, abstract(params, step.sh.sampler_params), prompts, prompt_len
+            s_spec, mc, s_mesh, params, prompts, prompt_len
         )
         return compiled["prefill"]
 
-    if attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is not None:
-        attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
-        reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
-        meta["paged"] = paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
-    return reports, meta
+    if attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is None:
+        return None
+    attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
+    reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
+    return paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
 
 
 def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
