@@ -303,12 +303,26 @@ def _staleness(c: Config, num_devices: int | None) -> None:
         )
 
 
+# The task families whose rollouts are episodes with an environment (trainer.task_multiturn).
+MULTI_TURN_FAMILIES = ("calculator", "guess")
+
+
 def _turns(c: Config) -> None:
-    """rollout.turn_tokens within the episode's budget."""
+    """rollout.turn_tokens within the episode's budget; a multi-turn family's settings."""
     t, n = c.rollout.turn_tokens, c.sampler.max_new_tokens
     need(
         isinstance(t, int) and 0 <= t <= n,
         f"rollout.turn_tokens={t!r} must be in [0, sampler.max_new_tokens={n}]",
+    )
+    if c.task.family not in MULTI_TURN_FAMILIES:
+        return
+    need(
+        c.rollout.max_turns >= 2,
+        f"task.family={c.task.family!r} is multi-turn: set rollout.max_turns >= 2",
+    )
+    need(
+        not c.dapo.dynamic_sampling,
+        "dapo.dynamic_sampling is not supported with multi-turn rollouts",
     )
 
 

@@ -220,6 +220,7 @@ def test_readme_environment_example_runs_in_the_pool(tmp_path, monkeypatch):
         ("rollout.turn_tokens", 99, "rollout.turn_tokens=99 must be in"),
         ("rollout.env_workers", -1, "rollout.env_workers must be >= 0"),
         ("rollout.env_timeout_s", 0.0, "rollout.env_timeout_s must be > 0"),
+        ("task.family", "guess", r"task.family='guess' is multi-turn: set rollout.max_turns >= 2"),
     ],
 )
 def test_bad_turn_fields_are_config_errors(field, value, message):

@@ -60,9 +60,8 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
 
 
 def build_family(spec: TaskSpec, module, env_name: str, *, mesh=None, log=print) -> Task:
-    """A generated-problem family with environment `env_name` and an episode evaluator."""
-    if spec.rollout is None or spec.rollout.rollout.max_turns < 2:
-        raise ValueError(f"task.family={spec.family!r} is multi-turn: set rollout.max_turns >= 2")
+    """A generated-problem family with environment `env_name` and an episode evaluator
+    (its settings are checked by spec_checks: MULTI_TURN_FAMILIES)."""
     tok = module.make_tokenizer()
     reward_fn = functools.partial(module.reward_fn, eos_id=tok.eos_id)
     task = task_arithmetic.build_synthetic(spec, module, tok, module.reward_fn, mesh=mesh, log=log)
