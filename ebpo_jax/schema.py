@@ -10,6 +10,7 @@ This module imports no jax: a check that needs a registry imports it when it run
 """
 
 import dataclasses
+import functools
 import importlib
 import typing
 from collections.abc import Callable, Mapping
@@ -499,13 +500,14 @@ def _fields(cls):
     return dataclasses.fields(cls)
 
 
-def _type_of(cls, name):
-    return typing.get_type_hints(cls)[name]
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
 
 
 def _convert(cls, name, value):
     """The ConfigDict value as the field's declared type (tuples, Pairs, float for int)."""
-    kind = _type_of(cls, name)
+    kind = _hints(cls)[name]
     if isinstance(value, Mapping) or hasattr(value, "to_dict"):
         return Pairs(value.to_dict() if hasattr(value, "to_dict") else value)
     if kind is float and _is_int(value):
