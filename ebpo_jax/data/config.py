@@ -1,7 +1,7 @@
-"""The `data` config section for math training, and the prompt source + host reward it describes.
+"""The `data` config section's checks, and the prompt source + host reward it describes.
 
-A trainer config embeds it as `c.data = data.config.data_config()`; then
-`source, host_reward = source_from_config(c.data, tokenizer, batch_size, seed=c.seed)`.
+The section is declared in `ebpo_jax.schema.Data`; then
+`source, host_reward = source_from_config(spec.task.data, tokenizer, batch_size, seed=seed)`.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ def data_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dataclasses.asdict(Data()))
 
 
-def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+def eval_sets(c: Data) -> list[tuple[str, str]]:
     """(schema, path) of each entry of `c.eval_path` ("path" or "schema:path")."""
     out = []
     for entry in (e.strip() for e in c.eval_path.split(",")):
@@ -41,7 +41,7 @@ def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     return out
 
 
-def validate_data_config(c: ml_collections.ConfigDict) -> None:
+def validate_data_config(c) -> None:
     """Raise DataError (one line) on an impossible value, before anything is loaded."""
     if isinstance(c.schema, str) and c.schema not in SCHEMAS:
         raise DataError(f"data.schema={c.schema!r} unknown; known: {sorted(SCHEMAS)} or a mapping")
@@ -57,8 +57,6 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
         raise DataError(
             f"data.template={c.template!r}: a name in {sorted(TEMPLATES)} or has {{problem}}"
         )
-    if c.max_prompt_len < 1 or c.num_clusters < 1 or c.reward_timeout_s <= 0:
-        raise DataError("data.max_prompt_len, num_clusters and reward_timeout_s must be positive")
     try:
         get_reward(c.reward)
     except (ValueError, TypeError) as e:
@@ -73,7 +71,7 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
 
 
 def source_from_config(
-    c: ml_collections.ConfigDict,
+    c: Data,
     tokenizer,
     batch_size: int,
     *,
