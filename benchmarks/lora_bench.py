@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from ebpo_jax import config as config_lib
-from ebpo_jax import losses, models, sampler
+from ebpo_jax import losses, models, sampler, schema
 from ebpo_jax.models import lora
 from ebpo_jax.spec import optim_spec
 from ebpo_jax.trainer import lora_state
@@ -94,7 +94,7 @@ def _update(mc, optimizer, lora_spec, args):
 
 def memory(mc, spec, args):
     """{mode: (optimizer-state bytes, update argument bytes, update temp bytes)}."""
-    optimizer = make_optimizer(optim_spec(config_lib.default_config()))
+    optimizer = make_optimizer(optim_spec(schema.parse(config_lib.default_config())))
     base = models.abstract_params(mc)
     out = {}
     for mode, s in (("full", None), ("lora", spec)):

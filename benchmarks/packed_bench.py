@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
-from ebpo_jax import losses, models
+from ebpo_jax import losses, models, schema
 from ebpo_jax.config import default_config
 from ebpo_jax.spec import update_spec
 from ebpo_jax.trainer import packing
@@ -106,7 +106,7 @@ def update_throughput(model_config, plen_P, clen_B, *, Tp, N, budget, row_len=0,
     c = default_config()
     c.prompts_per_step, c.group_size, c.sampler.max_new_tokens = P, B // P, N
     c.loss.tokens_per_microbatch, c.loss.pack_row_len = budget, row_len
-    lay = packing.layout(update_spec(c), model_config, Tp)
+    lay = packing.layout(update_spec(schema.parse(c)), model_config, Tp)
     mb = _batch(np.random.default_rng(seed), plen_P, clen_B, Tp, N, model_config.vocab_size)
     params = models.init_params(model_config, jax.random.key(seed))
     optimizer = optax.adamw(1e-5)

@@ -64,7 +64,7 @@ def shape_task(spec: RunSpec, mc, params) -> Task:
         params=params,
         source=None,
         reward=Reward(None, jittable=False),  # host reward: rewards are filled in between jits
-        cluster_ids=functools.partial(task_math.cluster_ids, spec.task.eb_clusters),
+        cluster_ids=functools.partial(task_math.cluster_ids, spec.task.run.eb_clusters),
         num_clusters=1,
         stop_ids=(1,),
         evaluate=None,
@@ -81,8 +81,8 @@ def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
 
     def init(p):
         if spec.update.lora is not None:  # adapters trained, the base frozen (the KL reference)
-            return init_lora_state(p, optimizer, spec.update.lora, mc, seed=spec.seed)
-        return init_train_state(p, optimizer, seed=spec.seed, with_ref=spec.with_ref)
+            return init_lora_state(p, optimizer, spec.update.lora, mc, seed=spec.run.seed)
+        return init_train_state(p, optimizer, seed=spec.run.seed, with_ref=spec.with_ref)
 
     state = jax.eval_shape(init, params)
     n = spec.rollout.batch_prompts
@@ -215,44 +215,25 @@ def compile_reshard(params, src_shardings, dst_shardings, mesh, dtype):
         return jitted.lower(abstract(params, src_shardings)).compile()
 
 
-def run(
-    config,
-    topology: str,
-    *,
-    prompt_len: int,
-    sampler_prompts=None,
-    sampler_mesh="",
-    trainer_devices: int = 0,
-    update_only: bool = False,
-    log=print,
-):
-    """Compile update, weight reshard (with `sampler_mesh`) and sampler prefill/decode
-    (`update_only`: the update alone, e.g. for a full vs LoRA memory comparison).
+def resolve_for(config, topology: str, *, sampler_mesh="", trainer_devices: int = 0) -> RunSpec:
+    """The RunSpec of `config` on `topology`'s devices, with the sampler layout under test.
 
     `trainer_devices=n` splits the topology as rollout.max_staleness=1 does: the trainer's
-    mesh on the first n devices, `sampler_mesh` on the ones after them; the weight move is then
-    a cast on the trainer's slice and a device-to-device copy, not one compiled program.
-
-    Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
-    report with `error` set and fits=False; other compile errors propagate.
+    mesh on the first n devices, `sampler_mesh` on the ones after them.
     """
-    hw, chip_name, devices = topology_devices(topology)
-    if sampler_mesh != config.sampler.mesh:  # the sampler layout under test
+    _, _, devices = topology_devices(topology)
+    if sampler_mesh != config.sampler.mesh:
         config = config.copy_and_resolve_references()
         config.sampler.mesh = sampler_mesh
     if trainer_devices:
         config = config.copy_and_resolve_references()
         config.mesh.devices, config.rollout.max_staleness = trainer_devices, 1
-    spec = resolve(config, len(devices))
-    chips = math.prod(int(x) for x in chip_name.split(":")[1].split("x"))
-    per_chip = max(1, len(devices) // chips)  # v4 topologies list each TensorCore
-    hbm, peak = hw.hbm_bytes // per_chip, hw.peak_flops / per_chip
-    mc = model_config_of(spec)
-    mesh = make_mesh(spec.mesh, devices[: spec.mesh.devices or len(devices)])
-    s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
-    prompts = sampler_prompts or config.prompts_per_step
-    G, N = config.group_size, config.sampler.max_new_tokens
-    reports = []
+    return resolve(config, len(devices))
+
+
+def _attempter(reports: list, hbm: int, peak: float, log):
+    """attempt(name, mesh, flops, note, compile_fn): compile and append its report; an
+    out-of-memory compile (RESOURCE_EXHAUSTED) is a report with `error` set, None returned."""
 
     def attempt(name, on_mesh, flops, note, compile_fn):
         t0 = time.perf_counter()
@@ -272,43 +253,83 @@ def run(
         log(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
         return compiled
 
+    return attempt
+
+
+def run(
+    spec: RunSpec,
+    topology: str,
+    *,
+    prompt_len: int,
+    sampler_prompts=None,
+    update_only: bool = False,
+    log=print,
+):
+    """Compile update, weight reshard (onto the spec's sampler mesh) and sampler prefill/decode
+    (`update_only`: the update alone, e.g. for a full vs LoRA memory comparison) for a spec
+    from `resolve_for`. With a disjoint sampler mesh the weight move is a cast on the
+    trainer's slice and a device-to-device copy, not one compiled program.
+
+    Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
+    report with `error` set and fits=False; other compile errors propagate.
+    """
+    hw, chip_name, devices = topology_devices(topology)
+    chips = math.prod(int(x) for x in chip_name.split(":")[1].split("x"))
+    per_chip = max(1, len(devices) // chips)  # v4 topologies list each TensorCore
+    reports = []
+    attempt = _attempter(reports, hw.hbm_bytes // per_chip, hw.peak_flops / per_chip, log)
+    mc = model_config_of(spec)
+    mesh = make_mesh(spec.mesh, devices[: spec.mesh.mesh.devices or len(devices)])
+    s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
     step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
-    samp_sh = step.sh.sampler_params
-    epochs = f"{config.loss.ppo_epochs} epoch(s) x {config.loss.num_minibatches} mini-batches"
+    epochs = (
+        f"{spec.update.loss.ppo_epochs} epoch(s) x {spec.update.loss.num_minibatches} mini-batches"
+    )
     attempt(
         "train update",
         mesh,
-        update_flops(config, mc, prompt_len),
+        update_flops(spec, mc, prompt_len),
         epochs,
         lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
     )
-    params = state.params
-    if not update_only:
-        params = _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh)
-    sflops = sampler_flops(mc, prompts, G, prompt_len, N)
-    calls = math.ceil(config.prompts_per_step / prompts)
-    note = f"{prompts} prompts x {G} per call, {calls} call(s) per step"
-    compiled = {}
+    meta = {"step_estimate": _estimate(spec, mc, hw, s_mesh, prompt_len)}
+    meta |= {"topology": topology, "chip_topology": chip_name}
+    meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
+    if update_only:
+        log("update_only: no weight move or sampler programs compiled")
+        return reports, meta
+    params = _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh)
+    abstract_params = abstract(params, step.sh.sampler_params)
+    prompts = sampler_prompts or spec.rollout.prompts
+    paged = _compile_sampler_programs(
+        attempt, reports, spec.rollout, mc, (s_mesh, abstract_params), prompts, prompt_len
+    )
+    if paged is not None:
+        meta["paged"] = paged
+    return reports, meta
 
-    s_spec = sampler_spec_of(spec.rollout, 1)  # the stop id's value does not change the program
+
+def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
+    """Compile the sampler's prefill and decode on `on` = (sampler mesh, abstract params);
+    returns the paged KV cache's report fields (None when prefill does not fit)."""
+    s_mesh, params = on
+    calls = math.ceil(ro.prompts / prompts)
+    note = f"{prompts} prompts x {ro.group_size} per call, {calls} call(s) per step"
+    s_spec = sampler_spec_of(ro, 1)  # the stop id's value does not change the program
+    sflops = sampler_flops(mc, prompts, ro.group_size, prompt_len, ro.max_new_tokens)
+    compiled = {}
 
     def sampler_programs():
         compiled["prefill"], compiled["decode"], compiled["plan"] = compile_sampler(
-            s_spec, mc, s_mesh, abstract(params, samp_sh), prompts, prompt_len
+            s_spec, mc, s_mesh, params, prompts, prompt_len
         )
         return compiled["prefill"]
 
-    if update_only:
-        log("update_only: no weight move or sampler programs compiled")
-    elif attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is not None:
-        attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
-        reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
-    meta = {"step_estimate": _estimate(config, mc, hw, s_mesh, prompt_len)}
-    meta |= {"topology": topology, "chip_topology": chip_name}
-    meta |= _layout_meta(config, spec, mc, devices, (mesh, s_mesh), prompt_len)
-    if "plan" in compiled:
-        meta["paged"] = paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
-    return reports, meta
+    if attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is None:
+        return None
+    attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
+    reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
+    return paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
 
 
 def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
@@ -341,16 +362,16 @@ def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), params)
 
 
-def _estimate(config, mc, hw, s_mesh, prompt_len):
+def _estimate(spec, mc, hw, s_mesh, prompt_len):
     """The step-time estimate on the sampler mesh's data shards and tp."""
     from ebpo_jax.sampler import layout
 
     shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
-    return step_time_estimate(config, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp)
+    return step_time_estimate(spec, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp)
 
 
-def _layout_meta(config, spec, mc, devices, meshes, prompt_len):
+def _layout_meta(spec, mc, devices, meshes, prompt_len):
     """The report's JSON fields on the model, the devices and the meshes."""
     mesh, s_mesh = meshes
     return {
@@ -359,8 +380,8 @@ def _layout_meta(config, spec, mc, devices, meshes, prompt_len):
         "model": dataclasses.asdict(mc),
         "params": total_params(mc),
         "prompt_len": prompt_len,
-        "max_new_tokens": config.sampler.max_new_tokens,
-        "sequences_per_step": config.prompts_per_step * config.group_size,
+        "max_new_tokens": spec.rollout.max_new_tokens,
+        "sequences_per_step": spec.rollout.prompts * spec.rollout.group_size,
         "train_mesh": dict(mesh.shape),
         "sampler_mesh": dict(s_mesh.shape),
         "split": bool(spec.mesh.disjoint),

@@ -7,11 +7,11 @@ GPU nodes (H100, H200) are described in ebpo_jax.gpu_topology and dispatched to 
 """
 
 import dataclasses
-from typing import NamedTuple
 import json
 import math
 import os
 import re
+from typing import NamedTuple
 
 from ebpo_jax.hardware import ChipSpec, GiB
 
@@ -156,16 +156,16 @@ def attention_flops(mc, q_len: int, kv_len: int, *, causal: bool) -> float:
     return 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * pairs
 
 
-def update_flops(config, mc, prompt_len: int) -> float:
+def update_flops(run_spec, mc, prompt_len: int) -> float:
     """Model FLOPs of one update step (every PPO epoch and mini-batch); remat recompute excluded."""
-    P, G = config.prompts_per_step, config.group_size
-    N = config.sampler.max_new_tokens
+    P, G = run_spec.rollout.prompts, run_spec.rollout.group_size
+    N = run_spec.rollout.max_new_tokens
     T = prompt_len + N
     m = matmul_params(mc)
     # The forward runs at the padded width T; the head only on the N completion positions.
     fwd = 2.0 * m["layers"] * T + attention_flops(mc, T, T, causal=True) + 2.0 * m["head"] * N
-    ref = fwd if config.loss.kl_coef > 0 else 0.0
-    return config.loss.ppo_epochs * P * G * (3.0 * fwd + ref)
+    ref = fwd if run_spec.update.loss.kl_coef > 0 else 0.0
+    return run_spec.update.loss.ppo_epochs * P * G * (3.0 * fwd + ref)
 
 
 def sampler_flops(mc, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> dict:
@@ -478,7 +478,7 @@ class PagedPool(NamedTuple):
     block_tokens: int  # KV tokens the kernel copies per block
 
 
-def paged_decode_estimate(config, mc, spec, rows_C, pool: PagedPool):
+def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
     """Seconds and page use of the paged engine over one sampler call's rows `rows_C`.
 
     The SPMD step waits for its slowest shard: per step the maximum over shards of the
@@ -486,12 +486,12 @@ def paged_decode_estimate(config, mc, spec, rows_C, pool: PagedPool):
     """
     shards, tp, prompt_tokens, page_size, kv_pages, block_tokens = pool
     per_call = rows_C.size
-    slots = min(config.sampler.get("slots", 0) or per_call, per_call)
+    slots = min(run_spec.rollout.sampler.slots or per_call, per_call)
     sched = _paged_schedule(rows_C.reshape(shards, -1), slots // shards, prompt_tokens,
                             page_size, block_tokens)  # fmt: skip
     cost = decode_cost(mc, tp)
     step_SD = cost.seconds(spec, sched.live_SD, sched.read_SD, sched.kv_SD)
-    prompts = config.sampler.get("prompts_per_call", 0) or config.prompts_per_step
+    prompts = run_spec.rollout.prompts_per_call
     prompt_pages = prompts // shards * -(-prompt_tokens // page_size)
     peak = int(sched.pages_SD.max()) + prompt_pages
     bw_only = (cost.weight_bytes + sched.read_SD * cost.kv_token_bytes) / spec.hbm_bandwidth
@@ -534,7 +534,7 @@ def _blocked_decode(rows_CDR, cost, spec, *, slots, width, prompt_len, block):
     return total, steps
 
 
-def _update_seconds(config, mc, rows, prompt_tokens, devices, peak):
+def _update_seconds(run_spec, mc, rows, prompt_tokens, devices, peak):
     """The packed update's model FLOPs over each row's real tokens, at bf16 peak."""
     m = matmul_params(mc)
     T_r = prompt_tokens + rows
@@ -543,8 +543,8 @@ def _update_seconds(config, mc, rows, prompt_tokens, devices, peak):
         + 4.0 * mc.num_layers * mc.num_heads * mc.head_dim * T_r**2 / 2
         + 2.0 * m["head"] * rows
     )
-    ref = 1.0 if config.loss.kl_coef > 0 else 0.0
-    return float(config.loss.ppo_epochs * (3.0 + ref) * per_row.sum()) / devices / peak
+    ref = 1.0 if run_spec.update.loss.kl_coef > 0 else 0.0
+    return float(run_spec.update.loss.ppo_epochs * (3.0 + ref) * per_row.sum()) / devices / peak
 
 
 def kernel_block_tokens(page_size: int, pages_per_row: int, rows: int) -> int:
@@ -554,9 +554,9 @@ def kernel_block_tokens(page_size: int, pages_per_row: int, rows: int) -> int:
     return block_sizes(page_size, pages_per_row, rows)[0] * page_size
 
 
-def _paged_calls(config, mc, spec, calls_CDR, pool: PagedPool):
+def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
     """Decode seconds of the paged engine over every call, and the first call's page use."""
-    paged = [paged_decode_estimate(config, mc, spec, c.reshape(-1), pool) for c in calls_CDR]
+    paged = [paged_decode_estimate(run_spec, mc, spec, c.reshape(-1), pool) for c in calls_CDR]
     meta = {
         "page_size": pool.page_size,
         "kernel_block_tokens": pool.block_tokens,
@@ -565,7 +565,7 @@ def _paged_calls(config, mc, spec, calls_CDR, pool: PagedPool):
     return sum(c["decode_s"] for c in paged), paged[0] | meta
 
 
-def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
+def step_time_estimate(run_spec, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
     """Seconds per RL step (decode and update), for today's samplers and the paged engine.
 
     before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
@@ -575,15 +575,15 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     `sampler.page_size`, a pool of `sampler.kv_pages`) with the ragged kernel, and the packed
     update over the real tokens. ASSUMPTIONS (also in the output) say what is modelled.
     """
-    P, G, N = config.prompts_per_step, config.group_size, config.sampler.max_new_tokens
+    P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     cost = decode_cost(mc, tp)
-    per_call = config.sampler.prompts_per_call or P
+    per_call = run_spec.rollout.prompts_per_call
     rows = lengths.draw(P * G, N)
     prompt_tokens = min(lengths.prompt_tokens, prompt_len)  # real prompts fit the width
     # Before: every call decodes N - 1 steps over its rows' whole caches.
     static = per_call * G // shards * (prompt_len + N) * cost.kv_token_bytes
     before = (P // per_call) * (N - 1) * (cost.weight_bytes + static) / spec.hbm_bandwidth
-    slots = min(config.sampler.get("slots", 0) or per_call * G, per_call * G)
+    slots = min(run_spec.rollout.sampler.slots or per_call * G, per_call * G)
     width = prompt_len if slots == per_call * G else prompt_tokens  # static: padded prompts
     calls_CDR = rows.reshape(P // per_call, shards, -1)
     blocked, steps = _blocked_decode(calls_CDR, cost, spec, slots=slots // shards, width=width,
@@ -591,13 +591,13 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
     # The issue-29 "ideal": each row its own tokens, bandwidth only, shards averaged.
     own = (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * cost.kv_token_bytes / shards
     ideal = (steps * cost.weight_bytes + own) / spec.hbm_bandwidth
-    page_size = int(config.sampler.get("page_size", 0) or 16)
+    page_size = int(run_spec.rollout.sampler.page_size or 16)
     block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
-    kv_pages = int(config.sampler.get("kv_pages", 0))
+    kv_pages = int(run_spec.rollout.sampler.kv_pages)
     pool = PagedPool(shards, tp, prompt_tokens, page_size, kv_pages, block_tokens)
-    after, paged = _paged_calls(config, mc, spec, calls_CDR, pool)
+    after, paged = _paged_calls(run_spec, mc, spec, calls_CDR, pool)
     devices, peak = shards * tp, spec.peak_flops
-    update_after = _update_seconds(config, mc, rows, prompt_tokens, devices, peak)
+    update_after = _update_seconds(run_spec, mc, rows, prompt_tokens, devices, peak)
     return {
         "lengths": dataclasses.asdict(lengths)
         | {"drawn_mean": float(rows.mean()), "drawn_at_limit": float((rows == N).mean())},
@@ -609,7 +609,7 @@ def step_time_estimate(config, mc, spec, *, prompt_len, shards, tp, lengths=Leng
         "decode_s_ragged_ideal": float(ideal),
         "decode_s_after": float(after),
         "paged": paged,
-        "update_s_before": update_flops(config, mc, prompt_len) / devices / peak,
+        "update_s_before": update_flops(run_spec, mc, prompt_len) / devices / peak,
         "update_s_after_packed": update_after,
         "step_s_slots_blocked": float(blocked) + update_after,
         "step_s_after": float(after) + update_after,

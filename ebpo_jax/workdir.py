@@ -1,7 +1,7 @@
 """The run's folder: writable with room to spare, one trainer at a time, and a resume that
 continues the same run (not a silent restart, not a different config).
 
-`prepare_workdir(config)` runs every check before anything compiles and returns the held
+`prepare_workdir(spec)` runs every check before anything compiles and returns the held
 lock; the lower-level pieces are `check_writable`, `WorkdirLock`, `check_workdir` and
 `reconcile_config`. Errors are `WorkdirError`, one line naming the folder.
 """
@@ -266,27 +266,31 @@ def reconcile_config(
     return changed
 
 
+def _saved_config(spec) -> tuple[str, str, dict]:
+    """(workdir as configured, restart, config dict) of a RunSpec."""
+    return spec.run.workdir, spec.run.restart, json.loads(spec.config_json)
+
+
 def prepare_workdir(
-    config,
+    spec,
     *,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     log: Callable[[str], None] = print,
     write_config: bool = True,
 ) -> WorkdirLock:
-    """Every check of the run's folder, before compiling; returns the held lock.
+    """Every check of the run's folder (a RunSpec's), before compiling; returns the held lock.
 
     Writable with `min_free_bytes` free, locked, not metrics-without-checkpoints (unless
-    `config.restart`), and the saved config compatible on a resume (history kept).
+    `restart`), and the saved config compatible on a resume (history kept).
     `write_config=False` leaves config.json to `save_config`, once the caller's own resume
     checks (the checkpoint's) have passed. Release the lock (`lock.release()` or `with`)
     when the run ends.
     """
-    workdir = str(config.workdir)
+    workdir, restart, cfg = _saved_config(spec)
     check_writable(workdir, min_free_bytes=min_free_bytes)
     lock = WorkdirLock(workdir).acquire()
     try:
-        state = check_workdir(workdir, restart=bool(config.get("restart", False)))
-        cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+        state = check_workdir(workdir, restart=restart)
         reconcile_config(workdir, cfg, resuming=state == "resume", log=log, write=write_config)
     except BaseException:
         lock.release()
@@ -294,10 +298,9 @@ def prepare_workdir(
     return lock
 
 
-def save_config(config) -> None:
+def save_config(spec) -> None:
     """Write the run's config.json (old one kept as history) after `prepare_workdir(...,
     write_config=False)` and the caller's resume checks passed."""
-    workdir = str(config.workdir)
-    state = check_workdir(workdir, restart=bool(config.get("restart", False)))
-    cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    workdir, restart, cfg = _saved_config(spec)
+    state = check_workdir(workdir, restart=restart)
     reconcile_config(workdir, cfg, resuming=state == "resume", log=lambda _: None)

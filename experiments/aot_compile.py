@@ -59,13 +59,14 @@ def main(argv):
     prompts = config.sampler.prompts_per_call if prompts is None else prompts
     s_mesh = config.sampler.mesh if s_mesh is None else s_mesh
     try:
+        spec = aot.resolve_for(
+            config, _TOPOLOGY.value, sampler_mesh=s_mesh, trainer_devices=_TRAINER_DEVICES.value
+        )
         reports, meta = aot.run(
-            config,
+            spec,
             _TOPOLOGY.value,
             prompt_len=_PROMPT_LEN.value,
             sampler_prompts=prompts or None,
-            sampler_mesh=s_mesh,
-            trainer_devices=_TRAINER_DEVICES.value,
             update_only=_UPDATE_ONLY.value,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which

@@ -32,11 +32,11 @@ def warm_stats(config) -> dict:
         task.params,
         data.prompt_tokens,
         data.prompt_lengths,
-        batch_size=spec.eval.batch_size,
+        batch_size=spec.eval.run.eval_batch_size,
         num_samples=k,
         max_new_tokens=spec.eval.max_new_tokens,
-        seed=spec.seed,
-        temperature=spec.eval.temperature,
+        seed=spec.run.seed,
+        temperature=spec.eval.run.eval_temperature,
         eos_id=task.tokenizer.eos_id,
     )
     rep = lambda x: np.repeat(x, k, axis=0)

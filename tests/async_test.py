@@ -55,14 +55,14 @@ def test_staleness_config_errors_are_one_line(overrides, message):
 
 def test_staleness_1_puts_the_sampler_on_the_devices_after_the_trainers():
     spec = resolve(_async(), 8)
-    assert spec.rollout.max_staleness == 1 and spec.mesh.disjoint
+    assert spec.rollout.rollout.max_staleness == 1 and spec.mesh.disjoint
     mesh = make_mesh(spec.mesh)
     s_mesh = make_sampler_mesh(spec.mesh, mesh)
     assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
     assert [d.id for d in s_mesh.devices.flat] == [4, 5, 6, 7]
     # Staleness 0 keeps today's layout: the sampler mesh over the trainer's devices.
     spec0 = resolve(_async(**{"rollout.max_staleness": 0}), 8)
-    assert not spec0.mesh.disjoint and spec0.rollout.max_staleness == 0
+    assert not spec0.mesh.disjoint and spec0.rollout.rollout.max_staleness == 0
     assert [d.id for d in make_sampler_mesh(spec0.mesh, mesh).devices.flat] == [0, 1, 2, 3]
 
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from ebpo_jax import config as C
+from ebpo_jax import schema, spec_checks
 from ebpo_jax.config import ConfigError, validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,8 +47,8 @@ BAD = [
     ("workdir", "", "workdir must be a non-empty path"),
     ("workdir", "  ", "workdir must be a non-empty path"),
     ("sampler.top_k", -5, "sampler.top_k must be an int >= 0"),
-    ("sampler.page_size", 0, "sampler.page_size=0 must be an int >= 1"),
-    ("sampler.kv_pages", -1, "sampler.kv_pages=-1 must be an int >= 0"),
+    ("sampler.page_size", 0, "sampler.page_size must be an int >= 1, got 0"),
+    ("sampler.kv_pages", -1, "sampler.kv_pages must be an int >= 0 .*, got -1"),
     ("loss.kl_estimator", "k9", r"loss.kl_estimator='k9' is not one of"),
     ("sampler.max_new_tokens", 40, r"sampler.max_new_tokens=40: .* the model has 32"),
     ("log_samples_every", -1, "log_samples_every must be >= 0"),
@@ -76,16 +77,14 @@ def test_max_positions_from_the_hf_config_and_overrides(tmp_path):
     (ckpt / "config.json").write_text('{"max_position_embeddings": 64}')
     c = C.default_config()
     c.model.hf_path = str(ckpt)
-    assert C.model_max_positions(c) == 64
-    c.model.overrides.max_position_embeddings = (
-        48  # applied over the checkpoint's, as task_setup does
-    )
-    assert C.model_max_positions(c) == 48
+    assert spec_checks.model_max_positions(schema.parse(c)) == 64
+    c.model.overrides.max_position_embeddings = 48  # applied over the checkpoint's
+    assert spec_checks.model_max_positions(schema.parse(c)) == 48
     with pytest.raises(
         ConfigError, match="prompts of 60 tokens .* need 76 positions, the model has 63"
     ):
-        C.check_positions(c, 60, 63)
-    C.check_positions(c, 48, 64)
+        spec_checks.check_positions(c.sampler.max_new_tokens, 60, 63)
+    spec_checks.check_positions(c.sampler.max_new_tokens, 48, 64)
 
 
 def test_estimator_options_are_checked_against_the_estimator():
@@ -179,3 +178,41 @@ def test_every_shipped_config_validates(path):
     takes_variant = bool(inspect.signature(module.get_config).parameters)
     config = module.get_config("aot") if takes_variant else module.get_config()
     validate(config)
+
+
+def test_every_schema_field_has_a_doc_and_the_defaults_round_trip():
+    """Each setting is declared once with a doc; default_config() parses back to the schema's
+    defaults, and its JSON is what config.json holds."""
+    import dataclasses
+
+    def fields(cls):
+        for f in dataclasses.fields(cls):
+            sub = f.metadata.get("section")
+            yield f
+            if sub is not None:
+                yield from fields(sub)
+
+    undocumented = [f.name for f in fields(schema.Config) if not f.metadata.get("doc", "").strip()]
+    assert undocumented == []
+    typed = schema.parse(C.default_config())
+    assert typed == schema.Config() and hash(typed) == hash(schema.Config())
+    from ebpo_jax.spec import resolve
+
+    assert resolve(_micro()).config_json == _micro().to_json(indent=2)
+
+
+def test_custom_estimator_options_and_model_overrides_are_typed_and_hashable():
+    c = _micro()
+    c.unlock()
+    c.estimator_options.my_option = 3
+    c.model.overrides.num_layers = 1
+    typed = schema.parse(c)
+    assert typed.estimator_options.as_kwargs()["my_option"] == 3
+    assert typed.estimator_options.as_kwargs()["forgetting"] is None
+    assert typed.model.overrides["num_layers"] == 1 and "num_layers" in dict(typed.model.overrides)
+    hash(typed)
+    c.model.overrides.num_layerz = 1
+    with pytest.raises(
+        ConfigError, match=r"model.overrides: unknown ModelConfig field\(s\) \['num_layerz'\]"
+    ):
+        validate(c)

@@ -8,6 +8,7 @@ from helpers import save_tiny_tokenizer  # also imported from here by evaluation
 
 from ebpo_jax import data
 from ebpo_jax.data import DataError
+from ebpo_jax.schema import Data
 
 DAPO_CONTENT = (
     "Solve the following math problem step by step. The last line of your response should be "
@@ -279,7 +280,7 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
         data.Record("solve for x", "5", "r2", topic="a", difficulty=0.1),
         data.Record("the answer is", "5", "r3", topic="b", difficulty=0.9),
     ]
-    kw = {"max_prompt_len": 12, "template": "plain", "order": "topic", "seed": 1}
+    kw = {"data": Data(max_prompt_len=12, template="plain", order="topic"), "seed": 1}
     src = data.MathPromptSource(records, tok, 2, **kw)
     assert src.num_dropped == 1 and [r.id for r in src.records] == ["r0", "r2", "r3"]
     assert src.topic_names == ("a", "b") and src.topic_ids.tolist() == [1, 0, 1]
@@ -304,9 +305,7 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
             [*records, data.Record("solve for x", "1", "nd", topic="a")],
             tok,
             2,
-            max_prompt_len=12,
-            order="difficulty",
-            template="plain",
+            Data(max_prompt_len=12, order="difficulty", template="plain"),
         )
 
     # Host reward: completions decoded and checked against each prompt's record answer.
@@ -416,7 +415,7 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
         data.Record(q, a, f"r{i}")
         for i, (q, a) in enumerate([("what is one plus two", "3"), ("solve for x", "5")] * 2)
     ]
-    src = data.MathPromptSource(records, tok, 2, max_prompt_len=16, template="plain", seed=0)
+    src = data.MathPromptSource(records, tok, 2, Data(max_prompt_len=16, template="plain"), seed=0)
     host_reward = data.make_host_reward(src, tok, reward="math", workers=1)
     spec = resolve(c)
     optimizer = make_optimizer(spec.optim)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flaky_env import Flaky
 
-from ebpo_jax import envs, sampler
+from ebpo_jax import envs, sampler, schema
 from ebpo_jax.config import ConfigError
 from ebpo_jax.envs import Episode, Reply, calculator
 from ebpo_jax.envs.guess import reply_to
@@ -86,9 +86,10 @@ def _scripted(tokenizer, scripts, stop_ids, N):
 
 def _spec(N, turns, T=0):
     return RolloutSpec(
-        prompts=1, group_size=1, max_new_tokens=N, temperature=1.0, top_p=1.0, top_k=0,
-        prompts_per_call=1, dynamic_sampling=False, max_extra_rounds=0, max_turns=turns,
-        turn_tokens=T, env_workers=0,
+        prompts=1, group_size=1, max_new_tokens=N, prompts_per_call=1,
+        sampler=schema.Sampler(max_new_tokens=N),
+        rollout=schema.Rollout(max_turns=turns, turn_tokens=T, env_workers=0),
+        dapo=schema.Dapo(max_extra_rounds=0), moe=schema.Moe(),
     )  # fmt: skip
 
 
@@ -219,6 +220,7 @@ def test_readme_environment_example_runs_in_the_pool(tmp_path, monkeypatch):
         ("rollout.turn_tokens", 99, "rollout.turn_tokens=99 must be in"),
         ("rollout.env_workers", -1, "rollout.env_workers must be >= 0"),
         ("rollout.env_timeout_s", 0.0, "rollout.env_timeout_s must be > 0"),
+        ("task.family", "guess", r"task.family='guess' is multi-turn: set rollout.max_turns >= 2"),
     ],
 )
 def test_bad_turn_fields_are_config_errors(field, value, message):

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import advantages, losses, models
+from ebpo_jax import advantages, losses, models, schema
 from ebpo_jax.config import ConfigError, default_config, validate
 from ebpo_jax.spec import update_spec
 from ebpo_jax.trainer import packing
@@ -17,7 +17,7 @@ MICRO_BATCH = jax.jit(packing.micro_batch, static_argnums=0)
 
 
 def _layout(config, *args, **kwargs):
-    return packing.layout(update_spec(config), *args, **kwargs)
+    return packing.layout(update_spec(schema.parse(config)), *args, **kwargs)
 
 
 def _config(budget, row_len=0, P=P, G=G, N=N):

@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -38,11 +39,50 @@ def test_resolve_gives_frozen_slices_and_names_bad_fields():
     assert spec.rollout.rounds == 3 and spec.task.batch_prompts == 3 * spec.rollout.prompts
     assert spec.task.family == "arithmetic"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        spec.update.clip_low = 0.0
+        spec.update.loss.clip_low = 0.0
     with pytest.raises(ConfigError, match="loss.agg='nope'"):
         resolve(_micro(**{"loss.agg": "nope"}))
     with pytest.raises(ConfigError, match=r"sampler.mesh='data=1' needs steps_per_jit=1"):
         resolve(_micro(**{"sampler.mesh": "data=1", "steps_per_jit": 2}))
+
+
+def _walk(x, path="spec"):
+    """(path, value) of every dataclass field and container entry under x."""
+    yield path, x
+    if dataclasses.is_dataclass(x):
+        for f in dataclasses.fields(x):
+            yield from _walk(getattr(x, f.name), f"{path}.{f.name}")
+    elif isinstance(x, tuple | list):
+        for i, v in enumerate(x):
+            yield from _walk(v, f"{path}[{i}]")
+    elif isinstance(x, Mapping):
+        for k, v in x.items():
+            yield from _walk(v, f"{path}[{k!r}]")
+
+
+def test_a_spec_holds_no_configdict_and_hashes(monkeypatch):
+    import ml_collections
+
+    from ebpo_jax import advantages
+
+    def custom(rewards, mask=None, my_option=1, forgetting=None):
+        return advantages.grpo_advantage(rewards, mask=mask)
+
+    # A custom estimator with its own option (removed from the registry after the test).
+    monkeypatch.setitem(advantages._REGISTRY, "grpo_with_option", custom)
+
+    c = _micro(**{"model.lora.rank": 4, "estimator_options.forgetting": 0.9})
+    c.estimator = "grpo_with_option"
+    c.unlock()
+    c.estimator_options.my_option = 3  # a custom estimator's option, added by a config file
+    c.model.overrides.num_layers = 1
+    spec = resolve(c)
+    bad = [p for p, v in _walk(spec) if isinstance(v, ml_collections.ConfigDict | dict)]
+    assert bad == []
+    for part in (spec.rollout, spec.update, spec.optim, spec.mesh, spec.task, spec.eval):
+        hash(part)  # static jit arguments
+    assert spec.update.estimator_options.as_kwargs()["my_option"] == 3
+    assert resolve(c).update == spec.update
 
 
 def test_unknown_task_family_is_a_config_error():
@@ -65,8 +105,8 @@ def test_a_new_task_family_is_one_builder_and_a_registry_entry(tmp_path):
         return Task(
             tokenizer=tok,
             model_config=mc,
-            params=models.init_params(mc, jax.random.key(spec.seed)),
-            source=tasks.PromptSource(problems, tok, spec.batch_prompts, seed=spec.seed),
+            params=models.init_params(mc, jax.random.key(spec.run.seed)),
+            source=tasks.PromptSource(problems, tok, spec.batch_prompts, seed=spec.run.seed),
             reward=Reward(lambda *a: tasks.reward_fn(*a, eos_id=tok.eos_id), jittable=True),
             cluster_ids=lambda b: jnp.zeros(b.prompt_tokens.shape[:1], jnp.int32),
             num_clusters=1,

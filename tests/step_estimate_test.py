@@ -53,16 +53,26 @@ def _qwen3_8b_aot(slots: int, **sampler):
     return config
 
 
+def _spec(config):
+    from ebpo_jax.spec import resolve
+
+    return resolve(config)
+
+
 def test_static_paged_decode_equals_a_step_by_step_sum():
     """Every row at the limit, a slot per row: L - 1 steps, all rows live, summed by hand."""
     from ebpo_jax import models
 
     config = _qwen3_8b_aot(0, max_new_tokens=100, prompts_per_call=16, page_size=4)
     config.prompts_per_step = 16
+    config.loss.num_minibatches = config.loss.num_microbatches = 1  # a valid split of 16 prompts
+    config.loss.logits_chunk = 0  # (1024 does not divide 100 new tokens)
     mc = models.get_config("qwen3_8b")
     hw = aot.CHIPS["v5p"]
     lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
-    est = aot.step_time_estimate(config, mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths)
+    est = aot.step_time_estimate(
+        _spec(config), mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths
+    )
     cost, rows, block = aot.decode_cost(mc, 4), 16 * 4 // 2, est["paged"]["kernel_block_tokens"]
     assert block == 16 * 4  # pages of 4 tokens, at most 16 pages per kernel block
     want = 0.0
@@ -87,7 +97,7 @@ def test_issue_29_slots_table():
     table = {256: (125, 60), 512: (125, 46), 1024: (133, 38), 2048: (245, 34)}
     for slots, (blocked, ideal) in table.items():
         est = aot.step_time_estimate(
-            _qwen3_8b_aot(slots, page_size=128), mc, aot.CHIPS["v5p"], prompt_len=4096,
+            _spec(_qwen3_8b_aot(slots, page_size=128)), mc, aot.CHIPS["v5p"], prompt_len=4096,
             shards=8, tp=4,
         )  # fmt: skip
         assert round(est["decode_s_slots_blocked"]) == blocked

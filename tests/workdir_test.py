@@ -11,6 +11,7 @@ import pytest
 
 from ebpo_jax import workdir as W
 from ebpo_jax.config import default_config
+from ebpo_jax.spec import resolve
 
 
 def test_checkpoints_that_is_a_file_is_refused(tmp_path):
@@ -151,19 +152,20 @@ def test_resume_with_another_config_is_refused_and_harmless_changes_kept(tmp_pat
 def test_prepare_workdir_runs_every_check(tmp_path):
     c = default_config()
     c.workdir = str(tmp_path / "run")
-    lock = W.prepare_workdir(c, min_free_bytes=1)
+    spec = resolve(c)
+    lock = W.prepare_workdir(spec, min_free_bytes=1)
     try:
         assert (tmp_path / "run" / "config.json").exists()
         with pytest.raises(W.WorkdirError, match="in use by pid"):
             # flock is per open file description: a second acquire in-process conflicts too.
-            W.prepare_workdir(c, min_free_bytes=1)
+            W.prepare_workdir(spec, min_free_bytes=1)
     finally:
         lock.release()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 0}\n')
     with pytest.raises(W.WorkdirError, match="no checkpoint"):
-        W.prepare_workdir(c, min_free_bytes=1)
+        W.prepare_workdir(spec, min_free_bytes=1)
     c.restart = True
-    W.prepare_workdir(c, min_free_bytes=1).release()  # the lock is released on errors too
+    W.prepare_workdir(resolve(c), min_free_bytes=1).release()  # the lock is released on errors too
 
 
 def test_a_field_added_since_the_run_was_saved_at_its_default_is_no_change(tmp_path):

@@ -1,7 +1,7 @@
-"""The `data` config section for math training, and the prompt source + host reward it describes.
+"""The `data` config section's checks, and the prompt source + host reward it describes.
 
-A trainer config embeds it as `c.data = data.config.data_config()`; then
-`source, host_reward = source_from_config(c.data, tokenizer, batch_size, seed=c.seed)`.
+The section is declared in `ebpo_jax.schema.Data`; then
+`source, host_reward = source_from_config(spec.task.data, tokenizer, batch_size, seed=seed)`.
 """
 
 import dataclasses
@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from ebpo_jax.data.clustering import NUM_CLUSTERS, cluster_texts
+from ebpo_jax.data.clustering import cluster_texts
 from ebpo_jax.data.loading import load_records
 from ebpo_jax.data.prompts import TEMPLATES
 from ebpo_jax.data.schemas import SCHEMAS, DataError
@@ -18,38 +18,17 @@ from ebpo_jax.data.source import MathPromptSource, make_host_reward
 from ebpo_jax.data.tokenize import OVERFLOW
 from ebpo_jax.order import ORDERS
 from ebpo_jax.rewards import get_reward
+from ebpo_jax.schema import Data
 
 TOPIC_SOURCES = ("field", "kmeans", "none")
 
 
 def data_config() -> ml_collections.ConfigDict:
-    """Every field of the math data section, with defaults (path "" = not used)."""
-    c = ml_collections.ConfigDict()
-    c.path = ""  # a json/jsonl/parquet file or folder of them
-    c.schema = "dapo"  # a name in SCHEMAS, or a field mapping {"prompt": ..., "answer": ...}
-    c.limit = 0  # 0 = every row
-    c.template = "answer"  # answer (the paper's) | boxed | plain | a string with {problem}
-    c.chat = True  # wrap in the tokenizer's chat template
-    c.system = ""  # optional system prompt (chat only)
-    c.max_prompt_len = 1024  # tokens
-    c.on_overflow = "drop"  # drop (and count) or error
-    c.order = "naive"  # naive | topic | difficulty
-    c.shuffle_clusters = True  # topic order: clusters in seeded order per epoch
-    c.topics = "field"  # field (the schema's topic) | kmeans (MiniLM embeddings) | none
-    c.num_clusters = NUM_CLUSTERS  # for topics=kmeans
-    c.reward = "math"  # a name in rewards.REWARDS or "pkg.module:fn"
-    c.reward_timeout_s = 10.0  # seconds per math-verify check (then reward 0)
-    c.reward_workers = 0  # 0 = min(4, cpu count)
-    c.format_weight = 0.0  # bonus for an "Answer:" line or \boxed{}
-    # Held-out benchmarks for eval/pass@1 during training: comma-separated "path" or
-    # "schema:path" entries (pass@1 is averaged over them); "" = no eval.
-    c.eval_path = ""
-    c.eval_schema = "math500"  # for eval entries without a schema
-    c.eval_limit = 0  # first N problems of each eval file; 0 = all
-    return c
+    """The `data` section of the training config as a ConfigDict, with its defaults."""
+    return ml_collections.ConfigDict(dataclasses.asdict(Data()))
 
 
-def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
+def eval_sets(c: Data) -> list[tuple[str, str]]:
     """(schema, path) of each entry of `c.eval_path` ("path" or "schema:path")."""
     out = []
     for entry in (e.strip() for e in c.eval_path.split(",")):
@@ -62,7 +41,7 @@ def eval_sets(c: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     return out
 
 
-def validate_data_config(c: ml_collections.ConfigDict) -> None:
+def validate_data_config(c) -> None:
     """Raise DataError (one line) on an impossible value, before anything is loaded."""
     if isinstance(c.schema, str) and c.schema not in SCHEMAS:
         raise DataError(f"data.schema={c.schema!r} unknown; known: {sorted(SCHEMAS)} or a mapping")
@@ -78,8 +57,6 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
         raise DataError(
             f"data.template={c.template!r}: a name in {sorted(TEMPLATES)} or has {{problem}}"
         )
-    if c.max_prompt_len < 1 or c.num_clusters < 1 or c.reward_timeout_s <= 0:
-        raise DataError("data.max_prompt_len, num_clusters and reward_timeout_s must be positive")
     try:
         get_reward(c.reward)
     except (ValueError, TypeError) as e:
@@ -94,7 +71,7 @@ def validate_data_config(c: ml_collections.ConfigDict) -> None:
 
 
 def source_from_config(
-    c: ml_collections.ConfigDict,
+    c: Data,
     tokenizer,
     batch_size: int,
     *,
@@ -105,7 +82,7 @@ def source_from_config(
 ) -> tuple[MathPromptSource, Callable]:
     """(prompt source, host reward) for the data section `c`."""
     validate_data_config(c)
-    schema = c.schema.to_dict() if isinstance(c.schema, ml_collections.ConfigDict) else c.schema
+    schema = c.schema if isinstance(c.schema, str) else dict(c.schema)
     records = load_records(c.path, schema, limit=c.limit or None)
     topic_ids = None
     if c.topics == "kmeans":
@@ -116,15 +93,9 @@ def source_from_config(
         records,
         tokenizer,
         batch_size,
-        max_prompt_len=c.max_prompt_len,
-        template=c.template,
-        chat=c.chat,
-        system=c.system or None,
-        on_overflow=c.on_overflow,
-        order=c.order,
+        c,
         seed=seed,
         topic_ids=topic_ids,
-        shuffle_clusters=c.shuffle_clusters,
         num_hosts=num_hosts,
         host_id=host_id,
     )

@@ -19,17 +19,20 @@ from ebpo_jax.data.prompts import render_prompt
 from ebpo_jax.data.schemas import DataError, Record
 from ebpo_jax.data.tokenize import encode_prompts
 from ebpo_jax.order import RecordOrder
+from ebpo_jax.schema import Data
 from ebpo_jax.tasks import PromptBatch
 from ebpo_jax.tasks.data import BatchStream
 
 
 class MathPromptSource(BatchStream):
-    """Batches of `batch_size` prompts of `records` in `order`, resumable, sharded across hosts.
+    """Batches of `batch_size` prompts of `records` in `data.order`, resumable, sharded across
+    hosts.
 
-    Prompts over `max_prompt_len` tokens are dropped (counted in `num_dropped`) or raise, by
-    `on_overflow`. Cluster ids come from `topic_ids` (aligned with `records`, e.g. k-means
-    labels) or else from the records' `topic` field; `difficulty` order needs every record's
-    difficulty.
+    `data` is the `data` config section (schema.Data): template, chat, system, max_prompt_len,
+    on_overflow, order and shuffle_clusters. Prompts over `max_prompt_len` tokens are dropped
+    (counted in `num_dropped`) or raise, by `on_overflow`. Cluster ids come from `topic_ids`
+    (aligned with `records`, e.g. k-means labels) or else from the records' `topic` field;
+    `difficulty` order needs every record's difficulty.
     """
 
     def __init__(
@@ -37,42 +40,65 @@ class MathPromptSource(BatchStream):
         records: Sequence[Record],
         tokenizer: Any,
         batch_size: int,
+        data: Data | None = None,
         *,
-        max_prompt_len: int,
-        template: str = "answer",
-        chat: bool = True,
-        system: str | None = None,
-        chat_kwargs: dict | None = None,
-        on_overflow: str = "drop",
-        order: str = "naive",
         seed: int = 0,
         topic_ids: Sequence[int] | None = None,
-        shuffle_clusters: bool = True,
         num_hosts: int = 1,
         host_id: int = 0,
+        chat_kwargs: dict | None = None,
     ):
+        data = Data() if data is None else data
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if not records:
             raise DataError("no records to draw prompts from")
+        self.batch_size = batch_size
+        kept = self._encode(records, tokenizer, data, chat_kwargs)
+        self._set_topics(records, kept, topic_ids, data.order)
+        self.order = RecordOrder(
+            len(self.records),
+            order=data.order,
+            seed=seed,
+            topic_ids=self.topic_ids,
+            difficulty=self._ordered_difficulty(data.order),
+            shuffle_clusters=data.shuffle_clusters,
+            num_hosts=num_hosts,
+            host_id=host_id,
+        )
+        key = "\n".join(
+            [str(self.order.fingerprint), *self.texts, *(r.answer for r in self.records)]
+        )
+        self.fingerprint = zlib.crc32(key.encode())
+
+    def _encode(self, records, tokenizer, data: Data, chat_kwargs) -> Sequence[int]:
+        """Render and tokenise every prompt; keeps those within data.max_prompt_len."""
         texts = [
             render_prompt(
                 tokenizer,
                 r.prompt,
-                template=template,
-                chat=chat,
-                system=system,
+                template=data.template,
+                chat=data.chat,
+                system=data.system or None,
                 chat_kwargs=chat_kwargs,
             )
             for r in records
         ]
-        enc = encode_prompts(tokenizer, texts, max_length=max_prompt_len, on_overflow=on_overflow)
+        enc = encode_prompts(
+            tokenizer, texts, max_length=data.max_prompt_len, on_overflow=data.on_overflow
+        )
         kept = enc.kept
         self.records = [records[i] for i in kept]
         self.texts = [texts[i] for i in kept]
         self.num_dropped = enc.num_dropped
-        self.batch_size = batch_size
         self._tokens, self._lengths = enc.tokens, enc.lengths
+        self._difficulty = np.array(
+            [np.nan if r.difficulty is None else r.difficulty for r in self.records], np.float32
+        )
+        return kept
+
+    def _set_topics(self, records, kept, topic_ids, order: str) -> None:
+        """Cluster ids: `topic_ids` (aligned with `records`), else the records' topics."""
         if topic_ids is not None:
             if len(topic_ids) != len(records):
                 raise ValueError(f"{len(topic_ids)} topic ids for {len(records)} records")
@@ -82,32 +108,18 @@ class MathPromptSource(BatchStream):
             self.topic_ids, self.topic_names = topic_ids_from_field(self.records)
         else:
             self.topic_ids, self.topic_names = np.zeros(len(self.records), np.int32), ("all",)
-        difficulty = None
-        if order == "difficulty":
-            missing = [r.id for r in self.records if r.difficulty is None]
-            if missing:
-                raise DataError(
-                    f"order 'difficulty' needs every record's difficulty; {len(missing)} have none "
-                    f"(first: {missing[:3]}); write it with experiments/estimate_difficulty.py"
-                )
-            difficulty = [r.difficulty for r in self.records]
-        self._difficulty = np.array(
-            [np.nan if r.difficulty is None else r.difficulty for r in self.records], np.float32
-        )
-        self.order = RecordOrder(
-            len(self.records),
-            order=order,
-            seed=seed,
-            topic_ids=self.topic_ids,
-            difficulty=difficulty,
-            shuffle_clusters=shuffle_clusters,
-            num_hosts=num_hosts,
-            host_id=host_id,
-        )
-        key = "\n".join(
-            [str(self.order.fingerprint), *self.texts, *(r.answer for r in self.records)]
-        )
-        self.fingerprint = zlib.crc32(key.encode())
+
+    def _ordered_difficulty(self, order: str):
+        """Each record's difficulty for `difficulty` order (DataError if one has none)."""
+        if order != "difficulty":
+            return None
+        missing = [r.id for r in self.records if r.difficulty is None]
+        if missing:
+            raise DataError(
+                f"order 'difficulty' needs every record's difficulty; {len(missing)} have none "
+                f"(first: {missing[:3]}); write it with experiments/estimate_difficulty.py"
+            )
+        return [r.difficulty for r in self.records]
 
     @property
     def num_clusters(self) -> int:

@@ -55,10 +55,10 @@ def stop_token_ids(tokenizer, env: Environment) -> tuple[int, ...]:
 def turn_sampler_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.SamplerSpec:
     """One sampler call of the turn loop: one sample per row, up to turn_tokens tokens."""
     return sampler.SamplerSpec(
-        max_new_tokens=spec.turn_tokens or spec.max_new_tokens,
+        max_new_tokens=spec.rollout.turn_tokens or spec.max_new_tokens,
         eos_ids=tuple(int(e) for e in np.atleast_1d(eos_ids)) + tuple(extra_stops),
-        sampling=sampler.Sampling(spec.temperature, spec.top_k, spec.top_p),
-        page_size=spec.page_size,
+        sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
+        page_size=spec.sampler.page_size,
     )
 
 
@@ -118,7 +118,7 @@ def _answer(rows: _Rows, calls, replies, tokenizer, spec: RolloutSpec, env) -> N
         rows.errors[b] += reply.error
         rows.env_reward[b] += reply.reward
         fits = rows.write(b, ids) == len(ids)
-        over = reply.done or rows.turns[b] >= spec.max_turns
+        over = reply.done or rows.turns[b] >= spec.rollout.max_turns
         rows.live[b] = fits and not over and rows.used[b] < rows.tokens.shape[1]
 
 
@@ -145,12 +145,12 @@ def run_episodes(
     """B episodes: model turns by `generate(context, lengths, limits, key) -> Generation`,
     environment replies by `pool`; `answers` are the rows' reference answers (text)."""
     B = prompt_BT.shape[0]
-    N, T = spec.max_new_tokens, spec.turn_tokens or spec.max_new_tokens
+    N, T = spec.max_new_tokens, spec.rollout.turn_tokens or spec.max_new_tokens
     eos = {int(e) for e in np.atleast_1d(eos_ids)}
     stop_ids = set(stop_token_ids(tokenizer, env))
     rows, prefill = _Rows(B, N), 0
     prompts = [tokenizer.decode(list(prompt_BT[b, : prompt_len_B[b]])) for b in range(B)]
-    for call in range(4 * spec.max_turns * max(1, -(-N // T))):  # a bound, never reached
+    for call in range(4 * spec.rollout.max_turns * max(1, -(-N // T))):  # a bound, never reached
         if not rows.live.any():
             break
         ctx_BT = _context(rows, prompt_BT, prompt_len_B)

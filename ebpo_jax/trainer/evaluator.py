@@ -29,8 +29,8 @@ class EvalSet(NamedTuple):
 def make_evaluator(
     spec: EvalSpec, model_config, sets: Sequence[EvalSet], stop_ids, mesh=None
 ) -> Callable[[Any], dict[str, float]] | None:
-    """evaluate(params) -> {set name: pass@1}: the mean score over `spec.samples` samples per
-    problem at `spec.temperature` (0 = greedy, one sample); the same draws at every call.
+    """evaluate(params) -> {set name: pass@1}: the mean score over `spec.run.eval_samples` samples per
+    problem at `spec.run.eval_temperature` (0 = greedy, one sample); the same draws at every call.
     `evaluate.per_problem` holds the last call's {set name: correct samples [n]};
     `evaluate(params, matrix=True)` returns {set name: scores [problems, samples]} instead of
     the means (experiments/eval.py's pass@k). None when there is no set."""
@@ -47,12 +47,12 @@ def make_evaluator(
                 params,
                 s.prompt_tokens,
                 s.prompt_lengths,
-                batch_size=spec.batch_size,
+                batch_size=spec.run.eval_batch_size,
                 num_samples=k,
                 max_new_tokens=spec.max_new_tokens,
-                seed=spec.seed,
+                seed=spec.run.seed,
                 key_stride=s.key_stride,
-                temperature=spec.temperature,
+                temperature=spec.run.eval_temperature,
                 eos_id=stop_ids,
                 mesh=mesh,
             )

@@ -1,6 +1,7 @@
 """The host loop: resolve the config, build the task and the step, then step, log, evaluate,
 checkpoint, and stop on signals or a run of non-finite steps."""
 
+import dataclasses
 import json
 import math
 import os
@@ -80,7 +81,7 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     `stop_after=n` stops after n steps of this call as SIGTERM would (checkpoint, return).
     """
     spec = resolve(config, jax.device_count())
-    if host_reward is not None and spec.steps_per_jit != 1:
+    if host_reward is not None and spec.run.steps_per_jit != 1:
         raise ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
     main = distributed.is_main_process()
     if not main:  # process 0 alone speaks and writes metrics
@@ -88,12 +89,12 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     t_start = time.time()
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
     get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
-    lock = workdir_lib.prepare_workdir(config, log=log, write_config=False) if main else None
+    lock = workdir_lib.prepare_workdir(spec, log=log, write_config=False) if main else None
     task = None
     try:
         mesh = make_mesh(spec.mesh)
         task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
-        save = (lambda: workdir_lib.save_config(config)) if main else (lambda: None)
+        save = (lambda: workdir_lib.save_config(spec)) if main else (lambda: None)
         summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
         if task is not None:
@@ -116,13 +117,13 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
                 optimizer,
                 spec.update.lora,
                 task.model_config,
-                seed=spec.seed,
+                seed=spec.run.seed,
                 num_clusters=task.num_clusters,
             )
         return init_train_state(
             params,
             optimizer,
-            seed=spec.seed,
+            seed=spec.run.seed,
             num_clusters=task.num_clusters,
             with_ref=spec.with_ref,
         )
@@ -151,7 +152,7 @@ class _Log:
             spec.workdir,
             start_step=start,
             enabled=main,
-            wandb=spec.wandb.to_dict() if spec.wandb.project else None,
+            wandb=dataclasses.asdict(spec.wandb) if spec.wandb.project else None,
             run_config=json.loads(spec.config_json),
             log=log,
         )
@@ -181,10 +182,10 @@ class _Log:
             log(f"held-out pass@1 at the warm start: {100 * self.start:.1f}%")
         # After the lines above: a bar must not have them printed into its line.
         self.bar = progress_lib.progress(
-            spec.total_steps,
+            spec.run.total_steps,
             initial=step,
-            every=spec.log_every,
-            every_s=spec.log_every_s,
+            every=spec.run.log_every,
+            every_s=spec.run.log_every_s,
             enabled=main,
         )
 
@@ -209,10 +210,10 @@ class _Log:
             row.update(times)
             row.update({"perf/step_time_s": dt, "perf/tokens_per_s": row["perf/step_tokens"] / dt})
             # eval_every and total_steps are multiples of K: this is the call's last step.
-            due = step % self.spec.eval.every == 0 or step == self.spec.total_steps
+            due = step % self.spec.eval.run.eval_every == 0 or step == self.spec.run.total_steps
             if due and self.evaluate is not None:
                 self.eval_row(policy(), row, step)
-                if step == self.spec.total_steps and distributed.is_main_process():
+                if step == self.spec.run.total_steps and distributed.is_main_process():
                     write_per_problem(self.evaluate, self.spec.workdir)
             self.writer.write(step, row)
             self.bar.update(step - 1, row)
@@ -232,7 +233,11 @@ class _Log:
 
     def samples(self, step: int, tokenizer, ro, rows: int = 4) -> None:
         """The first `rows` completions of the step's first prompt, decoded, to samples.jsonl."""
-        if ro is None or not self.spec.log_samples_every or step % self.spec.log_samples_every:
+        if (
+            ro is None
+            or not self.spec.run.log_samples_every
+            or step % self.spec.run.log_samples_every
+        ):
             return
         ro = distributed.to_host(ro)
         plen = int(ro.prompt_lengths[0])
@@ -281,7 +286,7 @@ def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, task: Tas
     if saved_extra is not None:  # before restoring: adapters of another rank would look corrupt
         _check_lora_base(spec, task, saved_extra)
     if _INFLIGHT in saved:
-        if spec.rollout.max_staleness == 0:
+        if spec.rollout.rollout.max_staleness == 0:
             raise ConfigError(
                 f"{ckpt.directory} holds an in-flight rollout (saved at rollout.max_staleness=1): "
                 "resume with rollout.max_staleness=1"
@@ -317,13 +322,13 @@ def _check_lora_base(spec: RunSpec, task: Task, extra: dict) -> None:
 def _check_finite(spec: RunSpec, rows: list[dict], step: int, ckpt) -> None:
     """NonFiniteError once a streak reaches max_nonfinite_steps (at any step of a K-step call)."""
     streak = max(int(r["train/nonfinite_run"]) for r in rows)
-    if streak >= spec.max_nonfinite_steps:
+    if streak >= spec.run.max_nonfinite_steps:
         ckpt.wait()  # a save in flight is a good one: updates are only committed when finite
         steps = ckpt.all_steps()
         good = f"step {steps[-1]} in {ckpt.directory}" if steps else "none (no checkpoint yet)"
         raise NonFiniteError(
             f"{streak} steps in a row had a non-finite loss, gradient or update "
-            f"(max_nonfinite_steps={spec.max_nonfinite_steps}); stopped at step {step}; "
+            f"(max_nonfinite_steps={spec.run.max_nonfinite_steps}); stopped at step {step}; "
             f"last good checkpoint: {good}"
         )
 
@@ -335,8 +340,8 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     state, sh = _init_state(spec, task, optimizer, mesh)
     ckpt = Checkpointer(
         os.path.join(spec.workdir, "checkpoints"),
-        max_to_keep=spec.checkpoint.keep,
-        save_every=spec.checkpoint.every,
+        max_to_keep=spec.run.keep_checkpoints,
+        save_every=spec.run.checkpoint_every,
         checksums=distributed.is_main_process(),
     )
     out = None
@@ -349,7 +354,7 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
         policy = step_fn.policy(state) if first_eval else None
         first = int(state.step)
         out = _Log(spec, first, extra, policy, state, task.evaluate, log)
-        if first < spec.total_steps:
+        if first < spec.run.total_steps:
             out.bar.compiling()
         step, stopped = _loop(
             spec, task, step_fn, (state, inflight), sh, ckpt, out, out.bar.write, stop_after
@@ -377,13 +382,13 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
 def _one_step(spec: RunSpec, task: Task, step_fn, state, inflight, step: int, next_batches):
     """One call of the step: (state, metrics, times, in-flight rollout, seconds per step)."""
     t0 = time.perf_counter()
-    if spec.rollout.max_staleness == 0:
+    if spec.rollout.rollout.max_staleness == 0:
         state, m, times = step_fn(state, next_batches())
-        return state, m, times, None, (time.perf_counter() - t0) / spec.steps_per_jit
+        return state, m, times, None, (time.perf_counter() - t0) / spec.run.steps_per_jit
     # Staleness 1: update t on rollout t while rollout t+1 samples with params t.
     if inflight is None:  # step 0 (or a checkpoint without one): no overlap
         inflight = step_fn.first_rollout(state, next_batches())
-    batches = next_batches() if step + 1 < spec.total_steps else None
+    batches = next_batches() if step + 1 < spec.run.total_steps else None
     state, m, times, inflight = step_fn.overlapped(state, inflight, batches)
     return state, m, times, inflight, time.perf_counter() - t0
 
@@ -395,11 +400,11 @@ def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, s
     stopped = False
 
     def next_batches():
-        batches = task.source.next_batches(spec.steps_per_jit)
+        batches = task.source.next_batches(spec.run.steps_per_jit)
         return put(batches, sh.batches(batches))
 
     with PreemptionGuard() as guard:
-        while step < spec.total_steps:
+        while step < spec.run.total_steps:
             state, m, times, inflight, dt = _one_step(
                 spec, task, step_fn, state, inflight, step, next_batches
             )

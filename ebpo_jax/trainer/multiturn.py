@@ -30,13 +30,13 @@ class MultiTurnRollout:
     """rollout(params, batch, key) -> (Rollout, host metrics): episodes with `task.env`."""
 
     def __init__(self, spec: RolloutSpec, task, mesh=None):
-        if spec.dynamic_sampling:
+        if spec.dapo.dynamic_sampling:
             raise ValueError("dapo.dynamic_sampling is not supported with multi-turn rollouts")
         self.spec, self.task = spec, task
         stops = episodes.stop_token_ids(task.tokenizer, task.env)
         s_spec = episodes.turn_sampler_spec(spec, task.stop_ids, stops)
         self.generate = functools.partial(_generate, task.model_config, s_spec, mesh)
-        self.pool = EnvPool(spec.env_workers, timeout_s=spec.env_timeout_s)
+        self.pool = EnvPool(spec.rollout.env_workers, timeout_s=spec.rollout.env_timeout_s)
         atexit.register(self.pool.close)
         self.reward = jax.jit(task.reward.fn) if task.reward.jittable else task.reward.fn
         self.last_metrics: dict[str, float] = {}

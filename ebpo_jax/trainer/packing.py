@@ -58,12 +58,12 @@ def layout(spec: UpdateSpec, model_config, prompt_width: int, *, batch_shards: i
     `prompt_width` is the rollout's prompt array width; `batch_shards` the devices rows are
     split over (rows per micro-batch are rounded down to a multiple of it).
     """
-    budget = spec.tokens_per_microbatch
+    budget = spec.loss.tokens_per_microbatch
     if budget == 0:
         return None
-    P, G = spec.prompts // spec.num_minibatches, spec.group_size
+    P, G = spec.prompts // spec.loss.num_minibatches, spec.group_size
     N = spec.max_new_tokens
-    L = spec.pack_row_len or prompt_width + N
+    L = spec.loss.pack_row_len or prompt_width + N
     if L < prompt_width + N - 1:
         raise ConfigError(
             f"loss.pack_row_len={L} is shorter than the longest sequence "

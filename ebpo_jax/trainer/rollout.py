@@ -64,11 +64,11 @@ def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
         max_new_tokens=spec.max_new_tokens,
         num_samples=spec.group_size,
         eos_ids=eos,
-        sampling=sampler.Sampling(spec.temperature, spec.top_k, spec.top_p),
-        slots=spec.slots,
-        page_size=spec.page_size,
-        kv_pages=spec.kv_pages,
-        record_routing=spec.routing_replay,
+        sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
+        slots=spec.sampler.slots,
+        page_size=spec.sampler.page_size,
+        kv_pages=spec.sampler.kv_pages,
+        record_routing=spec.moe.routing_replay,
     )
 
 
@@ -101,7 +101,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
     b = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0), batch)
     gen = sample(params, b, jax.random.fold_in(rng, r))
-    gen, routing = gen if spec.routing_replay else (gen, None)
+    gen, routing = gen if spec.moe.routing_replay else (gen, None)
     rep = lambda x: jnp.repeat(x, G, axis=0)
     if reward_fn is None:  # a host reward fills these in between the two jits
         rewards_PG = jnp.zeros((P, G), jnp.float32)
@@ -167,7 +167,7 @@ def make_rollout_fn(
     `cluster_ids_fn(batch) -> [P]` is the task's EB cluster of each prompt. With
     `reward_fn=None` the rewards stay 0 for a host reward to fill in (jit -> host -> jit).
     """
-    if reward_fn is None and spec.dynamic_sampling:
+    if reward_fn is None and spec.dapo.dynamic_sampling:
         raise ValueError("dapo.dynamic_sampling needs a jittable reward_fn (got a host reward)")
     sample = functools.partial(_sample, spec, model_config, stop_ids, mesh)
     one_round = functools.partial(_one_round, spec, sample, reward_fn, cluster_ids_fn)
@@ -179,7 +179,7 @@ def make_rollout_fn(
                 f"{spec.rounds} x {spec.prompts}"
             )
         first = one_round(params, batch, 0, rng)
-        if not spec.dynamic_sampling:
+        if not spec.dapo.dynamic_sampling:
             return first
         return _refill(spec, lambda r: one_round(params, batch, r, rng), first)
 

@@ -4,6 +4,7 @@ writes it as `<digest>.npz`, and `sft.params_file` starts a run from such a file
 float rounding differs across CPU families, so only a shared file gives every machine
 the same start)."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ _HEX = frozenset("0123456789abcdef")
 
 def _task_key(task) -> dict:
     """The task section as it keyed caches before `task.family` existed (same cache files)."""
-    d = task.to_dict()
+    d = dataclasses.asdict(task)
     if not d.get("family"):
         d.pop("family", None)
     d.pop("val_per_cell", None)  # validation problems are never trained on
@@ -57,7 +58,7 @@ def cache_path(spec: TaskSpec, model_config, num_problems: int) -> str:
         [
             repr(model_config),
             # The seed enters as init_seed below: sft.seed = -1 and = the run's seed share a file.
-            {k: v for k, v in spec.sft.to_dict().items() if k not in _NOT_IN_KEY},
+            {k: v for k, v in dataclasses.asdict(spec.sft).items() if k not in _NOT_IN_KEY},
             _task_key(spec.task),
             init_seed(spec),
             num_problems,
@@ -66,7 +67,7 @@ def cache_path(spec: TaskSpec, model_config, num_problems: int) -> str:
         default=str,
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    root = spec.sft.cache_dir or os.path.join(spec.workdir, "sft_cache")
+    root = spec.sft.cache_dir or os.path.join(spec.run.workdir, "sft_cache")
     return os.path.join(root, f"sft_{digest}.npz")
 
 
@@ -91,8 +92,8 @@ def _load(path, like):
 
 def init_seed(spec: TaskSpec) -> int:
     """The initial policy's seed (init and SFT batches): `sft.seed`, or the run's when -1."""
-    seed = spec.sft.get("seed", -1)
-    return spec.seed if seed < 0 else seed
+    seed = spec.sft.seed
+    return spec.run.seed if seed < 0 else seed
 
 
 def base_source(spec: TaskSpec, model_config, num_problems: int) -> str:
@@ -138,9 +139,9 @@ def check_digest(spec: TaskSpec, params) -> str:
     """The warm start's digest (exported to `sft.export_dir` when set); ValueError when
     `sft.params_sha256` names another one."""
     digest = params_digest(params)
-    if spec.sft.get("export_dir", ""):
+    if spec.sft.export_dir:
         export(params, spec.sft.export_dir)
-    want = spec.sft.get("params_sha256", "")
+    want = spec.sft.params_sha256
     if want and digest != want:
         raise ValueError(
             f"sft.params_sha256={want}: this warm start hashes to {digest} (SFT on another "
@@ -152,7 +153,7 @@ def check_digest(spec: TaskSpec, params) -> str:
 def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log=print):
     """Params after `spec.sft.steps` supervised steps on `problems` (loaded if cached), or
     the committed `sft.params_file`."""
-    if spec.sft.get("params_file", ""):
+    if spec.sft.params_file:
         log(f"SFT warm start: committed params {spec.sft.params_file}")
         return load_file(spec.sft.params_file, params)
     if spec.sft.steps == 0:

@@ -21,18 +21,18 @@ from ebpo_jax.trainer.state import state_shardings
 
 def make_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
     """The trainer's mesh (Auto axes): over `devices`, else every device or the first
-    `spec.devices` of them (one process only)."""
+    `spec.mesh.devices` of them (one process only)."""
     if devices is None:
-        n = spec.devices or jax.device_count()
+        n = spec.mesh.devices or jax.device_count()
         if n < jax.device_count() and jax.process_count() > 1:
             raise config_lib.ConfigError(
                 f"mesh.devices={n}: a multi-process run's mesh must span all {jax.device_count()}"
             )
         if n == jax.device_count():  # jax.make_mesh lays the axes out along the topology
-            auto = (jax.sharding.AxisType.Auto,) * len(spec.axes)
-            return jax.make_mesh(spec.shape, spec.axes, axis_types=auto)
+            auto = (jax.sharding.AxisType.Auto,) * len(spec.mesh.axes)
+            return jax.make_mesh(spec.shape, spec.mesh.axes, axis_types=auto)
         devices = jax.devices()[:n]
-    return sharding.make_mesh(list(zip(spec.axes, spec.shape)), devices)
+    return sharding.make_mesh(list(zip(spec.mesh.axes, spec.shape)), devices)
 
 
 def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
@@ -110,8 +110,8 @@ def make_shardings(
         mesh=mesh,
         sampler_mesh=s_mesh,
         state=state_shardings(model_config, optimizer, abstract_state, mesh),
-        rollout=rollout_shardings(mesh, P_, spec.rollout.routing_replay),
-        sampler_rollout=rollout_shardings(s_mesh, P_, spec.rollout.routing_replay),
+        rollout=rollout_shardings(mesh, P_, spec.rollout.moe.routing_replay),
+        sampler_rollout=rollout_shardings(s_mesh, P_, spec.rollout.moe.routing_replay),
         sampler_params=sharding.param_shardings(
             model_config, _sampled(spec, model_config, abstract_state), s_mesh
         ),

@@ -31,18 +31,22 @@ class TrainState(NamedTuple):
 def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
     """Linear warm-up over `warmup_steps` train steps, then constant or cosine to the end."""
     per = opt.updates_per_step
-    warm = opt.warmup_steps * per
-    total = max(opt.total_steps * per, warm + 1)
-    if opt.schedule == "cosine":
+    warm = opt.optimizer.warmup_steps * per
+    total = max(opt.run.total_steps * per, warm + 1)
+    if opt.optimizer.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
-            0.0, opt.learning_rate, warm, total, end_value=opt.learning_rate * opt.final_lr_frac
+            0.0,
+            opt.optimizer.learning_rate,
+            warm,
+            total,
+            end_value=opt.optimizer.learning_rate * opt.optimizer.final_lr_frac,
         )
     if warm == 0:
-        return optax.constant_schedule(opt.learning_rate)
+        return optax.constant_schedule(opt.optimizer.learning_rate)
     return optax.join_schedules(
         [
-            optax.linear_schedule(0.0, opt.learning_rate, warm),
-            optax.constant_schedule(opt.learning_rate),
+            optax.linear_schedule(0.0, opt.optimizer.learning_rate, warm),
+            optax.constant_schedule(opt.optimizer.learning_rate),
         ],
         [warm],
     )
@@ -51,9 +55,12 @@ def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
 def make_optimizer(opt: OptimSpec) -> optax.GradientTransformation:
     """AdamW with global-norm clipping (clip first, as verl/TRL do)."""
     return optax.chain(
-        optax.clip_by_global_norm(opt.clip_norm),
+        optax.clip_by_global_norm(opt.optimizer.clip_norm),
         optax.adamw(
-            learning_rate_schedule(opt), b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay
+            learning_rate_schedule(opt),
+            b1=opt.optimizer.b1,
+            b2=opt.optimizer.b2,
+            weight_decay=opt.optimizer.weight_decay,
         ),
     )
 

@@ -72,7 +72,7 @@ class Step:
     """(state, batches [K, ...]) -> (state, metrics [K]-stacked, phase times), jitted once."""
 
     def __init__(self, spec: RunSpec, task, optimizer, sh: Shardings):
-        self.K, self.sh = spec.steps_per_jit, sh
+        self.K, self.sh = spec.run.steps_per_jit, sh
         self.last_rollout = None  # K == 1: the rollout the latest update consumed (samples log)
         self.host_reward = None if task.reward.jittable else task.reward.fn
         reward_fn = task.reward.fn if task.reward.jittable else None
@@ -93,7 +93,7 @@ class Step:
                 self.episodes(params, batch, key), sh.sampler_rollout
             )
         # sampler.param_dtype: the sampler's copy of the weights in another dtype (bfloat16).
-        dtype = spec.rollout.param_dtype
+        dtype = spec.rollout.sampler.param_dtype
         self.cast = None
         if dtype:
             cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)

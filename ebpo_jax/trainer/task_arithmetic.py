@@ -48,7 +48,7 @@ def validation_problems(spec: TaskSpec, family=tasks) -> list:
     from train and test and leave both unchanged.
     """
     t = spec.task
-    n = t.get("val_per_cell", 0)
+    n = t.val_per_cell
     if not n:
         return []
     longer, _ = _splits(t, family, t.train_per_cell + n)
@@ -101,7 +101,7 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         train_problems,
         tokenizer,
         spec.batch_prompts,
-        seed=spec.seed,
+        seed=spec.run.seed,
         order=spec.task.order,
     )
     need = source.prompt_len + spec.max_new_tokens  # checked before the SFT warm start
@@ -129,8 +129,8 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         params=params,
         source=source,
         reward=Reward(functools.partial(reward_fn, eos_id=eos), jittable=True),
-        cluster_ids=functools.partial(cluster_ids, spec.eb_clusters, levels=levels),
-        num_clusters=num_clusters(spec.eb_clusters, family),
+        cluster_ids=functools.partial(cluster_ids, spec.run.eb_clusters, levels=levels),
+        num_clusters=num_clusters(spec.run.eb_clusters, family),
         stop_ids=eos,
         evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
         base_source=sft.base_source(spec, model_config, len(train_problems)),

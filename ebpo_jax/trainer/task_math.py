@@ -123,7 +123,9 @@ def _record_set(spec: TaskSpec, name, records, enc, tokenizer) -> EvalSet:
         )
         return r_B > 0.5
 
-    stride = min(spec.eval.batch_size, len(records))  # chunk i folds in its first row's index
+    stride = min(
+        spec.eval.run.eval_batch_size, len(records)
+    )  # chunk i folds in its first row's index
     return EvalSet(name, enc.tokens, enc.lengths, score, key_stride=stride)
 
 
@@ -144,25 +146,25 @@ def build(spec: TaskSpec, *, mesh=None, log=print) -> Task:
     check_model(spec, model_config, tokenizer)
     # Data before weights: a bad file fails in seconds, not after loading a checkpoint.
     source, host_reward = source_from_config(
-        d, tokenizer, spec.batch_prompts, seed=spec.seed, log=log
+        d, tokenizer, spec.batch_prompts, seed=spec.run.seed, log=log
     )
     sets = eval_record_sets(spec, tokenizer, log)
     if m.hf_path:
         _, params = models.from_hf(m.hf_path, dtype=model_config.param_dtype)
     else:
-        params = models.init_params(model_config, jax.random.key(spec.seed))
+        params = models.init_params(model_config, jax.random.key(spec.run.seed))
     stops = tuple(policy_eval.stop_ids(tokenizer))
-    clusters = source.num_clusters if spec.eb_clusters == "topic" else 1
+    clusters = source.num_clusters if spec.run.eb_clusters == "topic" else 1
     return Task(
         tokenizer=tokenizer,
         model_config=model_config,
         params=params,
         source=source,
         reward=Reward(host_reward, jittable=False),
-        cluster_ids=lambda batch: cluster_ids(spec.eb_clusters, batch),
+        cluster_ids=lambda batch: cluster_ids(spec.run.eb_clusters, batch),
         num_clusters=clusters,
         stop_ids=stops,
         evaluate=make_evaluator(spec.eval, model_config, sets, stops, mesh),
         close=rewards.close_pools,  # the host reward and the eval score share its pools
-        base_source=m.hf_path or f"init(seed={spec.seed})",
+        base_source=m.hf_path or f"init(seed={spec.run.seed})",
     )

@@ -26,10 +26,11 @@ def _generate(model_config, sampler_spec, params, ctx_BT, len_B, limit_B, key):
 
 
 def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
-    """evaluate(params) -> {"heldout": pass@1}: `spec.eval.samples` episodes per held-out
+    """evaluate(params) -> {"heldout": pass@1}: `spec.eval.run.eval_samples` episodes per held-out
     problem at the eval temperature, scored like training episodes (task + env reward)."""
     ev, tok = spec.eval, task.tokenizer
-    ro = dataclasses.replace(spec.rollout, temperature=ev.temperature)
+    sampling = dataclasses.replace(spec.rollout.sampler, temperature=ev.run.eval_temperature)
+    ro = dataclasses.replace(spec.rollout, sampler=sampling)
     stops = episodes.stop_token_ids(tok, task.env)
     s_spec = episodes.turn_sampler_spec(ro, task.stop_ids, stops)
     data = encode_problems(problems, tok)
@@ -44,9 +45,9 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
         gen = functools.partial(_generate, task.model_config, s_spec, params)
         scores = []
         with EnvPool(ro.env_workers, timeout_s=ro.env_timeout_s) as pool:
-            for c, lo in enumerate(range(0, len(plen_B), ev.batch_size)):
-                sl = slice(lo, lo + ev.batch_size)
-                key = jax.random.fold_in(jax.random.key(ev.seed), c)
+            for c, lo in enumerate(range(0, len(plen_B), ev.run.eval_batch_size)):
+                sl = slice(lo, lo + ev.run.eval_batch_size)
+                key = jax.random.fold_in(jax.random.key(ev.run.seed), c)
                 ep = episodes.run_episodes(
                     gen, ro, task.env, pool, tok, prompt_BT[sl], plen_B[sl], answers[sl], key,
                     task.stop_ids,
@@ -59,9 +60,8 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
 
 
 def build_family(spec: TaskSpec, module, env_name: str, *, mesh=None, log=print) -> Task:
-    """A generated-problem family with environment `env_name` and an episode evaluator."""
-    if spec.rollout is None or spec.rollout.max_turns < 2:
-        raise ValueError(f"task.family={spec.family!r} is multi-turn: set rollout.max_turns >= 2")
+    """A generated-problem family with environment `env_name` and an episode evaluator
+    (its settings are checked by spec_checks: MULTI_TURN_FAMILIES)."""
     tok = module.make_tokenizer()
     reward_fn = functools.partial(module.reward_fn, eos_id=tok.eos_id)
     task = task_arithmetic.build_synthetic(spec, module, tok, module.reward_fn, mesh=mesh, log=log)

@@ -138,14 +138,14 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
     """(params, with_entropy) -> log-probs [B, N] of a padded or a packed micro-batch."""
     N = spec.max_new_tokens
     if "packed" in mb:
-        if spec.routing_replay or spec.lb_coef:
+        if spec.moe.routing_replay or spec.moe.lb_coef:
             raise ValueError("routing replay and the router loss need the padded update")
         return functools.partial(
             packing.packed_completion_logprobs,
             model_config,
             packed=mb["packed"],
             slots=(mb["logprobs"].size // N, N),
-            chunk_size=spec.logits_chunk,
+            chunk_size=spec.loss.logits_chunk,
         )
     return functools.partial(
         completion_logprobs,
@@ -154,7 +154,7 @@ def _logprobs_fn(spec: UpdateSpec, model_config, mb):
         prompt_len_P=mb["prompt_lengths"],
         comp_BN=mb["tokens"].reshape(-1, N),
         comp_len_B=mb["lengths"].reshape(-1),
-        chunk_size=spec.logits_chunk,
+        chunk_size=spec.loss.logits_chunk,
         routing=mb.get("routing"),
     )
 
@@ -175,10 +175,10 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     out = logprobs(params=policy(spec, params, ref_params), with_entropy=True,
                    **({"with_router": True} if moe else {}))  # fmt: skip
     (logp_BN, ent_BN), router = out if moe else (out, {})
-    if spec.entropy_coef == 0:
+    if spec.loss.entropy_coef == 0:
         ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
     ref_BN = None
-    if spec.kl_coef > 0:
+    if spec.loss.kl_coef > 0:
         ref_BN = jax.lax.stop_gradient(logprobs(params=ref_params, with_entropy=False))
     mask_BN = mb["loss_mask"].reshape(-1, N)
     is_w_BN = mb["is_weights"].reshape(-1, N) if "is_weights" in mb else None
@@ -187,23 +187,23 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
         mb["logprobs"].reshape(-1, N),
         mb["adv"].reshape(-1),
         mask_BN,
-        clip_low=spec.clip_low,
-        clip_high=spec.clip_high,
-        dual_clip=spec.dual_clip if spec.dual_clip > 0 else None,
-        agg=spec.agg,
+        clip_low=spec.loss.clip_low,
+        clip_high=spec.loss.clip_high,
+        dual_clip=spec.loss.dual_clip if spec.loss.dual_clip > 0 else None,
+        agg=spec.loss.agg,
         ref_logp_BT=ref_BN,
-        kl_coef=spec.kl_coef,
-        kl_estimator=spec.kl_estimator,
+        kl_coef=spec.loss.kl_coef,
+        kl_estimator=spec.loss.kl_estimator,
         entropy_BT=ent_BN,
-        entropy_coef=spec.entropy_coef,
+        entropy_coef=spec.loss.entropy_coef,
         denominator=denom,
-        name=spec.loss,
+        name=spec.loss.name,
         is_weights_BT=is_w_BN,
     )
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
     share = mask_BN.sum() / jnp.maximum(mb["mb_tokens"], 1.0)
-    if spec.lb_coef:
-        loss = loss + spec.lb_coef * share * router["router/lb_loss"]
+    if spec.moe.lb_coef:
+        loss = loss + spec.moe.lb_coef * share * router["router/lb_loss"]
     metrics = dict(metrics, **router)
     metrics = {k: v * share if k in _TOKEN_WEIGHTED else v for k, v in metrics.items()}
     metrics.setdefault("actor/kl", jnp.zeros(()))
@@ -216,7 +216,7 @@ def _accumulate(spec: UpdateSpec, grad_fn, params, ref_params, mb, denom):
     Every micro-batch is normalised by the whole mini-batch's denominator, so the sums are
     exactly the full mini-batch's loss, metrics and gradient.
     """
-    U = spec.num_microbatches
+    U = spec.loss.num_microbatches
     micro = jax.tree.map(lambda x: x.reshape(U, x.shape[0] // U, *x.shape[1:]), mb)
     micro["mb_tokens"] = jnp.full((U,), mb["loss_mask"].sum().astype(jnp.float32))
 
@@ -253,7 +253,7 @@ def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry,
     tok_mask = mb["loss_mask"]
     n_tok = tok_mask.sum().astype(jnp.float32)
     n_seq = tok_mask.any(-1).sum().astype(jnp.float32)
-    denom = n_tok if spec.agg == "token-mean" else n_seq
+    denom = n_tok if spec.loss.agg == "token-mean" else n_seq
     width = mb["prompt_tokens"].shape[1]
     lay = packing.layout(spec, model_config, width, batch_shards=_batch_shards(model_config))
     if lay is None:
@@ -277,22 +277,22 @@ def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry,
 def _advantages(spec: UpdateSpec, eb_state, ro: Rollout, valid_PG):
     """Shaped rewards [P, G], advantages [P, G], the new EB state and estimator metrics."""
     shaped_PG = ro.rewards + overlong_penalty(
-        ro.lengths, spec.max_new_tokens, spec.overlong_buffer, spec.overlong_penalty
+        ro.lengths, spec.max_new_tokens, spec.dapo.overlong_buffer, spec.dapo.overlong_penalty
     )
     adv_PG, eb_state, est_metrics = advantages.estimate(
-        spec.estimator,
+        spec.run.estimator,
         shaped_PG,
         eb_state,
         mask=valid_PG,
         cluster_ids=ro.cluster_ids if spec.use_clusters else None,
-        **spec.estimator_options,
+        **spec.estimator_options.as_kwargs(),
     )
     return shaped_PG, adv_PG, eb_state, est_metrics
 
 
 def _minibatches(spec: UpdateSpec, data, k_perm):
     """`data`'s P prompt groups in E shuffled orders, cut into E*M mini-batches."""
-    P, E, M = spec.prompts, spec.ppo_epochs, spec.num_minibatches
+    P, E, M = spec.prompts, spec.loss.ppo_epochs, spec.loss.num_minibatches
     perms_EP = jax.vmap(lambda k: jax.random.permutation(k, P))(jax.random.split(k_perm, E))
     return jax.tree.map(
         lambda x: x[perms_EP.reshape(-1)].reshape(E * M, P // M, *x.shape[1:]), data
@@ -303,7 +303,7 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
     """The trainer's own log-probs [P, G, N] of the sampled tokens, one micro-batch of prompts
     at a time (lax.map), so no more activations live at once than in the update."""
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
-    per = P // spec.num_minibatches // spec.num_microbatches
+    per = P // spec.loss.num_minibatches // spec.loss.num_microbatches
     split = lambda x: x.reshape(P // per, per, *x.shape[1:])
 
     def one(mb):
@@ -316,12 +316,12 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
             comp_PGN.reshape(-1, N),
             clen_PG.reshape(-1),
             with_entropy=False,
-            chunk_size=spec.logits_chunk,
+            chunk_size=spec.loss.logits_chunk,
             routing=routing,
         )
         return logp_BN.reshape(per, G, N)
 
-    routing = ro.routing if spec.routing_replay else None
+    routing = ro.routing if spec.moe.routing_replay else None
     chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths, routing)
     old_CPGN = jax.lax.map(one, jax.tree.map(split, chunks))
     return jax.lax.stop_gradient(old_CPGN.reshape(P, G, N))
@@ -338,11 +338,11 @@ def _off_policy(spec: UpdateSpec, model_config, params, ro: Rollout, mask_PGN):
         flat(old_PGN),
         flat(ro.logprobs),
         flat(mask_PGN),
-        mode=spec.is_correction,
-        level=spec.is_level,
-        cap=spec.is_cap,
-        low=spec.is_low,
-        high=spec.is_high,
+        mode=spec.loss.is_correction,
+        level=spec.loss.is_level,
+        cap=spec.loss.is_cap,
+        low=spec.loss.is_low,
+        high=spec.loss.is_high,
     )
     shape = lambda x: x.reshape(P, G, N)
     return old_PGN, shape(mask_BN), shape(w_BN), {**metrics, **is_metrics}
@@ -384,7 +384,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     trunc_PG = truncated(ro.tokens, ro.lengths, eos_id)
     # Observation tokens of multi-turn episodes are context: out of every loss term and count.
     loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None] & ro.action_mask
-    if spec.mask_truncated:
+    if spec.dapo.mask_truncated:
         loss_mask_PGN &= ~trunc_PG[..., None]
     data = {
         "prompt_tokens": ro.prompt_tokens,
@@ -395,16 +395,16 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         "adv": adv_PG,
         "loss_mask": loss_mask_PGN,
     }
-    if spec.routing_replay:
+    if spec.moe.routing_replay:
         if ro.routing is None:
             raise ValueError("model.moe.routing_replay: the rollout recorded no routing")
         data["routing"] = ro.routing
     off_metrics = {}
-    if spec.recompute_old_logprobs:
+    if spec.loss.recompute_old_logprobs:
         params = policy(spec, state.params, state.base)
         old, mask, w, off_metrics = _off_policy(spec, model_config, params, ro, loss_mask_PGN)
         data.update(logprobs=old, loss_mask=mask)
-        if spec.is_correction != "none":
+        if spec.loss.is_correction != "none":
             data["is_weights"] = w
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, spec, model_config), has_aux=True)
     (params, opt_state, _), upd = jax.lax.scan(
