@@ -7,11 +7,11 @@ GPU nodes (H100, H200) are described in ebpo_jax.gpu_topology and dispatched to 
 """
 
 import dataclasses
-from typing import NamedTuple
 import json
 import math
 import os
 import re
+from typing import NamedTuple
 
 from ebpo_jax.hardware import ChipSpec, GiB
 
