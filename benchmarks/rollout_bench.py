@@ -209,10 +209,10 @@ def _old_step(config, params, lens_R, steps=4):
         def body(i, carry):
             cache, acc = carry
             start = start0_R + i
+            slots = models.CacheSlots(start, start[:, None], kv_len_B=start + 1)
             logits, cache = models.forward_cached(
-                config, params, tok_R1, start[:, None], cache,
-                start=start, kv_len_B=start + 1, layers=layers,
-            )  # fmt: skip
+                config, params, tok_R1, cache, slots, layers=layers
+            )
             return cache, acc + logits[:, 0, 0].sum()
 
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
