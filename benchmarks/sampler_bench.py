@@ -139,7 +139,8 @@ def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
         state = engine.prefill_jit(params, prompts, lengths, jax.random.key(0), **static)
         jax.block_until_ready(state)
         key = jax.random.key(0)
-        seconds, _ = timed(engine.decode_jit, params, *state, lengths, key, eos, **static)
+        state = engine.Prefilled(*state)
+        seconds, _ = timed(engine.decode_jit, params, state, lengths, key, eos, **static)
         times.append(seconds)
     return batch * decode_flops(config, prompt_len, new_tokens) / statistics.median(times[1:])
 

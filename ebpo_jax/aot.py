@@ -140,11 +140,10 @@ def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
             jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
             for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
         ]
-        staged, first_R, logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
+        prefilled = engine.Prefilled(*jax.tree.unflatten(jax.tree.structure(out), outs))
         eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
-        decode = engine.decode_jit.lower(
-            params, staged, first_R, logp_R, lengths_P, rng, eos, **static
-        ).compile()
+        decode = engine.decode_jit.lower(params, prefilled, lengths_P, rng, eos, **static)
+        decode = decode.compile()
     return prefill, decode, plan
 
 
