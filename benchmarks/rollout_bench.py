@@ -220,12 +220,12 @@ def _old_step(config, params, lens_R, steps=4):
     return jax.jit(loop, donate_argnums=0), cache
 
 
-def longest(config, params, args, rows=32, live=32 * 256):
+def longest(config, params, args, rows=32, live=32 * 256, tops=(1024, 2048)):
     """Decode step seconds at `live` tokens over `rows` rows, longest row L vs 2L."""
     results = {}
     for name in ("paged", "old"):
         loops = {}
-        for top in (1024, 2048):
+        for top in tops:
             rest = (live - top) // (rows - 1)
             lens = [top] + [rest] * (rows - 1)
             if name == "paged":
@@ -242,10 +242,11 @@ def longest(config, params, args, rows=32, live=32 * 256):
 
             return go
 
-        results[name] = pairs(run(1024), run(2048), args.pairs)
+        results[name] = pairs(run(tops[0]), run(tops[1]), args.pairs)
     for name, (a_s, b_s, ratios) in results.items():
         print(
-            f"decode step, {live} live tokens over {rows} rows, longest row 1024 -> 2048, "
+            f"decode step, {live} live tokens over {rows} rows, longest row {tops[0]} -> "
+            f"{tops[1]}, "
             f"{name} attention: {1e3 * statistics.median(a_s) / 4:.2f} -> "
             f"{1e3 * statistics.median(b_s) / 4:.2f} ms; {spread(ratios)} over {args.pairs} pairs"
             + (" (target <= 1.15x)" if name == "paged" else " (previous engine)")
@@ -275,18 +276,19 @@ def tiny(old, args):
     )
 
 
-def update_line(runs: int = 2):
+def update_line(runs: int = 2, smoke: bool = False):
     """Update tokens/s padded vs packed on the same long-tailed lengths (packed_bench)."""
-    import packed_bench  # benchmarks/ is on sys.path when this file runs
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
+    import packed_bench
 
-    r = packed_bench.long_tail_case(runs)
+    r = packed_bench.smoke_case() if smoke else packed_bench.long_tail_case(runs)
     return (
         f"update tokens/s padded vs packed: {r['padded']:.0f} vs {r['packed']:.0f} "
         f"({r['ratio']:.2f}x; target >= 2x)"
     )
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--tiny-pairs", type=int, default=15)
@@ -297,8 +299,13 @@ def main():
     ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
     ap.add_argument("--parts", default="tail,longest,tiny,update")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--smoke", action="store_true", help="parts longest and update at the smallest sizes"
+    )
+    args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
+    if args.smoke:
+        return smoke(args)
     config = models.get_config("tiny", **BENCH_MODEL)
     params = models.init_params(config, jax.random.key(0))
     print(f"{cpu_model()}; backend {jax.default_backend()}; model {BENCH_MODEL}")
@@ -311,6 +318,17 @@ def main():
         tiny(old, args)
     if "update" in parts:
         print(update_line())
+
+
+def smoke(args):
+    """Parts longest and update at the smallest sizes, one pair: the script runs (no git
+    checkout of the old engine); the figures mean nothing."""
+    model = BENCH_MODEL | {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
+    config = models.get_config("tiny", **model | {"head_dim": 16, "max_position_embeddings": 64})
+    params = models.init_params(config, jax.random.key(0))
+    args.pairs = 1
+    longest(config, params, args, rows=2, live=20, tops=(8, 16))
+    print(update_line(smoke=True))
 
 
 if __name__ == "__main__":
