@@ -90,7 +90,9 @@ def test_train_bench_default_sizes_resolve_and_a_tiny_run(capsys):
 
 def test_lora_bench(capsys):
     tiny = "--hidden=32 --mlp=64 --layers=1 --vocab=64 --rank=2 --prompts=2 --group=2"
-    _load("benchmarks/lora_bench.py").main([*tiny.split(), "--prompt_len=4", "--new_tokens=2"])
+    _load("benchmarks/lora_bench.py").main(
+        [*tiny.split(), "--prompt_len=4", "--new_tokens=2", "--runs=1"]
+    )
     assert "LoRA / full" in capsys.readouterr().out
 
 
