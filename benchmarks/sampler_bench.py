@@ -37,10 +37,10 @@ HF_CONFIG = {
 }
 
 
-def build_checkpoint(seed=0):
+def build_checkpoint(seed=0, hf_config=HF_CONFIG):
     """A random HF Llama and the same weights as (config, params)."""
     torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config)).eval()
     with tempfile.TemporaryDirectory() as path:
         hf.save_pretrained(path)
         config, params = models.from_hf(path, dtype="float32")
@@ -158,6 +158,7 @@ def matmul_throughput(n=2048, runs=5):
 # smallest that run every line (--smoke: the script works; its figures mean nothing).
 SIZES = (64, 32, 64, 256, 2048)
 SMOKE_SIZES = (2, 4, 4, 2, 64)
+SMOKE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
 
 
 def main(argv=None):
@@ -173,7 +174,9 @@ def main(argv=None):
         f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
         f"with {torch.get_num_threads()} threads"
     )
-    hf, config, params = build_checkpoint()
+    hf, config, params = build_checkpoint(
+        hf_config=HF_CONFIG | SMOKE_MODEL if args.smoke else HF_CONFIG
+    )
     hf_result = compare_with_hf(hf, config, params, batch, prompt_len, new, args.runs)
     print(
         f"generate batch {batch}, prompt {prompt_len}, {new} new (greedy, compile excluded): "
