@@ -243,10 +243,10 @@ def longest(config, params, args, rows=32, live=32 * 256, tops=(1024, 2048)):
             return go
 
         results[name] = pairs(run(tops[0]), run(tops[1]), args.pairs)
+    lo, hi = tops
     for name, (a_s, b_s, ratios) in results.items():
         print(
-            f"decode step, {live} live tokens over {rows} rows, longest row {tops[0]} -> "
-            f"{tops[1]}, "
+            f"decode step, {live} live tokens over {rows} rows, longest row {lo} -> {hi}, "
             f"{name} attention: {1e3 * statistics.median(a_s) / 4:.2f} -> "
             f"{1e3 * statistics.median(b_s) / 4:.2f} ms; {spread(ratios)} over {args.pairs} pairs"
             + (" (target <= 1.15x)" if name == "paged" else " (previous engine)")
@@ -276,12 +276,11 @@ def tiny(old, args):
     )
 
 
-def update_line(runs: int = 2, smoke: bool = False):
+def update_line(runs: int = 2):
     """Update tokens/s padded vs packed on the same long-tailed lengths (packed_bench)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchmarks/
-    import packed_bench
+    import packed_bench  # benchmarks/ is on sys.path when this file runs
 
-    r = packed_bench.smoke_case() if smoke else packed_bench.long_tail_case(runs)
+    r = packed_bench.long_tail_case(runs)
     return (
         f"update tokens/s padded vs packed: {r['padded']:.0f} vs {r['packed']:.0f} "
         f"({r['ratio']:.2f}x; target >= 2x)"
@@ -299,9 +298,7 @@ def main(argv=None):
     ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
     ap.add_argument("--parts", default="tail,longest,tiny,update")
-    ap.add_argument(
-        "--smoke", action="store_true", help="parts longest and update at the smallest sizes"
-    )
+    ap.add_argument("--smoke", action="store_true", help="part longest at the smallest sizes")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     if args.smoke:
@@ -321,14 +318,14 @@ def main(argv=None):
 
 
 def smoke(args):
-    """Parts longest and update at the smallest sizes, one pair: the script runs (no git
-    checkout of the old engine); the figures mean nothing."""
+    """Part longest at the smallest sizes, one pair: the script runs (tail and tiny need a git
+    checkout of the old engine, update is packed_bench's: its own --smoke); the figures mean
+    nothing."""
     model = BENCH_MODEL | {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
     config = models.get_config("tiny", **model | {"head_dim": 16, "max_position_embeddings": 64})
     params = models.init_params(config, jax.random.key(0))
     args.pairs = 1
     longest(config, params, args, rows=2, live=20, tops=(8, 16))
-    print(update_line(smoke=True))
 
 
 if __name__ == "__main__":
