@@ -34,6 +34,7 @@ _GLOBAL_CALLS = (
     "warnings.filterwarnings",
     "warnings.simplefilter",
 )
+_LOGGING_METHODS = (".addHandler", ".addFilter", ".setLevel")  # on any logger or handler
 
 
 def _modules():
@@ -114,7 +115,7 @@ def _import_time_calls(tree: ast.Module) -> list[tuple[int, str]]:
                     out.append((node.lineno, ast.unparse(t)))
         if isinstance(node, ast.Call):
             name = ast.unparse(node.func)
-            if name.startswith(_GLOBAL_CALLS):
+            if name.startswith(_GLOBAL_CALLS) or name.endswith(_LOGGING_METHODS):
                 out.append((node.lineno, name))
         todo += list(ast.iter_child_nodes(node))
     return out
@@ -130,9 +131,14 @@ def test_the_scans_find_what_they_look_for():
         "import os\nfrom ebpo_jax import spec\nfrom ebpo_jax.spec import _hidden, Public\n"
         "os.environ['A'] = '1'\nos.environ.setdefault('B', '1')\n"
         "class C:\n    jax.config.update('x', 1)\n"
+        "logging.getLogger('absl').addFilter(f)\n"
         "def f():\n    os.environ['D'] = '1'\n    return spec._check(Public._fields)\n"
     )
     tree = ast.parse(src)
-    assert _private_uses(tree) == [(3, "from ebpo_jax.spec import _hidden"), (10, "spec._check")]
-    found = sorted(_import_time_calls(tree))
-    assert found == [(4, "os.environ['A']"), (5, "os.environ.setdefault"), (7, "jax.config.update")]
+    assert _private_uses(tree) == [(3, "from ebpo_jax.spec import _hidden"), (11, "spec._check")]
+    assert sorted(_import_time_calls(tree)) == [
+        (4, "os.environ['A']"),
+        (5, "os.environ.setdefault"),
+        (7, "jax.config.update"),
+        (8, "logging.getLogger('absl').addFilter"),
+    ]
