@@ -1,6 +1,6 @@
 """Jitted eb_advantage vs grpo_advantage: median wall time and ratio per (P, G).
 
-Run: .venv/bin/python benchmarks/advantage_bench.py [--repeats 200]
+Run: .venv/bin/python benchmarks/advantage_bench.py [--repeats 200] [--P 64,512,4096] [--G 4,8,16]
 """
 
 import argparse
@@ -23,18 +23,24 @@ def _median_us(fn, *args, repeats):
     return 1e6 * float(np.median(times))
 
 
-def main():
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=200)
-    args = parser.parse_args()
+    parser.add_argument("--P", type=_ints, default=[64, 512, 4096], help="prompts per step")
+    parser.add_argument("--G", type=_ints, default=[4, 8, 16], help="group sizes")
+    args = parser.parse_args(argv)
     eb = jax.jit(lambda r, s, m: ebpo_jax.eb_advantage(r, s, mask=m))
     grpo = jax.jit(lambda r, m: ebpo_jax.grpo_advantage(r, mask=m))
     state = ebpo_jax.init_eb_state()
     rng = np.random.default_rng(0)
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}, median of {args.repeats} calls")
     print(f"{'P':>5} {'G':>3} {'grpo us':>9} {'ebpo us':>9} {'ebpo/grpo':>10}")
-    for P in (64, 512, 4096):
-        for G in (4, 8, 16):
+    for P in args.P:
+        for G in args.G:
             r = jnp.asarray(rng.random((P, G)) < 0.3, jnp.float32)
             m = jnp.ones((P, G), bool)
             t_grpo = _median_us(grpo, r, m, repeats=args.repeats)

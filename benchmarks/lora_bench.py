@@ -25,7 +25,7 @@ from ebpo_jax.trainer.state import make_optimizer
 from ebpo_jax.trainer.update import completion_logprobs
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--mlp", type=int, default=384)
@@ -37,7 +37,7 @@ def parse():
     p.add_argument("--prompt_len", type=int, default=16)
     p.add_argument("--new_tokens", type=int, default=16)
     p.add_argument("--runs", type=int, default=7)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 def sampler_times(mc, spec, args):
@@ -111,8 +111,8 @@ def memory(mc, spec, args):
     return out
 
 
-def main():
-    args = parse()
+def main(argv=None):
+    args = parse(argv)
     mc = models.get_config(
         "tiny", hidden_size=args.hidden, intermediate_size=args.mlp, num_layers=args.layers,
         vocab_size=args.vocab, scan_unroll=args.layers, max_position_embeddings=512,

@@ -165,6 +165,19 @@ def long_tail_case(runs):
     return update_throughput(mc, plen_P, clen_B, Tp=Tp, N=N, budget=8 * (Tp + N), runs=runs)
 
 
+def smoke_case(runs=1):
+    """The smallest long-tailed case: the script runs; its figures mean nothing."""
+    P, G, Tp, N = 2, 2, 8, 8
+    rng = np.random.default_rng(0)
+    plen_P = rng.integers(4, Tp + 1, P)
+    clen_B = long_tail_lengths(rng, P * G, N)
+    mc = models.get_config(
+        "tiny", hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=16, vocab_size=64,
+    )  # fmt: skip
+    return update_throughput(mc, plen_P, clen_B, Tp=Tp, N=N, budget=2 * (Tp + N), runs=runs)
+
+
 def tiny_default_case(runs, row_len=0, budget=0):
     from configs import tiny
     from ebpo_jax.spec import resolve
@@ -190,11 +203,15 @@ def tiny_default_case(runs, row_len=0, budget=0):
     )
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--case", default="both", choices=("long", "tiny", "both"))
-    a = p.parse_args()
+    p.add_argument("--smoke", action="store_true", help="only the smallest case, one run")
+    a = p.parse_args(argv)
+    if a.smoke:
+        _report("smoke (2 prompts x 2, N=8)", smoke_case())
+        return
     if a.case in ("long", "both"):
         _report("long tail (lognormal mean N/4, 5% at N=256)", long_tail_case(a.runs))
     if a.case in ("tiny", "both"):

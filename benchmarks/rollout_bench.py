@@ -209,10 +209,10 @@ def _old_step(config, params, lens_R, steps=4):
         def body(i, carry):
             cache, acc = carry
             start = start0_R + i
+            slots = models.CacheSlots(start, start[:, None], kv_len_B=start + 1)
             logits, cache = models.forward_cached(
-                config, params, tok_R1, start[:, None], cache,
-                start=start, kv_len_B=start + 1, layers=layers,
-            )  # fmt: skip
+                config, params, tok_R1, cache, slots, layers=layers
+            )
             return cache, acc + logits[:, 0, 0].sum()
 
         return jax.lax.fori_loop(0, steps, body, (cache, jnp.float32(0)))
@@ -220,12 +220,12 @@ def _old_step(config, params, lens_R, steps=4):
     return jax.jit(loop, donate_argnums=0), cache
 
 
-def longest(config, params, args, rows=32, live=32 * 256):
+def longest(config, params, args, rows=32, live=32 * 256, tops=(1024, 2048)):
     """Decode step seconds at `live` tokens over `rows` rows, longest row L vs 2L."""
     results = {}
     for name in ("paged", "old"):
         loops = {}
-        for top in (1024, 2048):
+        for top in tops:
             rest = (live - top) // (rows - 1)
             lens = [top] + [rest] * (rows - 1)
             if name == "paged":
@@ -242,10 +242,11 @@ def longest(config, params, args, rows=32, live=32 * 256):
 
             return go
 
-        results[name] = pairs(run(1024), run(2048), args.pairs)
+        results[name] = pairs(run(tops[0]), run(tops[1]), args.pairs)
+    lo, hi = tops
     for name, (a_s, b_s, ratios) in results.items():
         print(
-            f"decode step, {live} live tokens over {rows} rows, longest row 1024 -> 2048, "
+            f"decode step, {live} live tokens over {rows} rows, longest row {lo} -> {hi}, "
             f"{name} attention: {1e3 * statistics.median(a_s) / 4:.2f} -> "
             f"{1e3 * statistics.median(b_s) / 4:.2f} ms; {spread(ratios)} over {args.pairs} pairs"
             + (" (target <= 1.15x)" if name == "paged" else " (previous engine)")
@@ -286,7 +287,7 @@ def update_line(runs: int = 2):
     )
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--tiny-pairs", type=int, default=15)
@@ -297,8 +298,11 @@ def main():
     ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
     ap.add_argument("--parts", default="tail,longest,tiny,update")
-    args = ap.parse_args()
+    ap.add_argument("--smoke", action="store_true", help="part longest at the smallest sizes")
+    args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
+    if args.smoke:
+        return smoke(args)
     config = models.get_config("tiny", **BENCH_MODEL)
     params = models.init_params(config, jax.random.key(0))
     print(f"{cpu_model()}; backend {jax.default_backend()}; model {BENCH_MODEL}")
@@ -311,6 +315,17 @@ def main():
         tiny(old, args)
     if "update" in parts:
         print(update_line())
+
+
+def smoke(args):
+    """Part longest at the smallest sizes, one pair: the script runs (tail and tiny need a git
+    checkout of the old engine, update is packed_bench's: its own --smoke); the figures mean
+    nothing."""
+    model = BENCH_MODEL | {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1}
+    config = models.get_config("tiny", **model | {"head_dim": 16, "max_position_embeddings": 64})
+    params = models.init_params(config, jax.random.key(0))
+    args.pairs = 1
+    longest(config, params, args, rows=2, live=20, tops=(8, 16))
 
 
 if __name__ == "__main__":

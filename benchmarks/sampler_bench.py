@@ -37,10 +37,10 @@ HF_CONFIG = {
 }
 
 
-def build_checkpoint(seed=0):
+def build_checkpoint(seed=0, hf_config=HF_CONFIG):
     """A random HF Llama and the same weights as (config, params)."""
     torch.manual_seed(seed)
-    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**HF_CONFIG)).eval()
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config)).eval()
     with tempfile.TemporaryDirectory() as path:
         hf.save_pretrained(path)
         config, params = models.from_hf(path, dtype="float32")
@@ -139,7 +139,8 @@ def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
         state = engine.prefill_jit(params, prompts, lengths, jax.random.key(0), **static)
         jax.block_until_ready(state)
         key = jax.random.key(0)
-        seconds, _ = timed(engine.decode_jit, params, *state, lengths, key, eos, **static)
+        state = engine.Prefilled(*state)
+        seconds, _ = timed(engine.decode_jit, params, state, lengths, key, eos, **static)
         times.append(seconds)
     return batch * decode_flops(config, prompt_len, new_tokens) / statistics.median(times[1:])
 
@@ -153,35 +154,49 @@ def matmul_throughput(n=2048, runs=5):
     return 2 * n**3 / statistics.median(timed(mm, a, b)[0] for _ in range(runs))
 
 
-def main():
+# (batch, prompt_len, new_tokens, decode batch, matmul size): the measured sizes, and the
+# smallest that run every line (--smoke: the script works; its figures mean nothing).
+SIZES = (64, 32, 64, 256, 2048)
+SMOKE_SIZES = (2, 4, 4, 2, 64)
+SMOKE_MODEL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1}
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="alternating runs vs HF")
     parser.add_argument("--decode-runs", type=int, default=3, help="timed decode runs")
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="smallest sizes, one run each")
+    args = parser.parse_args(argv)
+    batch, prompt_len, new, decode_batch, n = SMOKE_SIZES if args.smoke else SIZES
+    if args.smoke:
+        args.runs = args.decode_runs = 1
     print(
         f"jax {jax.__version__} on {jax.devices()[0].platform}; torch {torch.__version__} "
         f"with {torch.get_num_threads()} threads"
     )
-    hf, config, params = build_checkpoint()
-    hf_result = compare_with_hf(hf, config, params, 64, 32, 64, args.runs)
+    hf, config, params = build_checkpoint(
+        hf_config=HF_CONFIG | SMOKE_MODEL if args.smoke else HF_CONFIG
+    )
+    hf_result = compare_with_hf(hf, config, params, batch, prompt_len, new, args.runs)
     print(
-        f"generate batch 64, prompt 32, 64 new (greedy, compile excluded): "
+        f"generate batch {batch}, prompt {prompt_len}, {new} new (greedy, compile excluded): "
         f"ours {hf_result['ours_tok_s']:.0f} tok/s, HF {hf_result['hf_tok_s']:.0f} tok/s, "
         f"median ratio {hf_result['ratio']:.2f}x steady state, "
         f"{hf_result['switch_ratio']:.2f}x right after the other library (target >= 3x); "
         f"token agreement with HF {hf_result['token_agreement']:.3f}"
     )
-    matmul = matmul_throughput()
+    matmul = matmul_throughput(n)
     # How fast HF already is bounds the ratio any implementation can reach on this CPU.
-    hf_flops = 64 * generate_flops(config, 32, 64) * hf_result["hf_tok_s"] / (64 * 64)
+    hf_flops = batch * generate_flops(config, prompt_len, new) * hf_result["hf_tok_s"]
+    hf_flops /= batch * new
     print(
         f"HF generate does {hf_flops / 1e9:.1f} GFLOP/s of model work, {hf_flops / matmul:.0%} "
         f"of the matmul below: 3x HF would need {3 * hf_flops / matmul:.0%} of it, so even "
         f"at the matmul's FLOP/s generate could be at most {matmul / hf_flops:.2f}x HF"
     )
-    decode = decode_throughput(config, params, 256, 32, 64, args.decode_runs)
+    decode = decode_throughput(config, params, decode_batch, prompt_len, new, args.decode_runs)
     print(
-        f"decode batch 256: {decode / 1e9:.1f} GFLOP/s; 2048^3 f32 matmul "
+        f"decode batch {decode_batch}: {decode / 1e9:.1f} GFLOP/s; {n}^3 f32 matmul "
         f"{matmul / 1e9:.1f} GFLOP/s; ratio {decode / matmul:.1%} (target >= 40%)"
     )
 

@@ -29,7 +29,7 @@ from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.update import make_update_fn
 
 
-def parse():
+def parse(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -40,7 +40,8 @@ def parse():
     p.add_argument("--new_tokens", type=int, default=48)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--scan_unroll", type=int, default=0, help="0: all layers (as configs/tiny.py)")
-    return p.parse_args()
+    p.add_argument("--matmul_n", type=int, default=2048, help="the reference matmul's size")
+    return p.parse_args(argv)
 
 
 def jax_setup(a):
@@ -48,6 +49,8 @@ def jax_setup(a):
     c.unlock()
     c.prompts_per_step, c.group_size = a.prompts, a.group
     c.sampler.max_new_tokens = a.new_tokens
+    # The config's model checks the sampler's lengths: give it the positions this model has.
+    c.model.overrides.max_position_embeddings = a.prompt_len + a.new_tokens
     c.optimizer.weight_decay = 0.01
     mc = models.get_config(
         "tiny",
@@ -149,8 +152,8 @@ def matmul_flops_per_s(n=2048, runs=5):
     return 2 * n**3 / statistics.median(times)
 
 
-def main():
-    a = parse()
+def main(argv=None):
+    a = parse(argv)
     mc, ro, state, update = jax_setup(a)
     torch_step = torch_setup(a, mc, ro)
     state, m = update(state, ro)  # compile
@@ -178,7 +181,7 @@ def main():
     j_tps, t_tps = tokens / statistics.median(jt), tokens / statistics.median(tt)
     flops = step_flops(mc, a.prompts, a.group, a.prompt_len, a.new_tokens)
     flops /= statistics.median(jt)
-    mm = matmul_flops_per_s()
+    mm = matmul_flops_per_s(a.matmul_n)
     print(f"update step: {B} sequences x {T} tokens, {a.layers} layers, hidden {a.hidden}")
     print(f"scan_unroll {mc.scan_unroll}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
     print(f"jax   {j_tps:10.0f} tokens/s  (median {statistics.median(jt) * 1e3:.1f} ms)")

@@ -26,9 +26,10 @@ from ebpo_jax.aot_report import (
     update_flops,
 )
 from ebpo_jax.hardware import GiB
+from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.trainer.rollout import make_rollout_fn, sampler_spec_of
-from ebpo_jax.trainer.shardings import make_mesh, make_sampler_mesh, make_shardings
+from ebpo_jax.trainer.shardings import make_sampler_mesh, make_shardings
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step
 from ebpo_jax.trainer.task import Reward, Task, model_config_from
@@ -139,11 +140,10 @@ def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
             jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
             for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
         ]
-        staged, first_R, logp_R = jax.tree.unflatten(jax.tree.structure(out), outs)
+        prefilled = engine.Prefilled(*jax.tree.unflatten(jax.tree.structure(out), outs))
         eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
-        decode = engine.decode_jit.lower(
-            params, staged, first_R, logp_R, lengths_P, rng, eos, **static
-        ).compile()
+        decode = engine.decode_jit.lower(params, prefilled, lengths_P, rng, eos, **static)
+        decode = decode.compile()
     return prefill, decode, plan
 
 

@@ -15,10 +15,6 @@ from typing import NamedTuple
 
 from ebpo_jax.hardware import ChipSpec, GiB
 
-# libtpu takes a machine-wide lock file; compiling for a topology here needs no exclusive TPU.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-
 CHIPS = {
     "v4": ChipSpec("v4", 32 * GiB, 275e12, 1.2e12, 2, 3),
     "v5p": ChipSpec("v5p", 95 * GiB, 459e12, 2.765e12, 2, 3),
@@ -95,6 +91,9 @@ def topology_devices(name: str):
     if gpu_topology.parse(name):
         return gpu_topology.topology_devices(name)
     spec, chip_name = chip_topology(name)
+    # libtpu takes a machine-wide lock file as it loads; compiling for a topology here needs no
+    # exclusive TPU.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     desc = topologies.get_topology_desc(platform="tpu", topology_name=chip_name)
     return spec, chip_name, list(desc.devices)
 

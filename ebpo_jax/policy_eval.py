@@ -6,7 +6,7 @@ Composes the sampler (model side), `data` (prompts), `rewards` (host verificatio
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -68,19 +68,15 @@ def sample_chunks(
     params,
     tokens_BT,
     lengths_B,
+    spec: sampler.SamplerSpec,
     *,
     batch_size: int,
-    num_samples: int,
-    max_new_tokens: int,
     seed: int,
     key_stride: int = 1,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    eos_id=None,
     mesh=None,
 ):
-    """(tokens [n*k, N], lengths [n*k]) host arrays: k samples of each of n prompts.
+    """(tokens [n*k, N], lengths [n*k]) host arrays: k = spec.num_samples samples of each of n
+    prompts.
 
     Prompts go `batch_size` at a time; the first rows are repeated so every chunk has one
     shape (one compile). Chunk i samples with fold_in(key(seed), i * key_stride), the same
@@ -91,12 +87,6 @@ def sample_chunks(
     tokens_BT = np.concatenate([tokens_BT, tokens_BT[:pad]])
     lengths_B = np.concatenate([lengths_B, lengths_B[:pad]])
     out_t, out_l = [], []
-    spec = sampler.SamplerSpec(
-        max_new_tokens=max_new_tokens,
-        num_samples=num_samples,
-        eos_ids=() if eos_id is None else eos_id,
-        sampling=sampler.Sampling(temperature, top_k, top_p),
-    )
     for i, s in enumerate(range(0, n + pad, bs)):
         gen = sampler.generate(
             model_config,
@@ -110,49 +100,53 @@ def sample_chunks(
         t, l = distributed.to_host((gen.tokens, gen.lengths))
         out_t.append(np.asarray(t))
         out_l.append(np.asarray(l))
-    keep = n * num_samples
+    keep = n * spec.num_samples
     return np.concatenate(out_t)[:keep], np.concatenate(out_l)[:keep]
 
 
+class ResponseSpec(NamedTuple):
+    """How `sample_responses` renders, encodes and samples records (k = num_samples each)."""
+
+    num_samples: int
+    max_new_tokens: int
+    max_prompt_len: int  # a longer prompt raises
+    batch_size: int = 32
+    template: str = "answer"
+    chat: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
 def sample_responses(
-    model_config,
-    params,
-    tokenizer: Any,
-    records: Sequence[Record],
-    *,
-    num_samples: int,
-    max_new_tokens: int,
-    max_prompt_len: int,
-    batch_size: int = 32,
-    template: str = "answer",
-    chat: bool = True,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    seed: int = 0,
-    mesh=None,
+    model_config, params, tokenizer: Any, records: Sequence[Record], spec: ResponseSpec, mesh=None
 ) -> list[list[str]]:
-    """responses[i][j]: sample j for records[i]. A prompt over `max_prompt_len` tokens raises."""
-    texts = [render_prompt(tokenizer, r.prompt, template=template, chat=chat) for r in records]
-    enc = encode_prompts(tokenizer, texts, max_length=max_prompt_len, on_overflow="error")
+    """responses[i][j]: sample j for records[i]. A prompt over `spec.max_prompt_len` raises."""
+    texts = [
+        render_prompt(tokenizer, r.prompt, template=spec.template, chat=spec.chat) for r in records
+    ]
+    enc = encode_prompts(tokenizer, texts, max_length=spec.max_prompt_len, on_overflow="error")
+    sampler_spec = sampler.SamplerSpec(
+        max_new_tokens=spec.max_new_tokens,
+        num_samples=spec.num_samples,
+        eos_ids=stop_ids(tokenizer),
+        sampling=sampler.Sampling(spec.temperature, spec.top_k, spec.top_p),
+    )
     tokens, lengths = sample_chunks(
         model_config,
         params,
         enc.tokens,
         enc.lengths,
-        batch_size=batch_size,
-        num_samples=num_samples,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-        key_stride=min(batch_size, len(records)),  # chunk i folds in its first row's index
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        eos_id=stop_ids(tokenizer),
+        sampler_spec,
+        batch_size=spec.batch_size,
+        seed=spec.seed,
+        key_stride=min(spec.batch_size, len(records)),  # chunk i folds in its first row's index
         mesh=mesh,
     )
     decoded = decode_completions(tokenizer, tokens, lengths)
-    return [decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples)]
+    k = spec.num_samples
+    return [decoded[i : i + k] for i in range(0, len(decoded), k)]
 
 
 def score_responses(
@@ -215,18 +209,3 @@ def evaluate_benchmark(
         lo, hi = evaluation.bootstrap_interval(v_P, num_resamples=num_resamples, seed=seed)
         out[f"maj@{k}"] = {"value": float(v_P.mean()), "lo": lo, "hi": hi}
     return out
-
-
-def make_evaluator(model_config, tokenizer, records: Sequence[Record], **sample_kwargs):
-    """evaluate(params) -> mean@k on `records` (k = num_samples), for periodic eval in training.
-
-    `sample_kwargs` go to `sample_responses` (num_samples, max_new_tokens, max_prompt_len, ...).
-    """
-    sample_kwargs.setdefault("num_samples", 1)
-
-    def evaluate(params) -> float:
-        responses = sample_responses(model_config, params, tokenizer, records, **sample_kwargs)
-        correct, _, _ = score_responses(records, responses)
-        return float(correct.mean())
-
-    return evaluate

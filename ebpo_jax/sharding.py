@@ -44,20 +44,32 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def make_mesh(spec, devices=None) -> Mesh:
-    """Mesh with Auto axes from `[(axis, size), ...]` or an object with `.axes` and `.shape`.
+    """Mesh with Auto axes from `[(axis, size), ...]` or the run's `spec.MeshSpec`.
 
-    One size may be -1: the devices that remain.
+    One size may be -1: the devices that remain. Over `devices`, else over the first
+    `mesh.devices` devices of a MeshSpec (0 = every device; fewer than every device in one
+    process only); over every device, `jax.make_mesh` lays the axes out along the topology.
     """
-    if hasattr(spec, "axes"):
-        axes, shape = tuple(spec.axes), tuple(int(s) for s in spec.shape)
+    n = 0
+    if hasattr(spec, "mesh"):  # a MeshSpec: its section's axes and devices, the resolved shape
+        axes, shape, n = tuple(spec.mesh.axes), tuple(int(s) for s in spec.shape), spec.mesh.devices
     else:
         axes, shape = tuple(a for a, _ in spec), tuple(int(s) for _, s in spec)
-    devices = jax.devices() if devices is None else list(devices)
     if len(axes) != len(shape) or len(set(axes)) != len(axes):
         raise ValueError(f"mesh axes {axes} and shape {shape} must pair up, names unique")
-    shape = resolve_shape(shape, len(devices))
-    grid = np.asarray(devices).reshape(shape)
-    return Mesh(grid, axes, axis_types=(AxisType.Auto,) * len(axes))
+    auto = (AxisType.Auto,) * len(axes)
+    if devices is None:
+        n = n or jax.device_count()
+        if n < jax.device_count() and jax.process_count() > 1:
+            raise ValueError(
+                f"mesh.devices={n}: a multi-process run's mesh must span all {jax.device_count()}"
+            )
+        if n == jax.device_count():
+            return jax.make_mesh(resolve_shape(shape, n), axes, axis_types=auto)
+        devices = jax.devices()[:n]
+    devices = list(devices)
+    grid = np.asarray(devices).reshape(resolve_shape(shape, len(devices)))
+    return Mesh(grid, axes, axis_types=auto)
 
 
 def resolve_shape(shape: Sequence[int], num_devices: int) -> tuple[int, ...]:

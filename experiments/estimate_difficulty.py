@@ -44,14 +44,16 @@ def run() -> list[float]:
         params,
         tokenizer,
         records,
-        num_samples=_N.value,
-        max_new_tokens=_MAX_NEW.value,
-        max_prompt_len=_MAX_PROMPT.value,
-        batch_size=_BATCH.value,
-        template=_TEMPLATE.value,
-        chat=_CHAT.value,
-        temperature=_TEMP.value,
-        seed=_SEED.value,
+        policy_eval.ResponseSpec(
+            num_samples=_N.value,
+            max_new_tokens=_MAX_NEW.value,
+            max_prompt_len=_MAX_PROMPT.value,
+            batch_size=_BATCH.value,
+            template=_TEMPLATE.value,
+            chat=_CHAT.value,
+            temperature=_TEMP.value,
+            seed=_SEED.value,
+        ),
     )
     correct, _, _ = policy_eval.score_responses(records, responses, reward=_REWARD.value)
     rates = correct.mean(1).tolist()

@@ -85,15 +85,17 @@ def run(argv=None) -> dict:
             params,
             tokenizer,
             records,
-            num_samples=_K.value,
-            max_new_tokens=_MAX_NEW.value,
-            max_prompt_len=_MAX_PROMPT.value,
-            batch_size=_BATCH.value,
-            template=_TEMPLATE.value,
-            chat=_CHAT.value,
-            temperature=_TEMP.value,
-            top_p=_TOP_P.value,
-            seed=_SEED.value,
+            policy_eval.ResponseSpec(
+                num_samples=_K.value,
+                max_new_tokens=_MAX_NEW.value,
+                max_prompt_len=_MAX_PROMPT.value,
+                batch_size=_BATCH.value,
+                template=_TEMPLATE.value,
+                chat=_CHAT.value,
+                temperature=_TEMP.value,
+                top_p=_TOP_P.value,
+                seed=_SEED.value,
+            ),
         )
         results[name] = policy_eval.evaluate_benchmark(
             records, responses, reward=_REWARD.value, workers=_WORKERS.value

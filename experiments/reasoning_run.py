@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from ebpo_jax import cli, policy_eval, tasks
+from ebpo_jax import cli, policy_eval, sampler, tasks
 from ebpo_jax.spec import resolve
 from ebpo_jax.trainer import task_reasoning
 
@@ -32,12 +32,14 @@ def warm_stats(config) -> dict:
         task.params,
         data.prompt_tokens,
         data.prompt_lengths,
+        sampler.SamplerSpec(
+            max_new_tokens=spec.eval.max_new_tokens,
+            num_samples=k,
+            eos_ids=task.tokenizer.eos_id,
+            sampling=sampler.Sampling(spec.eval.run.eval_temperature),
+        ),
         batch_size=spec.eval.run.eval_batch_size,
-        num_samples=k,
-        max_new_tokens=spec.eval.max_new_tokens,
         seed=spec.run.seed,
-        temperature=spec.eval.run.eval_temperature,
-        eos_id=task.tokenizer.eos_id,
     )
     rep = lambda x: np.repeat(x, k, axis=0)
     r = task.reward.fn(tokens, lengths, rep(data.answer_tokens), rep(data.answer_lengths))

@@ -111,7 +111,7 @@ def test_decode_stays_on_xla_attention():
     cache = jax.eval_shape(lambda: models.init_cache(config, 8, 64))
     tok = jax.ShapeDtypeStruct((8, 1), jnp.int32)
     mask = jax.ShapeDtypeStruct((8, 64), jnp.bool_)
-    step = lambda p, t, c, m: models.forward_cached(config, p, t, t, c, start=5, kv_mask_BS=m)
+    step = lambda p, t, c, m: models.forward_cached(config, p, t, c, models.CacheSlots(5, t, m))
     with jax.set_mesh(_gpu_mesh(("data",))):
         text = jax.jit(step).lower(params, tok, cache, mask).compile().as_text()
     assert "__cudnn$fmha" not in text

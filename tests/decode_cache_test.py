@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import forward_cached
 
 from ebpo_jax import models
 
@@ -23,12 +24,12 @@ def _setup():
 
 def test_static_start_and_logits_at_match_traced_full_logits():
     config, params, tokens, positions, kv_mask, cache = _setup()
-    traced = jax.jit(models.forward_cached, static_argnums=0)
+    traced = jax.jit(forward_cached, static_argnums=0)
     ref_logits, ref_cache = traced(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
     )
     # A static start (a Python int inside the trace): attention reads only the 4 new slots.
-    static = jax.jit(models.forward_cached, static_argnums=0, static_argnames=("start",))
+    static = jax.jit(forward_cached, static_argnums=0, static_argnames=("start",))
     logits, cache_out = static(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask
     )
@@ -57,9 +58,9 @@ def test_static_start_and_logits_at_match_traced_full_logits():
 def test_static_start_out_of_range_and_bad_logits_at_are_clear_errors():
     config, params, tokens, positions, kv_mask, cache = _setup()
     with pytest.raises(ValueError, match="does not fit a cache of 7"):
-        models.forward_cached(config, params, tokens, positions, cache, start=4, kv_mask_BS=kv_mask)
+        forward_cached(config, params, tokens, positions, cache, start=4, kv_mask_BS=kv_mask)
     with pytest.raises(ValueError, match="logits_at"):
-        models.forward_cached(
+        forward_cached(
             config,
             params,
             tokens,
@@ -75,22 +76,20 @@ def test_cache_of_the_wrong_structure_is_a_clear_error():
     config, params, tokens, positions, kv_mask, cache = _setup()
     stacked = {name: jnp.stack(cache[name]) for name in ("k", "v")}
     with pytest.raises(ValueError, match="one array per layer"):
-        models.forward_cached(
-            config, params, tokens, positions, stacked, start=0, kv_mask_BS=kv_mask
-        )
+        forward_cached(config, params, tokens, positions, stacked, start=0, kv_mask_BS=kv_mask)
     short = {"k": cache["k"], "v": cache["v"][:-1]}
     with pytest.raises(ValueError, match=r"cache\['v'\] must hold one array per layer"):
-        models.forward_cached(config, params, tokens, positions, short, start=0, kv_mask_BS=kv_mask)
+        forward_cached(config, params, tokens, positions, short, start=0, kv_mask_BS=kv_mask)
     wide = {"k": cache["k"], "v": (*cache["v"][:-1], jnp.zeros((2, 1, 7, 1)))}
     with pytest.raises(ValueError, match=r"cache\['v'\]\[1\] has shape"):
-        models.forward_cached(config, params, tokens, positions, wide, start=0, kv_mask_BS=kv_mask)
+        forward_cached(config, params, tokens, positions, wide, start=0, kv_mask_BS=kv_mask)
 
 
 def test_prefill_equals_forward_cached_from_an_empty_cache():
     """The sampler's layer-scan prefill: same logits at logits_at and the same cache."""
     config, params, tokens, positions, kv_mask, cache = _setup()
     at = jnp.array([3, 1])
-    ref_last, ref_cache = models.forward_cached(
+    ref_last, ref_cache = forward_cached(
         config, params, tokens, positions, cache, start=0, kv_mask_BS=kv_mask, logits_at=at
     )
     T, S = tokens.shape[1], kv_mask.shape[1]
@@ -124,7 +123,7 @@ def _decode_setup():
     return config, params, cache, tokens
 
 
-FORWARD_CACHED = jax.jit(models.forward_cached, static_argnums=0, static_argnames="kv_block")
+FORWARD_CACHED = jax.jit(forward_cached, static_argnums=0, static_argnames="kv_block")
 
 
 def test_blocked_decode_equals_full_cache_decode():

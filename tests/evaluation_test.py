@@ -189,7 +189,7 @@ def test_eval_and_difficulty_scripts(tmp_path):
 
 
 @pytest.mark.slow  # compiles the sampler
-def test_sample_responses_and_evaluator(tmp_path):
+def test_sample_responses_and_score(tmp_path):
     from ebpo_jax import policy_eval
     from ebpo_jax.data import Record
 
@@ -197,9 +197,10 @@ def test_sample_responses_and_evaluator(tmp_path):
     records = [Record("what is one plus two", "3", "a"), Record("solve for x", "5", "b")] * 2
     kw = {"num_samples": 3, "max_new_tokens": 4, "max_prompt_len": 24, "batch_size": 3}
     kw |= {"template": "plain", "seed": 1}
-    a = policy_eval.sample_responses(mc, params, tok, records, **kw)
-    b = policy_eval.sample_responses(mc, params, tok, records, **kw)
+    spec = policy_eval.ResponseSpec(**kw)
+    a = policy_eval.sample_responses(mc, params, tok, records, spec)
+    b = policy_eval.sample_responses(mc, params, tok, records, spec)
     assert a == b and len(a) == 4 and all(len(r) == 3 for r in a)
     assert a[0] != a[2] or a[1] != a[3]  # each chunk and row has its own randomness
-    evaluate = policy_eval.make_evaluator(mc, tok, records, **kw)
-    assert 0.0 <= evaluate(params) <= 1.0
+    correct, _, _ = policy_eval.score_responses(records, a)
+    assert correct.shape == (4, 3)

@@ -55,3 +55,13 @@ def flip_a_byte(step_dir) -> str:
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte ^ 0x01]))
     return path
+
+
+def forward_cached(
+    config, params, tokens, positions, cache, *, start, kv_mask_BS=None, kv_len_B=None, **kw
+):
+    """models.forward_cached with its CacheSlots as keywords (so jit can keep `start` static)."""
+    from ebpo_jax import models
+
+    slots = models.CacheSlots(start, positions, kv_mask_BS, kv_len_B)
+    return models.forward_cached(config, params, tokens, cache, slots, **kw)

@@ -1,6 +1,5 @@
 """HF interop: logit parity with transformers (torch CPU f32), to_hf round trip, clear errors."""
 
-import functools
 import json
 import os
 
@@ -173,15 +172,10 @@ def test_bad_checkpoints_are_clear_errors(tmp_path):
         models.from_hf(bad)
 
 
-@functools.cache
 def _convert_module():
-    import importlib.util
+    from conftest import load_experiment
 
-    file = os.path.join(os.path.dirname(__file__), "..", "experiments", "convert_hf.py")
-    spec = importlib.util.spec_from_file_location("convert_hf", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_experiment("convert_hf")  # once per process: its absl flags are defined once
 
 
 @pytest.mark.parametrize("fmt", ["npz", "orbax"])

@@ -363,7 +363,6 @@ def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
 def test_lora_run_exports_merged_hf_and_peft(tmp_path):
     """convert_hf.py --lora_run: the run's adapters merged into its HF base equal the policy
     the run holds, and the PEFT folder holds every adapter."""
-    import importlib.util
 
     from ebpo_jax.spec import resolve
     from ebpo_jax.trainer import loop
@@ -373,10 +372,9 @@ def test_lora_run_exports_merged_hf_and_peft(tmp_path):
     loop.train(c, log=lambda *_: None)
     task = build_task(resolve(c, 1).task, log=lambda *_: None)
     models.to_hf(task.model_config, task.params, str(tmp_path / "base"))
-    file = os.path.join(os.path.dirname(__file__), "..", "experiments", "convert_hf.py")
-    module_spec = importlib.util.spec_from_file_location("convert_hf", file)
-    convert_hf = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(convert_hf)
+    from conftest import load_experiment
+
+    convert_hf = load_experiment("convert_hf")  # the one copy hf_test may have loaded
     run, merged_dir = str(tmp_path / "run"), str(tmp_path / "merged")
     convert_hf.export_lora(str(tmp_path / "base"), run, merged_dir, str(tmp_path / "adapter"))
     _, merged = models.from_hf(merged_dir, dtype="float32")

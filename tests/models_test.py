@@ -6,12 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import forward_cached
 
 from ebpo_jax import models
 
 CONFIGS = ["tiny", "tiny_qwen3"]
 FORWARD = jax.jit(models.forward, static_argnums=0, static_argnames=("return_hidden",))
-FORWARD_CACHED = jax.jit(models.forward_cached, static_argnums=0)
+FORWARD_CACHED = jax.jit(forward_cached, static_argnums=0)
 _PARAMS = {}
 
 

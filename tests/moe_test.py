@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import forward_cached
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -135,7 +136,7 @@ def test_prefill_and_decode_match_forward_with_routes():
     np.testing.assert_array_equal(r_pre["experts"], route["experts"][:, :, :T])
     layers = models.split_layers(config, params)
     for t in range(T, 9):
-        out, cache, r_t = models.forward_cached(
+        out, cache, r_t = forward_cached(
             config,
             params,
             tokens[:, t : t + 1],

@@ -104,9 +104,7 @@ def _run(tok, env, prompts, answers, scripts, N, turns, T=0):
             env,
             pool,
             tok,
-            prompt_BT,
-            plen_B,
-            answers,
+            episodes.EpisodePrompts(prompt_BT, plen_B, answers),
             jax.random.key(0),
             EOS,
         )

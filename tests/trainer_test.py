@@ -15,13 +15,13 @@ from configs import micro
 from ebpo_jax import advantages, models, sampler, tasks
 from ebpo_jax import config as config_lib
 from ebpo_jax.checkpoint import load_params
+from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import resolve
 from ebpo_jax.trainer import loop, task_arithmetic
 from ebpo_jax.trainer import make_rollout_fn as _make_rollout_fn
 from ebpo_jax.trainer import make_train_step as _make_train_step
 from ebpo_jax.trainer import make_update_fn as _make_update_fn
 from ebpo_jax.trainer.rollout import compact
-from ebpo_jax.trainer.shardings import make_mesh
 from ebpo_jax.trainer.state import init_train_state
 from ebpo_jax.trainer.state import make_optimizer as _make_optimizer
 from ebpo_jax.trainer.step import multi_step

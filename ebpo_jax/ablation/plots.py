@@ -2,12 +2,11 @@
 
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display on pods or CI
-import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+
+# Figures, not pyplot: files only, no display and no global backend to set on pods or CI.
+from matplotlib.figure import Figure
 
 from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
 from ebpo_jax.ablation.results import CURVES, summarize
@@ -46,7 +45,8 @@ def _facets(df, facet):
 
 def _curve_plot(df, x, y, series, facet, path, ylabel, window=1):
     facets = _facets(df, facet)
-    fig, axs = plt.subplots(1, len(facets), figsize=(4 * len(facets), 3.2), squeeze=False)
+    fig = Figure(figsize=(4 * len(facets), 3.2))
+    axs = fig.subplots(1, len(facets), squeeze=False)
     for ax, (fv, sub) in zip(axs[0], facets):
         groups = sub.groupby(series, sort=True) if series else [((), sub)]
         for key, grp in groups:
@@ -61,7 +61,6 @@ def _curve_plot(df, x, y, series, facet, path, ylabel, window=1):
     axs[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: str) -> list[str]:
@@ -80,7 +79,8 @@ def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: st
     )
     if facet:  # final pass@1 against G, one line per series, 95% intervals over seeds
         summ = summarize(ev, [*series, facet])
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig = Figure(figsize=(5, 3.5))
+        ax = fig.subplots()
         groups = summ.groupby(series, sort=True) if series else [((), summ)]
         for i, (key, grp) in enumerate(groups):
             grp = grp.sort_values(facet)
@@ -101,15 +101,10 @@ def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: st
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(path("final_vs_G"), dpi=100)
-        plt.close(fig)
     if not st.empty:
         facets = _facets(st, facet)
-        fig, axs = plt.subplots(
-            len(facets),
-            len(TRAIN_PANELS),
-            figsize=(3.2 * len(TRAIN_PANELS), 2.6 * len(facets)),
-            squeeze=False,
-        )
+        fig = Figure(figsize=(3.2 * len(TRAIN_PANELS), 2.6 * len(facets)))
+        axs = fig.subplots(len(facets), len(TRAIN_PANELS), squeeze=False)
         for row, (fv, sub) in zip(axs, facets):
             groups = list(sub.groupby(series, sort=True)) if series else [((), sub)]
             for ax, (metric, title) in zip(row, TRAIN_PANELS):
@@ -122,5 +117,4 @@ def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: st
         axs[0][0].legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(path("train_curves"), dpi=90)
-        plt.close(fig)
-    return paths
+        return paths

@@ -3,6 +3,8 @@
 from ebpo_jax.models.config import PRESETS, ModelConfig, get_config
 from ebpo_jax.models.hf import from_hf, load_tokenizer, to_hf
 from ebpo_jax.models.model import (
+    CacheSlots,
+    Segments,
     abstract_params,
     decode_step,
     forward,
@@ -17,7 +19,9 @@ from ebpo_jax.models.model import (
 
 __all__ = [
     "PRESETS",
+    "CacheSlots",
     "ModelConfig",
+    "Segments",
     "abstract_params",
     "decode_step",
     "forward",

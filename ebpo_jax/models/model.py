@@ -2,6 +2,7 @@
 
 import functools
 import operator
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -235,6 +236,14 @@ def _layer_scan(
     return _over_layers(config, params, layer, _embed(config, params, tokens_BT), routing)
 
 
+class Segments(NamedTuple):
+    """Packed rows' segments: ids [B, T] int (0 = padding) confine attention to a query's own
+    segment; prefix_ids [B, T] (XLA attention only) also open segment prefix_ids[b, t] to it."""
+
+    ids: jax.Array
+    prefix_ids: jax.Array | None = None
+
+
 def forward(
     config: ModelConfig,
     params,
@@ -243,20 +252,19 @@ def forward(
     positions=None,
     mask=None,
     return_hidden=False,
-    segment_ids=None,
-    prefix_ids=None,
+    segments: Segments | None = None,
     routing=None,
     with_router=False,
 ):
     """Logits [B, T, V] float32 (or final-normed hidden [B, T, D]); causal by slot, keys masked.
 
-    Packed rows: `segment_ids` [B, T] int (0 = padding) confine attention to a query's own
-    segment, `prefix_ids` [B, T] (XLA attention only) also open segment prefix_ids[b, t] to
-    it, and `positions` [B, T] restart per sequence (trainer/packing.py builds all three).
+    Packed rows: `segments` (trainer/packing.py builds them) instead of `mask`, and
+    `positions` [B, T] restart per sequence.
     Mixture of experts: `routing` [sparse layers, B, T, k] replays recorded experts;
     `with_router` returns (out, route): route["experts"] [sparse layers, B, T, k] compact
     ints and per-layer router stats [sparse layers] ("lb_loss", "load_max", "entropy").
     """
+    segment_ids, prefix_ids = (None, None) if segments is None else segments
     x_BTD, _, route = _layer_scan(
         config,
         params,
@@ -304,6 +312,21 @@ def prefill(
     return (logits_BV, cache, route) if with_router else (logits_BV, cache)
 
 
+def _check_grouped(config, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routing):
+    """ValueError unless forward_grouped's inputs have matching shapes."""
+    _check_tokens(config, prompt_PTp, "prompt_PTp")
+    _check_tokens(config, comp_BN, "comp_BN")
+    (P, Tp), (B, N) = prompt_PTp.shape, comp_BN.shape
+    if B % P:
+        raise ValueError(f"comp_BN has {B} rows, not a multiple of the {P} prompts")
+    _check_shape("prompt_len_P", prompt_len_P, (P,))
+    if comp_len_B is not None:
+        _check_shape("comp_len_B", comp_len_B, (B,))
+    if routing is not None:
+        _check_replay(config, routing[0], (P, Tp), "routing[0]")
+        _check_replay(config, routing[1], (B, N), "routing[1]")
+
+
 def forward_grouped(
     config: ModelConfig,
     params,
@@ -327,24 +350,15 @@ def forward_grouped(
     k]) replays recorded experts; `with_router` adds a third output, (prompt route,
     completion route) as `forward`'s.
     """
-    _check_tokens(config, prompt_PTp, "prompt_PTp")
-    _check_tokens(config, comp_BN, "comp_BN")
+    _check_grouped(config, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routing)
     (P, Tp), (B, N) = prompt_PTp.shape, comp_BN.shape
-    if B % P:
-        raise ValueError(f"comp_BN has {B} rows, not a multiple of the {P} prompts")
     G = B // P
-    _check_shape("prompt_len_P", prompt_len_P, (P,))
-    if comp_len_B is not None:
-        _check_shape("comp_len_B", comp_len_B, (B,))
     pos_PT = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
     pos_BN = jnp.repeat(prompt_len_P, G)[:, None] + jnp.arange(N)[None]
     rope_p, rope_c = rope_cos_sin(config, pos_PT), rope_cos_sin(config, pos_BN)
     attend_p, attend_c = attention.make_grouped_attend(
         config, prompt_len_P, comp_len_B, Tp=Tp, N=N, G=G
     )
-    if routing is not None:
-        _check_replay(config, routing[0], (P, Tp), "routing[0]")
-        _check_replay(config, routing[1], (B, N), "routing[1]")
     prompt_mask_PT = jnp.arange(Tp)[None] < prompt_len_P[:, None]
     comp_mask_BN = None if comp_len_B is None else jnp.arange(N)[None] < comp_len_B[:, None]
 
@@ -501,46 +515,30 @@ def _cached_allowed(slot_BT, kv_mask_BS, kv_len_B):
     return allowed
 
 
-def forward_cached(
-    config: ModelConfig,
-    params,
-    tokens_BT,
-    positions_BT,
-    cache,
-    *,
-    start,
-    kv_mask_BS=None,
-    kv_len_B=None,
-    logits_at=None,
-    layers=None,
-    kv_block=decode.BLOCK,
-    with_router=False,
-):
-    """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
+class CacheSlots(NamedTuple):
+    """Where forward_cached's T new tokens go: cache slots from `start` (a Python int, a
+    scalar, or [B] per row), RoPE `positions_BT`, and which slots are valid: kv_mask_BS [B, S]
+    and/or kv_len_B [B] (slots below it; at least one of the two)."""
 
-    `start` is one slot for all rows, or per row ([B] int: row b writes at start[b]).
-    Query slot start+t attends cache slots j <= start+t that are valid: kv_mask_BS[b, j]
-    and/or j < kv_len_B[b] (at least one must be given). The caller marks the new slots
-    valid and keeps start+T <= max_len (checked when `start` is a Python int; a traced one
-    can't be, XLA would clamp the write). A Python int `start` lets attention skip the slots
-    >= start+T (all but the new ones in a prefill at 0); a traced one reads the slots below
-    max(start)+T in blocks of `kv_block` (models.decode), so a decode step costs the valid
-    prefix, not the cache size. `logits_at` [B] int: return only logits [B, V] at time index
-    logits_at[b] of each row instead of [B, T, V]. `layers`: `split_layers(params)`,
-    computed once outside a decode loop; without it each call slices the stacked weights,
-    which XLA:CPU does not hoist out of a while_loop. `with_router`: also the new tokens'
-    route (as `forward`'s), a third output.
-    """
+    start: jax.Array | int
+    positions_BT: jax.Array
+    kv_mask_BS: jax.Array | None = None
+    kv_len_B: jax.Array | None = None
+
+
+def _check_cached(config, tokens_BT, cache, slots: CacheSlots, logits_at):
+    """(B, T, the start as a Python int or None) after checking forward_cached's inputs."""
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
     S = _check_cache(config, cache, B)
-    _check_shape("positions_BT", positions_BT, (B, T))
-    if kv_mask_BS is None and kv_len_B is None:
+    start = slots.start
+    _check_shape("positions_BT", slots.positions_BT, (B, T))
+    if slots.kv_mask_BS is None and slots.kv_len_B is None:
         raise ValueError("forward_cached needs kv_mask_BS or kv_len_B (which slots are valid)")
-    if kv_mask_BS is not None:
-        _check_shape("kv_mask_BS", kv_mask_BS, (B, S))
-    if kv_len_B is not None:
-        _check_shape("kv_len_B", kv_len_B, (B,))
+    if slots.kv_mask_BS is not None:
+        _check_shape("kv_mask_BS", slots.kv_mask_BS, (B, S))
+    if slots.kv_len_B is not None:
+        _check_shape("kv_len_B", slots.kv_len_B, (B,))
     if logits_at is not None:
         _check_shape("logits_at", logits_at, (B,))
     if jnp.ndim(start) not in (0, 1) or (jnp.ndim(start) == 1 and jnp.shape(start) != (B,)):
@@ -548,10 +546,44 @@ def forward_cached(
     static_start = _static_int(start)
     if static_start is not None and not 0 <= static_start <= S - T:
         raise ValueError(f"start {static_start} + {T} new tokens does not fit a cache of {S} slots")
-    start = jnp.asarray(start, jnp.int32)
+    return B, T, static_start
+
+
+def _at(config, params, x_BTD, logits_at):
+    """Logits [B, T, V] float32, or [B, V] at time index logits_at[b] of each row."""
+    if logits_at is None:
+        return _head(config, params, x_BTD, False)
+    x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
+    return _head(config, params, x_B1D, False)[:, 0]
+
+
+def forward_cached(
+    config: ModelConfig,
+    params,
+    tokens_BT,
+    cache,
+    slots: CacheSlots,
+    *,
+    logits_at=None,
+    layers=None,
+    kv_block=decode.BLOCK,
+    with_router=False,
+):
+    """Runs T new tokens at cache slots [start, start+T); returns (logits [B,T,V] f32, new cache).
+
+    Query slot start+t attends the valid cache slots j <= start+t (`CacheSlots`); the caller
+    marks the new slots valid and keeps start+T <= max_len (checked for a Python int start,
+    which also lets attention skip the slots >= start+T). A traced start reads the slots below
+    max(start)+T in blocks of `kv_block` (models.decode): a step costs the valid prefix.
+    `logits_at` [B] int: only logits [B, V] at time index logits_at[b]. `layers`:
+    `split_layers(params)` once outside a decode loop (XLA:CPU does not hoist the slicing
+    out of a while_loop). `with_router`: also the new tokens' route (as `forward`'s).
+    """
+    B, T, static_start = _check_cached(config, tokens_BT, cache, slots, logits_at)
+    start = jnp.asarray(slots.start, jnp.int32)
     slot_BT = jnp.broadcast_to(start[..., None] + jnp.arange(T, dtype=jnp.int32), (B, T))
-    allowed = _cached_allowed(slot_BT, kv_mask_BS, kv_len_B)
-    rope = rope_cos_sin(config, positions_BT)
+    allowed = _cached_allowed(slot_BT, slots.kv_mask_BS, slots.kv_len_B)
+    rope = rope_cos_sin(config, slots.positions_BT)
     block_def = graphdefs(config)[1]
     x_BTD = _embed(config, params, tokens_BT)
     new_k, new_v, routes = [], [], []
@@ -573,19 +605,13 @@ def forward_cached(
                     q_BTHd, k_BKSd[:, :, :seen], v_BKSd[:, :, :seen], allowed(0, seen)
                 )
             limit = jnp.max(slot_BT) + 1
-            return decode.attend_prefix(
-                attn, q_BTHd, k_BKSd, v_BKSd, allowed, limit, block=kv_block
-            )
+            return decode.attend_prefix(attn, q_BTHd, k_BKSd, v_BKSd, allowed, limit, kv_block)
 
         x_BTD, route = _block_step(config, block, ffn, x_BTD, rope, attend)
         if route is not None:
             routes.append(route)
     new_cache = {"k": tuple(new_k), "v": tuple(new_v)}
-    if logits_at is not None:
-        x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
-        out = _head(config, params, x_B1D, False)[:, 0]
-    else:
-        out = _head(config, params, x_BTD, False)
+    out = _at(config, params, x_BTD, logits_at)
     if with_router:
         route = jax.tree.map(lambda *a: jnp.stack(a), *routes) if routes else None
         return out, new_cache, route

@@ -87,9 +87,8 @@ def generate_with_stats(
     staged, first_R, logp_R, *prompt_routes = engine.prefill_jit(
         params, prompt_PT, lengths_P, rng, **static
     )
-    gen, stats = engine.decode_jit(
-        params, staged, first_R, logp_R, lengths_P, rng, eos_E, limit_R, **static
-    )
+    prefilled = engine.Prefilled(staged, first_R, logp_R)
+    gen, stats = engine.decode_jit(params, prefilled, lengths_P, rng, eos_E, limit_R, **static)
     if spec.record_routing:
         gen, comp_routes = gen
         gen = (gen, {"prompt": prompt_routes[0], "comp": comp_routes})

@@ -236,29 +236,31 @@ def _finish(st, rows, tok_DS, eos_E, *, release=True):
     return jax.vmap(schedule.release)(st, rows, ends_DS)
 
 
-def decode(
-    params, staged, first_R, logp_R, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
-):
-    """Every row through the slots: (Generation, Stats).
+class Prefilled(NamedTuple):
+    """What decode continues from: prefill's first three outputs."""
 
-    spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
-    experts of each fed-back token (a row's last token, never fed back, keeps zeros).
-    """
-    D, Rd, S, N, G = plan.shards, plan.rows, plan.slots, spec.max_new_tokens, spec.num_samples
-    ps = spec.page_size
+    staged: tuple  # per layer, the prompts' pages [D, Q, W, page_size, 2K, Dh]
+    first_R: jax.Array  # every row's token 0
+    logp_R: jax.Array  # and its log-prob
+
+
+def _decode_rows(prefilled: Prefilled, lengths_P, limit_R, *, spec, plan) -> schedule.Rows:
+    """Every row's prompt, lengths, token 0 and token limit, laid out [shards, rows]."""
+    D, Rd, N, G = plan.shards, plan.rows, spec.max_new_tokens, spec.num_samples
     prompt_DQ, prompt_DR = _shard_prompts(plan, G)
     limit_R = jnp.full((D * Rd,), N, jnp.int32) if limit_R is None else limit_R
-    rows = schedule.Rows(
+    return schedule.Rows(
         prompt_R=jnp.asarray(prompt_DR, jnp.int32),
         plen_R=jnp.repeat(lengths_P, G).reshape(D, Rd),
-        first_R=first_R.reshape(D, Rd),
+        first_R=prefilled.first_R.reshape(D, Rd),
         limit_R=limit_R.reshape(D, Rd),
-        full_Q=lengths_P[prompt_DQ] // ps,
+        full_Q=lengths_P[prompt_DQ] // spec.page_size,
     )
-    init = functools.partial(
-        schedule.init, slots=S, width=plan.width, max_pages=plan.max_pages, num_pages=plan.pages
-    )
-    st = layout.constrain_tree(jax.vmap(init, in_axes=(0, None))(rows, eos_E), plan.lead)
+
+
+def _decode_out(rows, logp_R, *, config, spec, plan) -> tuple:
+    """(tokens, log-probs, lengths[, experts]) per row with token 0 in place."""
+    D, Rd, N = plan.shards, plan.rows, spec.max_new_tokens
     out = (
         jnp.zeros((D, Rd, N), jnp.int32).at[:, :, 0].set(rows.first_R),
         jnp.zeros((D, Rd, N), jnp.float32).at[:, :, 0].set(logp_R.reshape(D, Rd)),
@@ -267,10 +269,28 @@ def decode(
     if spec.record_routing:
         k, dtype = config.num_experts_per_tok, models.moe.expert_dtype(config.num_experts)
         out += (jnp.zeros((D, Rd, config.num_sparse_layers, N, k), dtype),)
-    out = layout.constrain_tree(out, plan.lead)
+    return layout.constrain_tree(out, plan.lead)
+
+
+def decode(
+    params, prefilled: Prefilled, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
+):
+    """Every row through the slots: (Generation, Stats).
+
+    spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
+    experts of each fed-back token (a row's last token, never fed back, keeps zeros).
+    """
+    D, Rd, S, N = plan.shards, plan.rows, plan.slots, spec.max_new_tokens
+    ps = spec.page_size
+    rows = _decode_rows(prefilled, lengths_P, limit_R, spec=spec, plan=plan)
+    init = functools.partial(
+        schedule.init, slots=S, width=plan.width, max_pages=plan.max_pages, num_pages=plan.pages
+    )
+    st = layout.constrain_tree(jax.vmap(init, in_axes=(0, None))(rows, eos_E), plan.lead)
+    out = _decode_out(rows, prefilled.logp_R, config=config, spec=spec, plan=plan)
     pools = layout.constrain_tree(pages.init_pools(config, D, plan.pages, ps), plan.lead)
     layers = models.split_layers(config, params) if layout.on_cpu(plan.lead) else None
-    admit = functools.partial(_admit, staged=staged, rows=rows, plan=plan, page_size=ps)
+    admit = functools.partial(_admit, staged=prefilled.staged, rows=rows, plan=plan, page_size=ps)
     st, pools = admit(st, pools)
     row_offset_D1 = (Rd * jnp.arange(D))[:, None]
     s = spec.sampling

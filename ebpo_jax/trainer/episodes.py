@@ -138,18 +138,27 @@ def _episode(rows: _Rows, b: int, prompt: str, answer: str) -> Episode:
     return Episode(prompt, answer, (*turns, rows.cur[b]), tuple(observations))
 
 
+class EpisodePrompts(NamedTuple):
+    """The rows' right-padded prompts [B, T], their lengths [B] and reference answers (text)."""
+
+    tokens_BT: np.ndarray
+    lengths_B: np.ndarray
+    answers: list[str]
+
+
 def run_episodes(
     generate: Callable, spec: RolloutSpec, env: Environment, pool: EnvPool, tokenizer,
-    prompt_BT, prompt_len_B, answers: list[str], key, eos_ids,
+    prompts: EpisodePrompts, key, eos_ids,
 ) -> Episodes:  # fmt: skip
     """B episodes: model turns by `generate(context, lengths, limits, key) -> Generation`,
-    environment replies by `pool`; `answers` are the rows' reference answers (text)."""
+    environment replies by `pool`."""
+    prompt_BT, prompt_len_B, answers = prompts
     B = prompt_BT.shape[0]
     N, T = spec.max_new_tokens, spec.rollout.turn_tokens or spec.max_new_tokens
     eos = {int(e) for e in np.atleast_1d(eos_ids)}
     stop_ids = set(stop_token_ids(tokenizer, env))
     rows, prefill = _Rows(B, N), 0
-    prompts = [tokenizer.decode(list(prompt_BT[b, : prompt_len_B[b]])) for b in range(B)]
+    texts = [tokenizer.decode(list(prompt_BT[b, : prompt_len_B[b]])) for b in range(B)]
     for call in range(4 * spec.rollout.max_turns * max(1, -(-N // T))):  # a bound, never reached
         if not rows.live.any():
             break
@@ -165,7 +174,7 @@ def run_episodes(
             if _after_turn(rows, b, ids, logp, limit_B[b], eos, stop_ids, env, tokenizer):
                 calls.append(int(b))
         if calls:
-            eps = [_episode(rows, b, prompts[b], answers[b]) for b in calls]
+            eps = [_episode(rows, b, texts[b], answers[b]) for b in calls]
             _answer(rows, calls, pool.map(env, eps), tokenizer, spec, env)
     return Episodes(
         rows.tokens, rows.logp, rows.act, rows.used, rows.env_reward, rows.turns,

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 
-from ebpo_jax import policy_eval
+from ebpo_jax import policy_eval, sampler
 from ebpo_jax.metrics import PER_PROBLEM_FILE
 from ebpo_jax.spec import EvalSpec
 
@@ -38,6 +38,12 @@ def make_evaluator(
         return None
     k = spec.samples_per_problem
     per_problem: dict[str, np.ndarray] = {}
+    sampler_spec = sampler.SamplerSpec(
+        max_new_tokens=spec.max_new_tokens,
+        num_samples=k,
+        eos_ids=() if stop_ids is None else stop_ids,
+        sampling=sampler.Sampling(spec.run.eval_temperature),
+    )
 
     def evaluate(params, *, matrix: bool = False) -> dict[str, Any]:
         out = {}
@@ -47,13 +53,10 @@ def make_evaluator(
                 params,
                 s.prompt_tokens,
                 s.prompt_lengths,
+                sampler_spec,
                 batch_size=spec.run.eval_batch_size,
-                num_samples=k,
-                max_new_tokens=spec.max_new_tokens,
                 seed=spec.run.seed,
                 key_stride=s.key_stride,
-                temperature=spec.run.eval_temperature,
-                eos_id=stop_ids,
                 mesh=mesh,
             )
             correct = np.asarray(s.score(tokens, lengths), np.float64)  # prompt-major [n*k]

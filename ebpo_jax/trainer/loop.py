@@ -17,11 +17,12 @@ from ebpo_jax import progress as progress_lib
 from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
+from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.trainer import episodes, lora_state
 from ebpo_jax.trainer.evaluator import write_per_problem
 from ebpo_jax.trainer.rollout import Rollout
-from ebpo_jax.trainer.shardings import make_mesh, make_shardings
+from ebpo_jax.trainer.shardings import make_shardings
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import Step, put
 from ebpo_jax.trainer.task import Reward, Task, build_task, mean_pass

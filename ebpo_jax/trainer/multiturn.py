@@ -46,11 +46,14 @@ class MultiTurnRollout:
         b = jax.device_get(batch)
         rep = lambda x: np.repeat(np.asarray(x), G, axis=0)
         tok = self.task.tokenizer
+        prompts = episodes.EpisodePrompts(
+            rep(b.prompt_tokens),
+            rep(b.prompt_lengths),
+            episodes.answers_text(tok, rep(b.answer_tokens), rep(b.answer_lengths)),
+        )
         ep = episodes.run_episodes(
             functools.partial(self.generate, params), self.spec, self.task.env, self.pool, tok,
-            rep(b.prompt_tokens), rep(b.prompt_lengths),
-            episodes.answers_text(tok, rep(b.answer_tokens), rep(b.answer_lengths)),
-            key, self.task.stop_ids,
+            prompts, key, self.task.stop_ids,
         )  # fmt: skip
         ro = self._rollout(b, ep, np.zeros((P, G), np.float32))
         if self.task.reward.jittable:

@@ -206,8 +206,7 @@ def packed_completion_logprobs(model_config, params, packed, *, slots, with_entr
         params,
         packed["tokens"],
         positions=packed["positions"],
-        segment_ids=packed["segment_ids"],
-        prefix_ids=packed.get("prefix_ids"),
+        segments=models.Segments(packed["segment_ids"], packed.get("prefix_ids")),
         return_hidden=True,
     )
     R, L, D = h_RLD.shape

@@ -15,9 +15,9 @@ import ml_collections
 from ebpo_jax import evaluation
 from ebpo_jax.checkpoint import Checkpointer, list_steps
 from ebpo_jax.config import ConfigError, default_config, finalize
+from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import resolve
 from ebpo_jax.trainer.lora_state import EXTRA_KEY, policy_of_run
-from ebpo_jax.trainer.shardings import make_mesh
 from ebpo_jax.trainer.task import build_task
 
 

@@ -19,22 +19,6 @@ from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import state_shardings
 
 
-def make_mesh(spec: MeshSpec, devices=None) -> jax.sharding.Mesh:
-    """The trainer's mesh (Auto axes): over `devices`, else every device or the first
-    `spec.mesh.devices` of them (one process only)."""
-    if devices is None:
-        n = spec.mesh.devices or jax.device_count()
-        if n < jax.device_count() and jax.process_count() > 1:
-            raise config_lib.ConfigError(
-                f"mesh.devices={n}: a multi-process run's mesh must span all {jax.device_count()}"
-            )
-        if n == jax.device_count():  # jax.make_mesh lays the axes out along the topology
-            auto = (jax.sharding.AxisType.Auto,) * len(spec.mesh.axes)
-            return jax.make_mesh(spec.shape, spec.mesh.axes, axis_types=auto)
-        devices = jax.devices()[:n]
-    return sharding.make_mesh(list(zip(spec.mesh.axes, spec.shape)), devices)
-
-
 def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
     """`sampler.mesh` over the trainer mesh's devices, or the trainer mesh itself.
 

@@ -48,10 +48,10 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
             for c, lo in enumerate(range(0, len(plen_B), ev.run.eval_batch_size)):
                 sl = slice(lo, lo + ev.run.eval_batch_size)
                 key = jax.random.fold_in(jax.random.key(ev.run.seed), c)
+                prompts = episodes.EpisodePrompts(prompt_BT[sl], plen_B[sl], answers[sl])
                 ep = episodes.run_episodes(
-                    gen, ro, task.env, pool, tok, prompt_BT[sl], plen_B[sl], answers[sl], key,
-                    task.stop_ids,
-                )  # fmt: skip
+                    gen, ro, task.env, pool, tok, prompts, key, task.stop_ids
+                )
                 r = np.asarray(reward(ep.tokens, ep.lengths, ans_BA[sl], alen_B[sl]))
                 scores.append(r + ep.env_reward)
         return {"heldout": float(np.concatenate(scores).mean())}
