@@ -44,7 +44,7 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 
 
 def make_mesh(spec, devices=None) -> Mesh:
-    """Mesh with Auto axes from `[(axis, size), ...]` or the run's `spec.MeshSpec`.
+    """Mesh with Auto axes from `[(axis, size), ...]`, a mesh section or the run's `spec.MeshSpec`.
 
     One size may be -1: the devices that remain. Over `devices`, else over the first
     `mesh.devices` devices of a MeshSpec (0 = every device; fewer than every device in one
@@ -53,6 +53,8 @@ def make_mesh(spec, devices=None) -> Mesh:
     n = 0
     if hasattr(spec, "mesh"):  # a MeshSpec: its section's axes and devices, the resolved shape
         axes, shape, n = tuple(spec.mesh.axes), tuple(int(s) for s in spec.shape), spec.mesh.devices
+    elif hasattr(spec, "axes"):  # a mesh section (schema.Mesh or the config's `mesh`)
+        axes, shape = tuple(spec.axes), tuple(int(s) for s in spec.shape)
     else:
         axes, shape = tuple(a for a, _ in spec), tuple(int(s) for _, s in spec)
     if len(axes) != len(shape) or len(set(axes)) != len(axes):
