@@ -73,14 +73,14 @@ def _grad_fn(model_config, lay, B, N):
             logp_BN, ent_BN = packing.packed_completion_logprobs(
                 model_config, params, mb["packed"], slots=(B, N), with_entropy=True
             )
-        return losses.policy_loss(
+        terms = losses.TokenTerms(
             logp_BN,
             mb["logprobs"].reshape(-1, N),
             mb["adv"].reshape(-1),
             mb["loss_mask"].reshape(-1, N),
             entropy_BT=jax.lax.stop_gradient(ent_BN),
-            denominator=denom,
         )
+        return losses.policy_loss(terms, denominator=denom)
 
     return jax.value_and_grad(loss_fn, has_aux=True)
 

@@ -79,20 +79,18 @@ def _grad_fn(model_config, lay):
         share = mask_BN.sum() / jnp.maximum(mb.get("mb_tokens", mask_BN.sum()), 1.0)
         loss_A, metrics_A = [], []
         for agg, d in zip(losses.AGG_MODES, denom_A):
-            loss, metrics = losses.policy_loss(
+            terms = losses.TokenTerms(
                 logp_BN,
                 mb["logprobs"].reshape(-1, N),
                 mb["adv"].reshape(-1),
                 mask_BN,
-                clip_low=0.2,
-                clip_high=0.28,
-                agg=agg,
                 ref_logp_BT=ref_BN,
-                kl_coef=KL_COEF,
                 entropy_BT=ent_BN,
-                entropy_coef=ENT_COEF,
-                denominator=d,
             )
+            opts = losses.LossOptions(
+                clip_low=0.2, clip_high=0.28, agg=agg, kl_coef=KL_COEF, entropy_coef=ENT_COEF
+            )
+            loss, metrics = losses.policy_loss(terms, opts, denominator=d)
             loss_A.append(loss)
             metrics_A.append({k: v * share if "clip_frac" in k else v for k, v in metrics.items()})
         loss_A = jnp.stack(loss_A)
