@@ -28,9 +28,9 @@ from ebpo_jax.aot_report import (
 from ebpo_jax.hardware import GiB
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.trainer.rollout import make_rollout_fn, sampler_spec_of
+from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.shardings import make_mesh, make_sampler_mesh, make_shardings
 from ebpo_jax.trainer.state import make_optimizer
-from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.task import Reward, Task, model_config_from
 
 

@@ -277,7 +277,10 @@ def test_sampler_paths_agree():
             sampler.SamplerSpec(max_new_tokens=5, num_samples=2),
             rng=jax.random.key(0),
         )
-        for params in (Policy(CFG, spec).sampled(state), lora.attach(state.base, state.params, spec))
+        for params in (
+            Policy(CFG, spec).sampled(state),
+            lora.attach(state.base, state.params, spec),
+        )
     ]
     np.testing.assert_array_equal(gens[0].tokens, gens[1].tokens)
     np.testing.assert_allclose(gens[0].logprobs, gens[1].logprobs, atol=1e-4)

@@ -19,7 +19,6 @@ def _policy_loss(logp, old, adv, mask, *, denominator=None, max_tokens=None, **k
     )
 
 
-
 def _np_logsoftmax(x):
     x = np.asarray(x, np.float64)
     m = x.max(-1, keepdims=True)
@@ -123,9 +122,7 @@ def test_kl_estimators_and_entropy_bonus(batch):
     for est, w in want.items():
         np.testing.assert_allclose(losses.kl_penalty(logp, ref, est), w, rtol=1e-5, atol=1e-6)
         base, _ = _policy_loss(logp, old, adv, mask)
-        loss, m = _policy_loss(
-            logp, old, adv, mask, ref_logp_BT=ref, kl_coef=0.1, kl_estimator=est
-        )
+        loss, m = _policy_loss(logp, old, adv, mask, ref_logp_BT=ref, kl_coef=0.1, kl_estimator=est)
         kl = w[mask].mean()
         np.testing.assert_allclose(m["actor/kl"], kl, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(loss, base + 0.1 * kl, rtol=1e-5)

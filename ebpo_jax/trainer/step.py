@@ -69,7 +69,9 @@ class Pieces:
         self.episodes = None  # a task with an environment: the host turn loop samples
         if task.env is not None:
             if spec.steps_per_jit != 1:
-                raise ValueError(f"a multi-turn task needs steps_per_jit=1, got {spec.steps_per_jit}")
+                raise ValueError(
+                    f"a multi-turn task needs steps_per_jit=1, got {spec.steps_per_jit}"
+                )
             self.episodes = MultiTurnRollout(spec.rollout, task, sh.sampler_mesh)
             self.host_reward = None  # the episodes score themselves (task + environment)
             self.rollout = lambda params, batch, key: jax.device_put(

@@ -58,7 +58,9 @@ def completion_logprobs(
     return _padded_logprobs(model_config, params, mb, with_entropy, chunk_size)
 
 
-def _padded_logprobs(model_config, params, mb: MicroBatch, with_entropy, chunk_size, with_router=False):
+def _padded_logprobs(
+    model_config, params, mb: MicroBatch, with_entropy, chunk_size, with_router=False
+):
     """completion_logprobs of a padded MicroBatch; `with_router`: also return router metrics
     averaged over the sparse layers (of the completion tokens, or under splash of the packed
     prompt and completion tokens)."""
@@ -144,7 +146,9 @@ def truncated(tokens_PGN, lengths_PG, eos_id):
     return (lengths_PG >= N) & ~jnp.isin(last_PG, jnp.asarray(eos_id).reshape(-1))
 
 
-def logprobs(spec: UpdateSpec, model_config, params, mb: MicroBatch, *, with_entropy, with_router=False):
+def logprobs(
+    spec: UpdateSpec, model_config, params, mb: MicroBatch, *, with_entropy, with_router=False
+):
     """Per-token log-probs [B, N] (and entropy, router metrics) of a padded or packed MicroBatch."""
     if mb.packed is None:
         return _padded_logprobs(
