@@ -35,9 +35,13 @@ class Policy:
         """The step-0 TrainState around `params` (jit-able: build it with out_shardings)."""
         if self.is_lora:  # adapters trained; the base frozen, the KL reference
             return lora_state.init_lora_state(
-                params, optimizer, self.lora, self.model_config, seed=seed,
+                params,
+                optimizer,
+                self.lora,
+                self.model_config,
+                seed=seed,
                 num_clusters=num_clusters,
-            )  # fmt: skip
+            )
         return init_train_state(
             params, optimizer, seed=seed, num_clusters=num_clusters, with_ref=self.with_ref
         )

@@ -79,9 +79,11 @@ class Pieces:
             )
         self.cast = _cast_fn(spec.rollout.param_dtype, sh)
         self.update = jax.jit(
-            update, in_shardings=(sh.state, sh.rollout), out_shardings=(sh.state, sh.replicated),
+            update,
+            in_shardings=(sh.state, sh.rollout),
+            out_shardings=(sh.state, sh.replicated),
             donate_argnums=0,
-        )  # fmt: skip
+        )
         self.view = policy_lib.of(spec, mc)
         # The sampler's weights: state.params itself, or (LoRA) one merge per step.
         self.policy = self.view.sampler_fn()
