@@ -119,5 +119,5 @@ def test_pipeline_owns_its_inflight_rollout_and_checkpoint_entry():
     resumed(state, 1, next_batches)
     assert pieces.calls == [("update", 1.0)] and resumed.checkpoint_entries() == {}
     with pytest.raises(config_lib.ConfigError, match="resume with rollout.max_staleness=1"):
-        runners.HostRunner(pieces).restore_targets(entries, None, "ckpt")
-    assert runners.HostRunner(pieces).restore_targets({"params": 0}, None, "ckpt") == {}
+        runners.HostRunner(pieces).restore_targets(entries, "ckpt")
+    assert runners.HostRunner(pieces).restore_targets({"params": 0}, "ckpt") == {}

@@ -253,7 +253,7 @@ def _restore(ckpt: Checkpointer, state, runner, check, task: Task, log):
         saved, saved_extra = {}, None
     if saved_extra is not None:  # before restoring: adapters of another rank would look corrupt
         check(saved_extra)
-    target.update(runner.restore_targets(saved, runner.sh, ckpt.directory))
+    target.update(runner.restore_targets(saved, ckpt.directory))
     # The target's shardings are the ones restored into: each host reads its own shards.
     got = ckpt.restore_intact(target, log=log)
     if got is None:

@@ -14,7 +14,6 @@ import jax
 
 from ebpo_jax.config import ConfigError
 from ebpo_jax.trainer.rollout import Rollout
-from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.step import Pieces, first
 
@@ -86,12 +85,12 @@ class Pipeline:
         """The rollout in flight, saved beside the state (none after the last step)."""
         return {} if self.inflight is None else {INFLIGHT: self.inflight._asdict()}
 
-    def restore_targets(self, saved: dict, sh: Shardings, directory: str) -> dict:
+    def restore_targets(self, saved: dict, directory: str) -> dict:
         """The in-flight rollout's abstract target, placed as the update reads it, if saved."""
         if INFLIGHT not in saved:
             return {}
         abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        return {INFLIGHT: jax.tree.map(abstract, saved[INFLIGHT], sh.rollout._asdict())}
+        return {INFLIGHT: jax.tree.map(abstract, saved[INFLIGHT], self.sh.rollout._asdict())}
 
     def restored(self, tree: dict) -> None:
         """Take the restored in-flight rollout (if any) out of `tree`."""

@@ -8,7 +8,7 @@
 A runner is `runner(state, step, next_batches) -> (state, metrics [K]-stacked, phase times)`
 (`next_batches()` gives the next [K]-stacked prompt batches, placed), with `policy(state)`
 (the sampler's weights), `last_rollout` (K == 1: the rollout the latest update consumed) and
-its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved, sh, directory)`
+its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved, directory)`
 (abstract targets of the entries it restores) and `restored(tree)` (takes them back).
 """
 
@@ -36,7 +36,7 @@ class _Runner:
     def checkpoint_entries(self) -> dict:
         return {}
 
-    def restore_targets(self, saved: dict, sh: Shardings, directory: str) -> dict:
+    def restore_targets(self, saved: dict, directory: str) -> dict:
         pipeline.refuse_inflight(saved, directory)  # another runner's entry: name the fix
         return {}
 
