@@ -7,9 +7,11 @@
 
 A runner is `runner(state, step, next_batches) -> (state, metrics [K]-stacked, phase times)`
 (`next_batches()` gives the next [K]-stacked prompt batches, placed), with `policy(state)`
-(the sampler's weights), `last_rollout` (K == 1: the rollout the latest update consumed) and
-its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved, directory)`
-(abstract targets of the entries it restores) and `restored(tree)` (takes them back).
+(the sampler's weights), `view` (trainer/policy.py), `sh` (the Shardings), `update` (the
+jitted update: aot.py compiles it), `last_rollout` (K == 1: the rollout the latest update
+consumed) and its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved,
+directory)` (abstract targets of the entries it restores) and `restored(tree)` (takes them
+back).
 """
 
 import functools
