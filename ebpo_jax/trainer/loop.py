@@ -238,7 +238,7 @@ class _Log:
 
 def _restore(ckpt: Checkpointer, state, runner, check, task: Task, log):
     """The newest intact checkpoint's state and extra (the data position), else (state, {});
-    the runner takes back its own entries (the stale pipeline's in-flight rollout).
+    the runner takes back its own checkpoint entries, if it has any.
 
     `check(extra)` refuses a checkpoint of another policy layout (policy.check_checkpoint).
     Corrupt newer steps are named and moved aside (Checkpointer.restore_intact).
