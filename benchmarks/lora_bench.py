@@ -20,7 +20,6 @@ from ebpo_jax import config as config_lib
 from ebpo_jax import losses, models, sampler, schema
 from ebpo_jax.models import lora
 from ebpo_jax.spec import optim_spec
-from ebpo_jax.trainer import lora_state
 from ebpo_jax.trainer.state import make_optimizer
 from ebpo_jax.trainer.update import completion_logprobs
 
@@ -79,7 +78,7 @@ def _update(mc, optimizer, lora_spec, args):
                 mc, policy, ro["prompt"], ro["plen"], ro["comp"], ro["clen"], with_entropy=False
             )
             mask = jnp.arange(N)[None] < ro["clen"][:, None]
-            return losses.policy_loss(logp, ro["old"], ro["adv"], mask)[0]
+            return losses.policy_loss(losses.TokenTerms(logp, ro["old"], ro["adv"], mask))[0]
 
         grads = jax.grad(loss_fn)(train)
         updates, opt_state = optimizer.update(grads, opt_state, train)
@@ -132,7 +131,7 @@ def main(argv=None):
         f"LoRA / full: optimizer state {mem['lora'][0] / mem['full'][0]:.4f}, "
         f"update args + temp {sum(mem['lora'][1:]) / sum(mem['full'][1:]):.3f}"
     )
-    print(f"default sampler path: {lora_state.SAMPLER_PATHS[0]}")
+    print("the trainer samples the merged weights (trainer/policy.py: Policy.sampled)")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from ebpo_jax import losses, models, schema
 from ebpo_jax.config import default_config
 from ebpo_jax.spec import update_spec
 from ebpo_jax.trainer import packing
+from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.update import completion_logprobs
 
 
@@ -44,15 +45,15 @@ def _batch(rng, plen_P, clen_B, Tp, N, vocab):
     P, B = len(plen_P), len(clen_B)
     tok = lambda shape, n: rng.integers(1, vocab, shape) * (np.arange(shape[1]) < n[:, None])
     mask_BN = np.arange(N) < clen_B[:, None]
-    return {
-        "prompt_tokens": jnp.asarray(tok((P, Tp), plen_P), jnp.int32),
-        "prompt_lengths": jnp.asarray(plen_P, jnp.int32),
-        "tokens": jnp.asarray(tok((B, N), clen_B).reshape(P, B // P, N), jnp.int32),
-        "lengths": jnp.asarray(clen_B.reshape(P, -1), jnp.int32),
-        "logprobs": jnp.asarray(-rng.uniform(0.5, 5.0, (P, B // P, N)), jnp.float32),
-        "adv": jnp.asarray(rng.standard_normal((P, B // P)), jnp.float32),
-        "loss_mask": jnp.asarray(mask_BN.reshape(P, B // P, N)),
-    }
+    return MicroBatch(
+        prompt_tokens=jnp.asarray(tok((P, Tp), plen_P), jnp.int32),
+        prompt_lengths=jnp.asarray(plen_P, jnp.int32),
+        tokens=jnp.asarray(tok((B, N), clen_B).reshape(P, B // P, N), jnp.int32),
+        lengths=jnp.asarray(clen_B.reshape(P, -1), jnp.int32),
+        logprobs=jnp.asarray(-rng.uniform(0.5, 5.0, (P, B // P, N)), jnp.float32),
+        adv=jnp.asarray(rng.standard_normal((P, B // P)), jnp.float32),
+        loss_mask=jnp.asarray(mask_BN.reshape(P, B // P, N)),
+    )
 
 
 def _grad_fn(model_config, lay, B, N):
@@ -63,24 +64,24 @@ def _grad_fn(model_config, lay, B, N):
             logp_BN, ent_BN = completion_logprobs(
                 model_config,
                 params,
-                mb["prompt_tokens"],
-                mb["prompt_lengths"],
-                mb["tokens"].reshape(-1, N),
-                mb["lengths"].reshape(-1),
+                mb.prompt_tokens,
+                mb.prompt_lengths,
+                mb.tokens.reshape(-1, N),
+                mb.lengths.reshape(-1),
                 with_entropy=True,
             )
         else:
             logp_BN, ent_BN = packing.packed_completion_logprobs(
-                model_config, params, mb["packed"], slots=(B, N), with_entropy=True
+                model_config, params, mb.packed, slots=(B, N), with_entropy=True
             )
-        return losses.policy_loss(
+        terms = losses.TokenTerms(
             logp_BN,
-            mb["logprobs"].reshape(-1, N),
-            mb["adv"].reshape(-1),
-            mb["loss_mask"].reshape(-1, N),
+            mb.logprobs.reshape(-1, N),
+            mb.adv.reshape(-1),
+            mb.loss_mask.reshape(-1, N),
             entropy_BT=jax.lax.stop_gradient(ent_BN),
-            denominator=denom,
         )
+        return losses.policy_loss(terms, denominator=denom)
 
     return jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -89,7 +90,7 @@ def _update_fn(model_config, lay, optimizer, B, N):
     grad_fn = _grad_fn(model_config, lay, B, N)
 
     def update(params, opt_state, mb):
-        denom = mb["loss_mask"].sum().astype(jnp.float32)
+        denom = mb.loss_mask.sum().astype(jnp.float32)
         if lay is None:
             (loss, _), grads = grad_fn(params, params, mb, denom)
         else:
@@ -123,7 +124,7 @@ def update_throughput(model_config, plen_P, clen_B, *, Tp, N, budget, row_len=0,
             if i:
                 times[name].append(time.perf_counter() - t)
     useful = int(np.sum(np.repeat(plen_P, B // P)) + np.sum(clen_B))
-    pl = packing.plan(lay, mb["prompt_lengths"], packing.loss_span(mb["loss_mask"].reshape(B, N)))
+    pl = packing.plan(lay, mb.prompt_lengths, packing.loss_span(mb.loss_mask.reshape(B, N)))
     out = {name: useful / statistics.median(t) for name, t in times.items()}
     out.update(
         ratio=out["packed"] / out["padded"],

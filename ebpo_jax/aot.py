@@ -29,9 +29,9 @@ from ebpo_jax.hardware import GiB
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.trainer.rollout import make_rollout_fn, sampler_spec_of
+from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.shardings import make_sampler_mesh, make_shardings
-from ebpo_jax.trainer.state import init_train_state, make_optimizer
-from ebpo_jax.trainer.step import Step
+from ebpo_jax.trainer.state import make_optimizer
 from ebpo_jax.trainer.task import Reward, Task, model_config_from
 
 
@@ -75,16 +75,11 @@ def shape_task(spec: RunSpec, mc, params) -> Task:
 def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
     """(abstract TrainState, abstract Rollout, optimizer) at the spec's shapes: no allocation."""
     from ebpo_jax import models, tasks
-    from ebpo_jax.trainer.lora_state import init_lora_state
+    from ebpo_jax.trainer import policy
 
     optimizer = make_optimizer(spec.optim)
     params = models.abstract_params(mc)
-
-    def init(p):
-        if spec.update.lora is not None:  # adapters trained, the base frozen (the KL reference)
-            return init_lora_state(p, optimizer, spec.update.lora, mc, seed=spec.run.seed)
-        return init_train_state(p, optimizer, seed=spec.run.seed, with_ref=spec.with_ref)
-
+    init = lambda p: policy.of(spec, mc).init(p, optimizer, seed=spec.run.seed)
     state = jax.eval_shape(init, params)
     n = spec.rollout.batch_prompts
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
@@ -99,19 +94,19 @@ def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
 
 
 def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
-    """The loop's own Step (jitted rollout and update with the run's shardings), abstractly.
+    """The loop's own runner (jitted rollout and update with the run's shardings), abstractly.
 
     `devices`: every device of the topology (a split run's sampler takes those after the mesh).
     """
     state, ro, optimizer = abstract_inputs(spec, mc, prompt_len)
     sh = make_shardings(spec, mc, optimizer, state, mesh, devices)
-    step = Step(spec, shape_task(spec, mc, state.params), optimizer, sh)
+    step = make_runner(spec, shape_task(spec, mc, state.params), optimizer, sh)
     # Inputs carry the loop's shardings, as its placed arrays do: the same program is traced.
     return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 
 
 def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
-    """The trainer's own jitted update (the loop's Step.update), lowered and compiled."""
+    """The trainer's own jitted update (the loop's runner.update), lowered and compiled."""
     step, state, ro = make_step(spec, mc, mesh, prompt_len, devices)
     with jax.set_mesh(mesh):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params

@@ -5,9 +5,10 @@ float64, and targets are gathered by index (no one-hot of the vocabulary).
 
 Surrogates (`ppo`, `gspo`, `gspo_token`, `cispo`, or your own via `@register(name)`) map
 per-token log-probs to a per-token policy-gradient term; `policy_loss` picks one by name and
-adds IS weights, aggregation, KL and entropy, so any advantage estimator fits any surrogate.
+adds IS weights, aggregation, KL and entropy (`TokenTerms`, `LossOptions`), so any advantage estimator fits any surrogate.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -222,57 +223,72 @@ def cispo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_cl
     )
 
 
-def policy_loss(
-    logp_BT,
-    old_logp_BT,
-    adv_B,
-    mask_BT,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip=None,
-    agg: str = "token-mean",
-    ref_logp_BT=None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_BT=None,
-    entropy_coef: float = 0.0,
-    max_tokens=None,
-    denominator=None,
-    name: str = "ppo",
-    is_weights_BT=None,
-):
-    """The surrogate registered as `name`, plus KL and entropy terms.
+class TokenTerms(NamedTuple):
+    """The per-token arrays of a policy loss ([B, T]; `adv_B` one per sequence or [B, T])."""
 
-    `adv_B` is one advantage per sequence (or `[B, T]` per token). `is_weights_BT`
-    (stop-gradient) multiplies each token's policy-gradient term, as verl applies
-    `rollout_is_weights` (see `ebpo_jax.importance`). Returns `(loss, metrics)`; metric
-    names match the trainer's fixed metric names.
+    logp_BT: jax.Array  # log-probs under the policy being trained
+    old_logp_BT: jax.Array  # log-probs under the policy that sampled
+    adv_B: jax.Array
+    mask_BT: jax.Array  # bool: tokens in the loss
+    ref_logp_BT: jax.Array | None = None  # the KL reference's (None: no KL term)
+    entropy_BT: jax.Array | None = None  # None: no entropy term or metric
+    is_weights_BT: jax.Array | None = None  # importance weights (stop-gradient), or None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+    """The knobs of `policy_loss`, named as the config's `loss.*` fields."""
+
+    name: str = "ppo"  # a registered surrogate
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float = 0.0  # > 1 bounds a negative-advantage token's loss; 0 = off
+    agg: str = "token-mean"  # one of AGG_MODES
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"agg must be one of {AGG_MODES}, got {self.agg!r}")
+        if self.dual_clip and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or 0: off), got {self.dual_clip}")
+
+
+DEFAULT_OPTIONS = LossOptions()
+
+
+def policy_loss(
+    terms: TokenTerms, opts: LossOptions = DEFAULT_OPTIONS, *, denominator=None, max_tokens=None
+):
+    """The surrogate registered as `opts.name`, plus KL and entropy terms.
+
+    `terms.is_weights_BT` (stop-gradient) multiplies each token's policy-gradient term, as
+    verl applies `rollout_is_weights` (see `ebpo_jax.importance`). `denominator` and
+    `max_tokens` go to `aggregate`. Returns `(loss, metrics)`; metric names match the
+    trainer's fixed metric names.
     """
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    surrogate = get(name)
+    logp_BT, mask_BT, adv_B = terms.logp_BT, terms.mask_BT, terms.adv_B
+    surrogate = get(opts.name)
     adv_BT = adv_B[:, None] if adv_B.ndim == 1 else adv_B
     adv_BT = jnp.broadcast_to(adv_BT, logp_BT.shape).astype(jnp.float32)
     reduce = lambda x_BT: aggregate(
-        x_BT, mask_BT, agg, max_tokens=max_tokens, denominator=denominator
+        x_BT, mask_BT, opts.agg, max_tokens=max_tokens, denominator=denominator
     )
     token_mean = lambda x_BT: aggregate(x_BT.astype(jnp.float32), mask_BT, "token-mean")
 
     out = surrogate(
         logp_BT,
-        old_logp_BT,
+        terms.old_logp_BT,
         adv_BT,
         mask_BT,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
+        clip_low=opts.clip_low,
+        clip_high=opts.clip_high,
+        dual_clip=opts.dual_clip if opts.dual_clip else None,
     )
     pg_BT = out.pg_BT
-    if is_weights_BT is not None:
-        pg_BT = pg_BT * jax.lax.stop_gradient(is_weights_BT)
+    if terms.is_weights_BT is not None:
+        pg_BT = pg_BT * jax.lax.stop_gradient(terms.is_weights_BT)
     pg_loss = reduce(pg_BT)
     metrics = {
         "actor/pg_loss": pg_loss,
@@ -280,12 +296,12 @@ def policy_loss(
         "actor/clip_frac_high": token_mean(out.clipped_high_BT),
     }
     loss = pg_loss
-    if ref_logp_BT is not None:
-        kl = reduce(kl_penalty(logp_BT, ref_logp_BT, kl_estimator))
-        loss = loss + kl_coef * kl
+    if terms.ref_logp_BT is not None:
+        kl = reduce(kl_penalty(logp_BT, terms.ref_logp_BT, opts.kl_estimator))
+        loss = loss + opts.kl_coef * kl
         metrics["actor/kl"] = kl
-    if entropy_BT is not None:
-        entropy = reduce(entropy_BT)
-        loss = loss - entropy_coef * entropy
+    if terms.entropy_BT is not None:
+        entropy = reduce(terms.entropy_BT)
+        loss = loss - opts.entropy_coef * entropy
         metrics["actor/entropy"] = entropy
     return loss, metrics

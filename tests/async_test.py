@@ -15,6 +15,7 @@ from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import resolve
 from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.shardings import make_sampler_mesh
+from ebpo_jax.workdir import WorkdirError
 
 
 def _micro(**overrides):
@@ -82,7 +83,9 @@ def _check_resume(tmp_path, total, stop):
     full = loop.train(_async(tmp_path / "full", **over), log=quiet)
     first = loop.train(_async(tmp_path / "resumed", **over), log=quiet, stop_after=stop)
     assert first["step"] == stop and first["stopped_early"]
-    with pytest.raises(ConfigError, match="resume with rollout.max_staleness=1"):
+    # The workdir's config check refuses first (the pipeline's own refusal of its in-flight
+    # entry, pipeline.refuse_inflight, is tested in policy_test.py).
+    with pytest.raises(WorkdirError, match="rollout.max_staleness: 1 -> 0"):
         stale0 = {**over, "rollout.max_staleness": 0}
         loop.train(_async(tmp_path / "resumed", **stale0), log=quiet)
     resumed = loop.train(_async(tmp_path / "resumed", **over), log=quiet)

@@ -88,10 +88,12 @@ def test_weights_carry_no_gradient_and_scale_the_policy_term(logps):
     w, keep, _ = importance.is_correction(trainer, sampler, mask, mode="tis")
     logp = jnp.asarray(np.where(mask, sampler, 0.0))
     adv = jnp.linspace(-1.0, 1.0, mask.shape[0])
-    loss_fn = lambda lp, **kw: losses.policy_loss(lp, lp, adv, keep, **kw)[0]
+    loss_fn = lambda lp, w=None: losses.policy_loss(
+        losses.TokenTerms(lp, lp, adv, keep, is_weights_BT=w)
+    )[0]
     # At ratio 1 PPO's token gradient is -A / n_tokens; the weight multiplies it.
     g_plain = jax.grad(loss_fn)(logp)
-    g_w = jax.grad(functools.partial(loss_fn, is_weights_BT=w))(logp)
+    g_w = jax.grad(functools.partial(loss_fn, w=w))(logp)
     np.testing.assert_allclose(g_w, np.asarray(g_plain) * np.asarray(w), rtol=1e-6)
 
 

@@ -16,6 +16,7 @@ from ebpo_jax import config as config_lib
 from ebpo_jax.checkpoint import Checkpointer
 from ebpo_jax.models import lora
 from ebpo_jax.trainer import lora_state
+from ebpo_jax.trainer.policy import Policy
 from ebpo_jax.trainer.state import state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
 
@@ -92,16 +93,15 @@ def _rollout(P=2, G=2, Tp=5, N=4, seed=0):
 
 def _loss(adapters, base, spec, ro, adv_B, *, agg="token-mean", kl_coef=0.0):
     """The trainer's loss (completion_logprobs + policy_loss) on the adapter path."""
-    policy = lora_state.policy_params(adapters, base, spec)
+    policy = Policy(CFG, spec).forward_params(adapters, base)
     args = (ro["prompt"], ro["plen"], ro["comp"], ro["clen"])
     logp = completion_logprobs(CFG, policy, *args, with_entropy=False)
     ref = None
     if kl_coef:  # the reference: the base with the adapters off
         ref = jax.lax.stop_gradient(completion_logprobs(CFG, base, *args, with_entropy=False))
     mask = jnp.arange(ro["comp"].shape[1])[None] < ro["clen"][:, None]
-    loss, _ = losses.policy_loss(
-        logp, ro["old_logp"], adv_B, mask, agg=agg, ref_logp_BT=ref, kl_coef=kl_coef
-    )
+    terms = losses.TokenTerms(logp, ro["old_logp"], adv_B, mask, ref_logp_BT=ref)
+    loss, _ = losses.policy_loss(terms, losses.LossOptions(agg=agg, kl_coef=kl_coef))
     return loss
 
 
@@ -131,7 +131,7 @@ def test_gradients_reach_only_the_adapters():
     n_adapter = sum(x.size for x in jax.tree.leaves(state.params))
     n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state) if x.ndim)
     assert n_opt == 2 * n_adapter  # Adam's mu and nu, nothing of the base
-    assert lora_state.reference_params(state) is state.base
+    assert Policy(CFG, spec).frozen(state) is state.base
     assert state.ref_params is None
 
 
@@ -229,7 +229,7 @@ def test_checkpoint_round_trip_of_adapters_is_exact(tmp_path):
     opt = optax.adamw(1e-3)
     state = lora_state.init_lora_state(_params(), opt, spec, CFG, seed=0)
     state = state._replace(params=_trained(state.params))
-    tree = lora_state.checkpoint_tree(state)
+    tree = Policy(CFG, spec).checkpoint_tree(state)
     assert "base" not in tree and "ref_params" not in tree
     ref = lora_state.base_reference(config.model, "/ckpt/base")
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:
@@ -271,13 +271,16 @@ def test_sampler_paths_agree():
     gens = [
         sampler.generate(
             CFG,
-            lora_state.sampler_params(state, spec, CFG, path),
+            params,
             prompts,
             jnp.array([6, 4]),
             sampler.SamplerSpec(max_new_tokens=5, num_samples=2),
             rng=jax.random.key(0),
         )
-        for path in lora_state.SAMPLER_PATHS
+        for params in (
+            Policy(CFG, spec).sampled(state),
+            lora.attach(state.base, state.params, spec),
+        )
     ]
     np.testing.assert_array_equal(gens[0].tokens, gens[1].tokens)
     np.testing.assert_allclose(gens[0].logprobs, gens[1].logprobs, atol=1e-4)

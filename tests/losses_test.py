@@ -7,6 +7,17 @@ import pytest
 
 from ebpo_jax import losses
 
+_TERMS = set(losses.TokenTerms._fields)
+
+
+def _policy_loss(logp, old, adv, mask, *, denominator=None, max_tokens=None, **kw):
+    """policy_loss from flat keywords: arrays into TokenTerms, knobs into LossOptions."""
+    terms = losses.TokenTerms(logp, old, adv, mask, **{k: v for k, v in kw.items() if k in _TERMS})
+    opts = {k: v for k, v in kw.items() if k not in _TERMS and v is not None}
+    return losses.policy_loss(
+        terms, losses.LossOptions(**opts), denominator=denominator, max_tokens=max_tokens
+    )
+
 
 def _np_logsoftmax(x):
     x = np.asarray(x, np.float64)
@@ -78,7 +89,7 @@ def test_policy_loss_aggregations_match_numpy(batch, agg):
         "seq-mean-token-sum": x.sum() / (n > 0).sum(),
         "seq-mean-token-sum-norm": x.sum() / ((n > 0).sum() * 5),
     }[agg]
-    loss, metrics = losses.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg=agg)
+    loss, metrics = _policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg=agg)
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     low = ((a < 0) & (ratio < 0.8))[mask].mean()
     high = ((a > 0) & (ratio > 1.28))[mask].mean()
@@ -91,15 +102,15 @@ def test_dual_clip_and_gradient_at_ratio_one():
     old = jnp.zeros((1, 2))
     adv = jnp.array([-1.0])
     mask = jnp.ones((1, 2), bool)
-    plain, _ = losses.policy_loss(logp, old, adv, mask)
-    dual, _ = losses.policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    plain, _ = _policy_loss(logp, old, adv, mask)
+    dual, _ = _policy_loss(logp, old, adv, mask, dual_clip=3.0)
     np.testing.assert_allclose(plain, (np.exp(3.0) + 1.0) / 2, rtol=1e-6)
     np.testing.assert_allclose(dual, (3.0 + 1.0) / 2, rtol=1e-6)
     # At ratio 1 the gradient of the token-mean loss w.r.t. logp is -A / n_tokens.
-    g = jax.grad(lambda lp: losses.policy_loss(lp, old, jnp.array([2.0]), mask)[0])(old)
+    g = jax.grad(lambda lp: _policy_loss(lp, old, jnp.array([2.0]), mask)[0])(old)
     np.testing.assert_allclose(g, [[-1.0, -1.0]], rtol=1e-6)
     with pytest.raises(ValueError, match="dual_clip"):
-        losses.policy_loss(logp, old, adv, mask, dual_clip=0.5)
+        _policy_loss(logp, old, adv, mask, dual_clip=0.5)
 
 
 def test_kl_estimators_and_entropy_bonus(batch):
@@ -110,15 +121,13 @@ def test_kl_estimators_and_entropy_bonus(batch):
     want = {"k1": lr, "k2": 0.5 * lr**2, "k3": np.exp(-lr) + lr - 1}
     for est, w in want.items():
         np.testing.assert_allclose(losses.kl_penalty(logp, ref, est), w, rtol=1e-5, atol=1e-6)
-        base, _ = losses.policy_loss(logp, old, adv, mask)
-        loss, m = losses.policy_loss(
-            logp, old, adv, mask, ref_logp_BT=ref, kl_coef=0.1, kl_estimator=est
-        )
+        base, _ = _policy_loss(logp, old, adv, mask)
+        loss, m = _policy_loss(logp, old, adv, mask, ref_logp_BT=ref, kl_coef=0.1, kl_estimator=est)
         kl = w[mask].mean()
         np.testing.assert_allclose(m["actor/kl"], kl, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(loss, base + 0.1 * kl, rtol=1e-5)
     ent = losses.token_entropy(jnp.asarray(logits))
-    loss, m = losses.policy_loss(logp, old, adv, mask, entropy_BT=ent, entropy_coef=0.01)
+    loss, m = _policy_loss(logp, old, adv, mask, entropy_BT=ent, entropy_coef=0.01)
     np.testing.assert_allclose(m["actor/entropy"], np.asarray(ent)[mask].mean(), rtol=1e-5)
     np.testing.assert_allclose(loss, base - 0.01 * m["actor/entropy"], rtol=1e-5)
     with pytest.raises(ValueError, match="kl_estimator"):
@@ -128,17 +137,17 @@ def test_kl_estimators_and_entropy_bonus(batch):
 def test_denominator_makes_microbatches_sum_to_full_batch(batch):
     logits, targets, mask, old, adv = batch
     logp = losses.token_logprobs(jnp.asarray(logits), targets)
-    full, _ = losses.policy_loss(logp, old, adv, mask)
+    full, _ = _policy_loss(logp, old, adv, mask)
     total = mask.sum()
     parts = [
-        losses.policy_loss(
+        _policy_loss(
             logp[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], denominator=total
         )[0]
         for i in range(3)
     ]
     np.testing.assert_allclose(sum(parts), full, rtol=1e-6)
     with pytest.raises(ValueError, match="agg must be one of"):
-        losses.policy_loss(logp, old, adv, mask, agg="mean")
+        _policy_loss(logp, old, adv, mask, agg="mean")
 
 
 # ---------------------------------------------------------------------------
@@ -215,7 +224,7 @@ def surrogate_batch():
 
 
 def _loss_and_grad(name, logp, old, adv, mask, **kw):
-    fn = lambda lp: losses.policy_loss(lp, old, adv, mask, name=name, **kw)[0]
+    fn = lambda lp: _policy_loss(lp, old, adv, mask, name=name, **kw)[0]
     return jax.value_and_grad(fn)(jnp.asarray(logp))
 
 
@@ -289,7 +298,7 @@ def test_huge_log_ratios_give_finite_loss_and_gradients(name):
     mask = jnp.ones((2, 3), bool)
     for adv in (jnp.array([0.0, 0.0]), jnp.array([1.0, -1.0]), jnp.array([-1.0, 1.0])):
         (loss, metrics), grad = jax.value_and_grad(
-            lambda lp, a=adv: losses.policy_loss(lp, old, a, mask, name=name), has_aux=True
+            lambda lp, a=adv: _policy_loss(lp, old, a, mask, name=name), has_aux=True
         )(logp)
         assert np.isfinite(loss) and np.isfinite(grad).all(), (name, adv)
         assert all(np.isfinite(v) for v in metrics.values())
@@ -311,7 +320,7 @@ def test_any_estimator_with_any_loss_is_finite():
         for est in advantages.names()
     }
     for name in losses.names():
-        fn = lambda lp, a, n=name: losses.policy_loss(lp, old, a, mask, name=n)[0]
+        fn = lambda lp, a, n=name: _policy_loss(lp, old, a, mask, name=n)[0]
         value_and_grad = jax.jit(jax.value_and_grad(fn))
         for est, adv_B in adv.items():
             loss, grad = value_and_grad(logp, adv_B)
@@ -337,7 +346,7 @@ def test_register_your_own_surrogate(surrogate_batch):
     finally:
         losses._REGISTRY.pop("reinforce_test")
     with pytest.raises(KeyError, match="known: cispo, gspo, gspo_token, ppo"):
-        losses.policy_loss(logp, old, adv, mask, name="grpo")
+        _policy_loss(logp, old, adv, mask, name="grpo")
 
 
 def test_config_validates_loss_name_and_dual_clip():

@@ -9,6 +9,7 @@ from ebpo_jax import advantages, losses, models, schema
 from ebpo_jax.config import ConfigError, default_config, validate
 from ebpo_jax.spec import update_spec
 from ebpo_jax.trainer import packing
+from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.update import completion_logprobs
 
 P, G, TP, N = 3, 4, 7, 6
@@ -37,14 +38,14 @@ def _rollout(seed, P=P, G=G, Tp=TP, N=N, vocab=256):
     mask_PGN = (np.arange(N) < clen_B[:, None]).reshape(P, G, N)
     mask_PGN[-1, :2] = False  # e.g. a DAPO-masked truncated response, a dropped sample
     tokens = lambda shape, n_R: rng.integers(1, vocab, shape) * (np.arange(shape[1]) < n_R[:, None])
-    return {
-        "prompt_tokens": jnp.asarray(tokens((P, Tp), plen_P), jnp.int32),
-        "prompt_lengths": jnp.asarray(plen_P, jnp.int32),
-        "tokens": jnp.asarray(tokens((P * G, N), clen_B).reshape(P, G, N), jnp.int32),
-        "lengths": jnp.asarray(clen_B.reshape(P, G), jnp.int32),
-        "logprobs": jnp.asarray(-rng.uniform(0.5, 8.0, (P, G, N)), jnp.float32),
-        "loss_mask": jnp.asarray(mask_PGN),
-    }, rng.integers(0, 2, (P, G)).astype(np.float32)
+    return MicroBatch(
+        prompt_tokens=jnp.asarray(tokens((P, Tp), plen_P), jnp.int32),
+        prompt_lengths=jnp.asarray(plen_P, jnp.int32),
+        tokens=jnp.asarray(tokens((P * G, N), clen_B).reshape(P, G, N), jnp.int32),
+        lengths=jnp.asarray(clen_B.reshape(P, G), jnp.int32),
+        logprobs=jnp.asarray(-rng.uniform(0.5, 8.0, (P, G, N)), jnp.float32),
+        loss_mask=jnp.asarray(mask_PGN),
+    ), rng.integers(0, 2, (P, G)).astype(np.float32)
 
 
 def _grad_fn(model_config, lay):
@@ -56,17 +57,17 @@ def _grad_fn(model_config, lay):
     """
 
     def logprobs(params, mb, with_entropy):
-        if lay is not None:
+        if mb.packed is not None:
             return packing.packed_completion_logprobs(
-                model_config, params, mb["packed"], slots=(P * G, N), with_entropy=with_entropy
+                model_config, params, mb.packed, slots=(P * G, N), with_entropy=with_entropy
             )
         return completion_logprobs(
             model_config,
             params,
-            mb["prompt_tokens"],
-            mb["prompt_lengths"],
-            mb["tokens"].reshape(-1, N),
-            mb["lengths"].reshape(-1),
+            mb.prompt_tokens,
+            mb.prompt_lengths,
+            mb.tokens.reshape(-1, N),
+            mb.lengths.reshape(-1),
             with_entropy=with_entropy,
         )
 
@@ -74,25 +75,25 @@ def _grad_fn(model_config, lay):
         denom_A, w_A = denom
         logp_BN, ent_BN = logprobs(params, mb, True)
         ref_BN = jax.lax.stop_gradient(logprobs(ref_params, mb, False))
-        mask_BN = mb["loss_mask"].reshape(-1, N)
+        mask_BN = mb.loss_mask.reshape(-1, N)
         # step.py's weighting: local token-mean metrics become mini-batch means.
-        share = mask_BN.sum() / jnp.maximum(mb.get("mb_tokens", mask_BN.sum()), 1.0)
+        share = mask_BN.sum() / jnp.maximum(
+            mask_BN.sum() if mb.mb_tokens is None else mb.mb_tokens, 1.0
+        )
         loss_A, metrics_A = [], []
         for agg, d in zip(losses.AGG_MODES, denom_A):
-            loss, metrics = losses.policy_loss(
+            terms = losses.TokenTerms(
                 logp_BN,
-                mb["logprobs"].reshape(-1, N),
-                mb["adv"].reshape(-1),
+                mb.logprobs.reshape(-1, N),
+                mb.adv.reshape(-1),
                 mask_BN,
-                clip_low=0.2,
-                clip_high=0.28,
-                agg=agg,
                 ref_logp_BT=ref_BN,
-                kl_coef=KL_COEF,
                 entropy_BT=ent_BN,
-                entropy_coef=ENT_COEF,
-                denominator=d,
             )
+            opts = losses.LossOptions(
+                clip_low=0.2, clip_high=0.28, agg=agg, kl_coef=KL_COEF, entropy_coef=ENT_COEF
+            )
+            loss, metrics = losses.policy_loss(terms, opts, denominator=d)
             loss_A.append(loss)
             metrics_A.append({k: v * share if "clip_frac" in k else v for k, v in metrics.items()})
         loss_A = jnp.stack(loss_A)
@@ -110,7 +111,7 @@ def _both(model_config, lay):
     """jit(params, ref, mb, w_A) -> ((grads, losses [A], metrics [A]) padded, the same packed)."""
 
     def run(params, ref_params, mb, w_A):
-        mask = mb["loss_mask"]
+        mask = mb.loss_mask
         n_tok, n_seq = mask.sum().astype(jnp.float32), mask.any(-1).sum().astype(jnp.float32)
         denom_A = jnp.stack([n_tok if a == "token-mean" else n_seq for a in losses.AGG_MODES])
         denom = (denom_A, w_A)
@@ -133,7 +134,7 @@ def test_packed_equals_padded_for_every_aggregation_and_estimator(preset):
     mb, rewards_PG = _rollout(seed=1)
     run = _both(model_config, lay)
     n_micro = packing.plan(
-        lay, mb["prompt_lengths"], packing.loss_span(mb["loss_mask"].reshape(-1, N))
+        lay, mb.prompt_lengths, packing.loss_span(mb.loss_mask.reshape(-1, N))
     ).num_micro
     assert int(n_micro) >= 3  # the accumulation runs over several micro-batches
     for name in advantages.names():
@@ -143,7 +144,7 @@ def test_packed_equals_padded_for_every_aggregation_and_estimator(preset):
         assert float(jnp.abs(adv_PG).sum()) > 0, name
         for i, agg in enumerate(losses.AGG_MODES):
             w_A = jax.nn.one_hot(i, len(losses.AGG_MODES))
-            padded, packed = run(params, ref_params, dict(mb, adv=adv_PG), w_A)
+            padded, packed = run(params, ref_params, mb._replace(adv=adv_PG), w_A)
             msg = f"{name} {agg}"
             close = lambda a, b, msg=msg: np.testing.assert_allclose(
                 a, b, rtol=1e-5, atol=1e-5, err_msg=msg
@@ -166,11 +167,11 @@ def test_splash_packs_one_prompt_copy_per_sequence():
     lay = _layout(_config(budget=256, row_len=128), splash, TP)
     assert not lay.share_prompt and lay.row_len == 128
     mb, _ = _rollout(seed=3)
-    mask_BN = mb["loss_mask"].reshape(-1, N)
-    pl = packing.plan(lay, mb["prompt_lengths"], packing.loss_span(mask_BN))
+    mask_BN = mb.loss_mask.reshape(-1, N)
+    pl = packing.plan(lay, mb.prompt_lengths, packing.loss_span(mask_BN))
     assert int(pl.num_micro) == 1
     rows = packing.micro_batch(
-        lay, pl, mb["prompt_tokens"], mb["prompt_lengths"], mb["tokens"].reshape(-1, N), 0
+        lay, pl, mb.prompt_tokens, mb.prompt_lengths, mb.tokens.reshape(-1, N), 0
     )
     assert "prefix_ids" not in rows
     logp = jax.jit(
@@ -181,10 +182,10 @@ def test_splash_packs_one_prompt_copy_per_sequence():
     ref = completion_logprobs(
         config,
         params,
-        mb["prompt_tokens"],
-        mb["prompt_lengths"],
-        mb["tokens"].reshape(-1, N),
-        mb["lengths"].reshape(-1),
+        mb.prompt_tokens,
+        mb.prompt_lengths,
+        mb.tokens.reshape(-1, N),
+        mb.lengths.reshape(-1),
         with_entropy=False,
     )
     np.testing.assert_allclose(np.where(mask_BN, logp, 0), np.where(mask_BN, ref, 0), atol=1e-5)
@@ -310,10 +311,8 @@ def test_chunked_head_equals_whole_head():
     params = models.init_params(config, jax.random.key(4))
     lay = _layout(_config(budget=3 * (TP + N)), config, TP)
     mb, _ = _rollout(seed=5)
-    pl = packing.plan(lay, mb["prompt_lengths"], packing.loss_span(mb["loss_mask"].reshape(-1, N)))
-    rows = MICRO_BATCH(
-        lay, pl, mb["prompt_tokens"], mb["prompt_lengths"], mb["tokens"].reshape(-1, N), 0
-    )
+    pl = packing.plan(lay, mb.prompt_lengths, packing.loss_span(mb.loss_mask.reshape(-1, N)))
+    rows = MICRO_BATCH(lay, pl, mb.prompt_tokens, mb.prompt_lengths, mb.tokens.reshape(-1, N), 0)
     run = jax.jit(
         lambda p, r, chunk, ent: packing.packed_completion_logprobs(
             config, p, r, slots=(P * G, N), with_entropy=ent, chunk_size=chunk

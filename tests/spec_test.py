@@ -20,7 +20,7 @@ from ebpo_jax import aot, models, tasks
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import resolve
 from ebpo_jax.trainer import loop, register, task_arithmetic
-from ebpo_jax.trainer.step import Step
+from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.task import Reward, Task, build_task, families
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def test_a_new_task_family_is_one_builder_and_a_registry_entry(tmp_path):
 
 
 def test_aot_lowers_the_update_the_loop_runs():
-    """aot.py compiles the loop's own Step.update with the loop's shardings (same HLO)."""
+    """aot.py compiles the loop's own runner.update with the loop's shardings (same HLO)."""
     c = _micro(**{"mesh.shape": (2, 4), "mesh.axes": ("data", "fsdp"), "prompts_per_step": 8})
     spec = resolve(c, 8)
     mc = aot.model_config_of(spec)
@@ -133,7 +133,7 @@ def test_aot_lowers_the_update_the_loop_runs():
     step, abstract_state, abstract_ro = aot.make_step(spec, mc, mesh, prompt_len=8)
     ro = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_ro)
     ro = jax.device_put(ro, sh.rollout)  # as the loop places a rollout
-    ran = _program(Step(spec, task, optimizer, sh).update, mesh, state, ro)
+    ran = _program(make_runner(spec, task, optimizer, sh).update, mesh, state, ro)
     assert _program(step.update, mesh, abstract_state, abstract_ro) == ran
 
 

@@ -19,12 +19,13 @@ from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
-from ebpo_jax.trainer import episodes, lora_state
+from ebpo_jax.trainer import episodes
+from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.evaluator import write_per_problem
-from ebpo_jax.trainer.rollout import Rollout
+from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.shardings import make_shardings
-from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
-from ebpo_jax.trainer.step import Step, put
+from ebpo_jax.trainer.state import make_optimizer
+from ebpo_jax.trainer.step import put
 from ebpo_jax.trainer.task import Reward, Task, build_task, mean_pass
 from ebpo_jax.trainer.task import get as get_family
 from ebpo_jax.trainer.update import SAMPLE_ADVANTAGES
@@ -50,18 +51,6 @@ def _to_host(metrics) -> list[dict]:
     host = {k: v for k, v in jax.device_get(metrics).items() if k != SAMPLE_ADVANTAGES}
     k = len(next(iter(host.values())))
     return [{name: float(v[i]) for name, v in host.items()} for i in range(k)]
-
-
-_INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update consumes
-
-
-def _checkpointable(state: TrainState, inflight: Rollout | None = None) -> dict:
-    """What a checkpoint saves: the state (LoRA: without the frozen base, which every start
-    rebuilds from the task's source) and the in-flight rollout of staleness 1."""
-    out = {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
-    if inflight is not None:
-        out[_INFLIGHT] = inflight._asdict()
-    return out
 
 
 def _with_reward(task: Task, reward_fn, host_reward) -> Task:
@@ -110,25 +99,10 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
 
     No replicated copy of the params, Adam moments or reference policy ever exists.
     """
-
-    def init(params):
-        if spec.update.lora is not None:  # adapters trained; the base frozen, the KL reference
-            return lora_state.init_lora_state(
-                params,
-                optimizer,
-                spec.update.lora,
-                task.model_config,
-                seed=spec.run.seed,
-                num_clusters=task.num_clusters,
-            )
-        return init_train_state(
-            params,
-            optimizer,
-            seed=spec.run.seed,
-            num_clusters=task.num_clusters,
-            with_ref=spec.with_ref,
-        )
-
+    view = policy_lib.of(spec, task.model_config)
+    init = lambda params: view.init(
+        params, optimizer, seed=spec.run.seed, num_clusters=task.num_clusters
+    )
     sh = make_shardings(spec, task.model_config, optimizer, jax.eval_shape(init, task.params), mesh)
     with jax.set_mesh(mesh):
         return jax.jit(init, out_shardings=sh.state)(task.params), sh
@@ -255,14 +229,12 @@ class _Log:
         adv = None if self.sample_adv is None else [float(a) for a in self.sample_adv[:n]]
         self.writer.write_samples(step, [prompt] * n, texts, rewards, adv)
 
-    def extra(self, task: Task) -> dict:
+    def extra(self, task: Task, view: policy_lib.Policy) -> dict:
         """What a checkpoint saves besides the state (JSON has no NaN: no eval stores None)."""
         start = None if math.isnan(self.start) else self.start
         out = {"data": task.source.state(), "pass@1_start": start, "generated_tokens": self.tokens}
-        if self.spec.update.lora is not None:  # adapters only: name the base they belong to
-            out[lora_state.EXTRA_KEY] = lora_state.base_reference(
-                self.spec.task.model, task.base_source
-            )
+        model = self.spec.task.model
+        out.update(view.checkpoint_extra(model, task.base_source))  # LoRA: the base's name
         return out
 
     def close(self):
@@ -270,54 +242,35 @@ class _Log:
         self.bar.close()
 
 
-def _restore(ckpt: Checkpointer, state: TrainState, sh, spec: RunSpec, task: Task, log):
-    """The newest intact checkpoint's state, extra (the data position) and in-flight rollout
-    (staleness 1; None if it holds none), else (state, {}, None).
+def _restore(ckpt: Checkpointer, state, runner, check, task: Task, log):
+    """The newest intact checkpoint's state and extra (the data position), else (state, {});
+    the runner takes back its own checkpoint entries, if it has any.
 
+    `check(extra)` refuses a checkpoint of another policy layout (policy.check_checkpoint).
     Corrupt newer steps are named and moved aside (Checkpointer.restore_intact).
     """
     if ckpt.latest_step() is None:
-        return state, {}, None
-    target = _checkpointable(state)
+        return state, {}
+    target = runner.view.checkpoint_tree(state)
     try:
         saved = ckpt.saved_tree()
         saved_extra = ckpt.saved_extra()
     except Exception:  # noqa: BLE001  unreadable metadata: restore_intact names the fault
         saved, saved_extra = {}, None
     if saved_extra is not None:  # before restoring: adapters of another rank would look corrupt
-        _check_lora_base(spec, task, saved_extra)
-    if _INFLIGHT in saved:
-        if spec.rollout.rollout.max_staleness == 0:
-            raise ConfigError(
-                f"{ckpt.directory} holds an in-flight rollout (saved at rollout.max_staleness=1): "
-                "resume with rollout.max_staleness=1"
-            )
-        abstract = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-        target[_INFLIGHT] = jax.tree.map(abstract, saved[_INFLIGHT], sh.rollout._asdict())
+        check(saved_extra)
+    target.update(runner.restore_targets(saved, ckpt.directory))
     # The target's shardings are the ones restored into: each host reads its own shards.
     got = ckpt.restore_intact(target, log=log)
     if got is None:
-        return state, {}, None
+        return state, {}
     _, restored, extra = got
-    _check_lora_base(spec, task, extra)
-    inflight = restored.pop(_INFLIGHT, None)
+    check(extra)
+    runner.restored(restored)
     state = state._replace(**restored)
     task.source.restore(extra["data"])
     log(f"resumed from step {int(state.step)} in {ckpt.directory}")
-    return state, extra, None if inflight is None else Rollout(**inflight)
-
-
-def _check_lora_base(spec: RunSpec, task: Task, extra: dict) -> None:
-    """ConfigError when a checkpoint's adapters belong to another base or adapter spec, or
-    when LoRA is on for a full checkpoint or off for a LoRA one (either would look corrupt)."""
-    saved = extra.get(lora_state.EXTRA_KEY)
-    if spec.update.lora is not None:
-        lora_state.check_base_reference(saved or {}, spec.task.model, task.base_source)
-    elif saved is not None:
-        raise ConfigError(
-            f"the checkpoint holds LoRA adapters (model.lora.rank={saved.get('rank')}); "
-            "resume with the same model.lora settings"
-        )
+    return state, extra
 
 
 def _check_finite(spec: RunSpec, rows: list[dict], step: int, ckpt) -> None:
@@ -347,21 +300,21 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     )
     out = None
     try:  # a save in flight is always committed (or named as failed), whatever happens
-        state, extra, inflight = _restore(ckpt, state, sh, spec, task, log)
+        runner = make_runner(spec, task, optimizer, sh)
+        model = spec.task.model
+        check = lambda extra: runner.view.check_checkpoint(extra, model, task.base_source)
+        state, extra = _restore(ckpt, state, runner, check, task, log)
         save_config()
         resumed_from = int(state.step) if extra else None
-        step_fn = Step(spec, task, optimizer, sh)
         first_eval = task.evaluate is not None and "pass@1_start" not in extra
-        policy = step_fn.policy(state) if first_eval else None
+        policy = runner.policy(state) if first_eval else None
         first = int(state.step)
         out = _Log(spec, first, extra, policy, state, task.evaluate, log)
         if first < spec.run.total_steps:
             out.bar.compiling()
-        step, stopped = _loop(
-            spec, task, step_fn, (state, inflight), sh, ckpt, out, out.bar.write, stop_after
-        )
+        step, stopped = _loop(spec, task, runner, state, ckpt, out, stop_after)
         if step == first:  # nothing left to train: `state` is the run's last one (not donated)
-            out.final_eval(step, lambda: step_fn.policy(state))
+            out.final_eval(step, lambda: runner.policy(state))
     finally:
         if out is not None:
             out.close()
@@ -380,40 +333,26 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     }
 
 
-def _one_step(spec: RunSpec, task: Task, step_fn, state, inflight, step: int, next_batches):
-    """One call of the step: (state, metrics, times, in-flight rollout, seconds per step)."""
-    t0 = time.perf_counter()
-    if spec.rollout.rollout.max_staleness == 0:
-        state, m, times = step_fn(state, next_batches())
-        return state, m, times, None, (time.perf_counter() - t0) / spec.run.steps_per_jit
-    # Staleness 1: update t on rollout t while rollout t+1 samples with params t.
-    if inflight is None:  # step 0 (or a checkpoint without one): no overlap
-        inflight = step_fn.first_rollout(state, next_batches())
-    batches = next_batches() if step + 1 < spec.run.total_steps else None
-    state, m, times, inflight = step_fn.overlapped(state, inflight, batches)
-    return state, m, times, inflight, time.perf_counter() - t0
-
-
-def _loop(spec: RunSpec, task: Task, step_fn, carry, sh, ckpt, out: _Log, log, stop_after):
+def _loop(spec: RunSpec, task: Task, runner, state, ckpt, out: _Log, stop_after):
     """Steps until total_steps or a stop; returns (step reached, stopped early)."""
-    state, inflight = carry
     step = first = int(state.step)
     stopped = False
+    log = out.bar.write
 
     def next_batches():
         batches = task.source.next_batches(spec.run.steps_per_jit)
-        return put(batches, sh.batches(batches))
+        return put(batches, runner.sh.batches(batches))
 
     with PreemptionGuard() as guard:
         while step < spec.run.total_steps:
-            state, m, times, inflight, dt = _one_step(
-                spec, task, step_fn, state, inflight, step, next_batches
-            )
-            rows = out.rows(step, m, times, dt, lambda state=state: step_fn.policy(state))
+            t0 = time.perf_counter()
+            state, m, times = runner(state, step, next_batches)
+            dt = (time.perf_counter() - t0) / spec.run.steps_per_jit
+            rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
             step += len(rows)
-            out.samples(step, task.tokenizer, step_fn.last_rollout)
-            extra = out.extra(task)  # the position counts the in-flight rollout's batch
-            saved = _checkpointable(state, inflight)
+            out.samples(step, task.tokenizer, runner.last_rollout)
+            extra = out.extra(task, runner.view)  # the position counts every batch drawn
+            saved = {**runner.view.checkpoint_tree(state), **runner.checkpoint_entries()}
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
                 out.writer.flush()  # rows durable before the checkpoint that covers them

@@ -1,4 +1,5 @@
-"""LoRA training state: adapters trained, the base frozen and shared with the KL reference.
+"""LoRA training state: adapters trained, the base frozen and shared with the KL reference
+(what the run reads of it: trainer/policy.py).
 
 Layout: `TrainState.params` = the adapters (so the optimizer, its moments, the gradient
 and the checkpoint only ever see them), `TrainState.base` = the frozen base (quantized for
@@ -18,7 +19,6 @@ from ebpo_jax.models import lora
 from ebpo_jax.trainer.state import TrainState, init_train_state
 
 _ADAPTER_STREAM = 19  # fold_in(key(seed), ·) for the adapters' init: apart from the step rngs
-SAMPLER_PATHS = ("merged", "adapter")
 EXTRA_KEY = "lora_base"  # the checkpoint's extra entry that names the base (base_reference)
 
 
@@ -37,35 +37,6 @@ def init_lora_state(
     return init_train_state(
         adapters, optimizer, seed=seed, num_clusters=num_clusters, with_ref=False, base=base
     )
-
-
-def policy_params(adapters, base, spec: lora.LoraSpec):
-    """The params the loss runs `forward` on (the adapter path); differentiate w.r.t. adapters."""
-    return lora.attach(base, adapters, spec)
-
-
-def reference_params(state: TrainState):
-    """The KL reference policy: the frozen base, adapters off."""
-    return state.base
-
-
-def sampler_params(state: TrainState, spec: lora.LoraSpec, model_config, path="merged"):
-    """Weights for `sampler.generate`: merged in the compute dtype (default), or the adapter path.
-
-    "merged" (one merge per step, then plain weights) generated a rollout 1.47x faster than
-    the adapter path (three matmuls per projection) on the tiny default's model shape
-    (benchmarks/lora_bench.py); both give the same tokens (tests/lora_test.py).
-    """
-    if path == "merged":
-        return lora.merge(state.base, state.params, spec, dtype=model_config.dtype)
-    if path == "adapter":
-        return lora.attach(state.base, state.params, spec)
-    raise ValueError(f"sampler path {path!r} is not one of {SAMPLER_PATHS}")
-
-
-def checkpoint_tree(state: TrainState) -> dict:
-    """What a LoRA checkpoint saves: the state without the base (restored from its source)."""
-    return {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
 
 
 def base_reference(model, source: str) -> dict:

@@ -33,6 +33,7 @@ from ebpo_jax import losses, models
 from ebpo_jax.config import ConfigError
 from ebpo_jax.models import attention
 from ebpo_jax.spec import UpdateSpec
+from ebpo_jax.trainer.batch import MicroBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,32 +236,39 @@ def _pair(out):
     return out if isinstance(out, tuple) else (out, None)
 
 
-def accumulate(grad_fn, params, ref_params, mb, denom, lay: Layout):
+def accumulate(grad_fn, params, frozen, mb: MicroBatch, denom, lay: Layout):
     """(grads, loss, metrics) of mini-batch `mb` summed over its packed micro-batches.
 
-    `grad_fn(params, ref_params, micro, denom)` is the trainer's value_and_grad of loss_fn;
-    each `micro` holds the mini-batch's logprobs / adv, its loss_mask restricted to the
-    sequences packed in that micro-batch, mb_tokens, and `packed` (micro_batch's rows).
+    `grad_fn(params, frozen, micro, denom)` is the trainer's value_and_grad of loss_fn;
+    each `micro` MicroBatch holds the mini-batch's logprobs / adv / is_weights, its loss_mask
+    restricted to the sequences packed in that micro-batch, mb_tokens, and `packed`
+    (micro_batch's rows) in place of the padded prompt and completion fields.
     As every micro-batch is normalised by the whole mini-batch's `denom` and each sequence
     lies in exactly one, the sums are the mini-batch's loss, metrics and gradient.
     """
     P, G, N = lay.num_prompts, lay.group_size, lay.max_new_tokens
-    mask_PGN = mb["loss_mask"]
-    comp_BN = mb["tokens"].reshape(P * G, N)
-    pl = plan(lay, mb["prompt_lengths"], loss_span(mask_PGN.reshape(P * G, N)))
+    mask_PGN = mb.loss_mask
+    comp_BN = mb.tokens.reshape(P * G, N)
+    pl = plan(lay, mb.prompt_lengths, loss_span(mask_PGN.reshape(P * G, N)))
     micro_PG = jnp.where(pl.row_B >= 0, pl.row_B // lay.rows, -1).reshape(P, G)
-    base = {k: mb[k] for k in ("logprobs", "adv", "is_weights") if k in mb}
-    base["mb_tokens"] = mask_PGN.sum().astype(jnp.float32)
+    mb_tokens = mask_PGN.sum().astype(jnp.float32)
 
     def micro(u):
-        rows = micro_batch(lay, pl, mb["prompt_tokens"], mb["prompt_lengths"], comp_BN, u)
-        return dict(base, loss_mask=mask_PGN & (micro_PG == u)[..., None], packed=rows)
+        rows = micro_batch(lay, pl, mb.prompt_tokens, mb.prompt_lengths, comp_BN, u)
+        return MicroBatch(
+            logprobs=mb.logprobs,
+            adv=mb.adv,
+            loss_mask=mask_PGN & (micro_PG == u)[..., None],
+            is_weights=mb.is_weights,
+            mb_tokens=mb_tokens,
+            packed=rows,
+        )
 
     def body(u, acc):
-        (loss, metrics), grads = grad_fn(params, ref_params, micro(u), denom)
+        (loss, metrics), grads = grad_fn(params, frozen, micro(u), denom)
         return jax.tree.map(jnp.add, acc, (grads, loss, metrics))
 
-    shapes = jax.eval_shape(lambda: grad_fn(params, ref_params, micro(0), denom))
+    shapes = jax.eval_shape(lambda: grad_fn(params, frozen, micro(0), denom))
     (loss_s, metrics_s), grads_s = shapes
     # float32 sums, as the padded update's accumulator (bf16 gradients would lose bits).
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (grads_s, loss_s, metrics_s))

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ebpo_jax import config as config_lib
 from ebpo_jax import sharding
 from ebpo_jax.spec import MeshSpec, RunSpec
+from ebpo_jax.trainer import policy
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import state_shardings
 
@@ -72,15 +73,6 @@ class Shardings(NamedTuple):
         return sharding.batch_sharded(tree, mesh, self.prompt_rows, axis=axis, strict=False)
 
 
-def _sampled(spec: RunSpec, model_config, abstract_state):
-    """The (abstract) weights the sampler runs: the params, or LoRA's merged weights."""
-    if spec.update.lora is None:
-        return abstract_state.params
-    from ebpo_jax import models
-
-    return models.abstract_params(model_config)
-
-
 def make_shardings(
     spec: RunSpec, model_config, optimizer, abstract_state, mesh, devices=None
 ) -> Shardings:
@@ -97,7 +89,7 @@ def make_shardings(
         rollout=rollout_shardings(mesh, P_, spec.rollout.moe.routing_replay),
         sampler_rollout=rollout_shardings(s_mesh, P_, spec.rollout.moe.routing_replay),
         sampler_params=sharding.param_shardings(
-            model_config, _sampled(spec, model_config, abstract_state), s_mesh
+            model_config, policy.of(spec, model_config).abstract_sampled(abstract_state), s_mesh
         ),
         replicated=NamedSharding(mesh, P()),
         prompt_rows=spec.rollout.batch_prompts,

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import optax
 
 from ebpo_jax import advantages, importance, losses, models, sharding
-from ebpo_jax.models import attention, lora
+from ebpo_jax.models import attention
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer import packing
+from ebpo_jax.trainer import policy as policy_lib
+from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
 
@@ -44,19 +46,29 @@ def completion_logprobs(
     with_entropy,
     chunk_size=0,
     routing=None,
-    with_router=False,
 ):
     """Per-token log-probs [B, N] (and entropy) of each completion given its prompt.
 
     Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
     row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
     does self-attention, gets packed rows instead. Mixture of experts: `routing` (the
-    sampler's, as [P, G, ...]) replays its experts (not under splash); `with_router`
-    returns (out, router metrics averaged over the sparse layers: of the completion tokens,
-    or under splash of the packed prompt and completion tokens).
+    sampler's, as [P, G, ...]) replays its experts (not under splash).
     """
+    mb = MicroBatch(prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routing=routing)
+    return _padded_logprobs(model_config, params, mb, with_entropy, chunk_size)
+
+
+def _padded_logprobs(
+    model_config, params, mb: MicroBatch, with_entropy, chunk_size, with_router=False
+):
+    """completion_logprobs of a padded MicroBatch; `with_router`: also return router metrics
+    averaged over the sparse layers (of the completion tokens, or under splash of the packed
+    prompt and completion tokens)."""
+    prompt_PTp, prompt_len_P, routing = mb.prompt_tokens, mb.prompt_lengths, mb.routing
+    N = mb.tokens.shape[-1]
+    comp_BN, comp_len_B = mb.tokens.reshape(-1, N), mb.lengths.reshape(-1)
     P, B = prompt_PTp.shape[0], comp_BN.shape[0]
-    G, N = B // P, comp_BN.shape[1]
+    G = B // P
     router = {"with_router": True} if with_router else {}
     if attention.resolve(model_config.attention) == "splash":
         if routing is not None:
@@ -134,74 +146,71 @@ def truncated(tokens_PGN, lengths_PG, eos_id):
     return (lengths_PG >= N) & ~jnp.isin(last_PG, jnp.asarray(eos_id).reshape(-1))
 
 
-def _logprobs_fn(spec: UpdateSpec, model_config, mb):
-    """(params, with_entropy) -> log-probs [B, N] of a padded or a packed micro-batch."""
-    N = spec.max_new_tokens
-    if "packed" in mb:
-        if spec.moe.routing_replay or spec.moe.lb_coef:
-            raise ValueError("routing replay and the router loss need the padded update")
-        return functools.partial(
-            packing.packed_completion_logprobs,
-            model_config,
-            packed=mb["packed"],
-            slots=(mb["logprobs"].size // N, N),
-            chunk_size=spec.loss.logits_chunk,
+def logprobs(
+    spec: UpdateSpec, model_config, params, mb: MicroBatch, *, with_entropy, with_router=False
+):
+    """Per-token log-probs [B, N] (and entropy, router metrics) of a padded or packed MicroBatch."""
+    if mb.packed is None:
+        return _padded_logprobs(
+            model_config, params, mb, with_entropy, spec.loss.logits_chunk, with_router
         )
-    return functools.partial(
-        completion_logprobs,
+    if spec.moe.routing_replay or spec.moe.lb_coef:
+        raise ValueError("routing replay and the router loss need the padded update")
+    N = spec.max_new_tokens
+    return packing.packed_completion_logprobs(
         model_config,
-        prompt_PTp=mb["prompt_tokens"],
-        prompt_len_P=mb["prompt_lengths"],
-        comp_BN=mb["tokens"].reshape(-1, N),
-        comp_len_B=mb["lengths"].reshape(-1),
+        params,
+        mb.packed,
+        slots=(mb.logprobs.size // N, N),
+        with_entropy=with_entropy,
         chunk_size=spec.loss.logits_chunk,
-        routing=mb.get("routing"),
     )
 
 
-def policy(spec: UpdateSpec, params, base):
-    """The params `forward` runs on: `params` itself, or LoRA adapters attached to the base."""
-    return params if spec.lora is None else lora.attach(base, params, spec.lora)
+def loss_options(spec: UpdateSpec) -> losses.LossOptions:
+    """The policy loss's knobs from the update's spec."""
+    return losses.LossOptions(
+        name=spec.loss.name,
+        clip_low=spec.loss.clip_low,
+        clip_high=spec.loss.clip_high,
+        dual_clip=spec.loss.dual_clip,
+        agg=spec.loss.agg,
+        kl_coef=spec.loss.kl_coef,
+        kl_estimator=spec.loss.kl_estimator,
+        entropy_coef=spec.loss.entropy_coef,
+    )
 
 
-def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
+def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, denom):
     """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics.
 
-    With LoRA, `params` are the adapters and `ref_params` the frozen base (the KL reference).
+    `params` are the trained weights, `frozen` the policy view's frozen ones (the KL reference).
     """
     N = spec.max_new_tokens
-    logprobs = _logprobs_fn(spec, model_config, mb)
-    moe = model_config.is_moe and "packed" not in mb  # router metrics on the padded path
-    out = logprobs(params=policy(spec, params, ref_params), with_entropy=True,
-                   **({"with_router": True} if moe else {}))  # fmt: skip
+    view = policy_lib.Policy(model_config, spec.lora)
+    moe = model_config.is_moe and mb.packed is None  # router metrics on the padded path
+    params_fwd = view.forward_params(params, frozen)
+    out = logprobs(spec, model_config, params_fwd, mb, with_entropy=True, with_router=moe)
     (logp_BN, ent_BN), router = out if moe else (out, {})
     if spec.loss.entropy_coef == 0:
         ent_BN = jax.lax.stop_gradient(ent_BN)  # a metric only: spare its backward pass
     ref_BN = None
     if spec.loss.kl_coef > 0:
-        ref_BN = jax.lax.stop_gradient(logprobs(params=ref_params, with_entropy=False))
-    mask_BN = mb["loss_mask"].reshape(-1, N)
-    is_w_BN = mb["is_weights"].reshape(-1, N) if "is_weights" in mb else None
-    loss, metrics = losses.policy_loss(
+        ref_BN = jax.lax.stop_gradient(logprobs(spec, model_config, frozen, mb, with_entropy=False))
+    mask_BN = mb.loss_mask.reshape(-1, N)
+    is_w_BN = mb.is_weights.reshape(-1, N) if mb.is_weights is not None else None
+    terms = losses.TokenTerms(
         logp_BN,
-        mb["logprobs"].reshape(-1, N),
-        mb["adv"].reshape(-1),
+        mb.logprobs.reshape(-1, N),
+        mb.adv.reshape(-1),
         mask_BN,
-        clip_low=spec.loss.clip_low,
-        clip_high=spec.loss.clip_high,
-        dual_clip=spec.loss.dual_clip if spec.loss.dual_clip > 0 else None,
-        agg=spec.loss.agg,
         ref_logp_BT=ref_BN,
-        kl_coef=spec.loss.kl_coef,
-        kl_estimator=spec.loss.kl_estimator,
         entropy_BT=ent_BN,
-        entropy_coef=spec.loss.entropy_coef,
-        denominator=denom,
-        name=spec.loss.name,
         is_weights_BT=is_w_BN,
     )
+    loss, metrics = losses.policy_loss(terms, loss_options(spec), denominator=denom)
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
-    share = mask_BN.sum() / jnp.maximum(mb["mb_tokens"], 1.0)
+    share = mask_BN.sum() / jnp.maximum(mb.mb_tokens, 1.0)
     if spec.moe.lb_coef:
         loss = loss + spec.moe.lb_coef * share * router["router/lb_loss"]
     metrics = dict(metrics, **router)
@@ -210,23 +219,32 @@ def _loss_fn(spec: UpdateSpec, model_config, params, ref_params, mb, denom):
     return loss, metrics
 
 
-def _accumulate(spec: UpdateSpec, grad_fn, params, ref_params, mb, denom):
-    """(grads, loss, metrics) of a mini-batch summed over its U micro-batches (lax.scan).
+def _scan_accumulate(U: int, grad_fn, params, frozen, mb: MicroBatch, denom):
+    """(grads, loss, metrics) of a padded mini-batch summed over its U micro-batches (lax.scan).
 
     Every micro-batch is normalised by the whole mini-batch's denominator, so the sums are
     exactly the full mini-batch's loss, metrics and gradient.
     """
-    U = spec.loss.num_microbatches
     micro = jax.tree.map(lambda x: x.reshape(U, x.shape[0] // U, *x.shape[1:]), mb)
-    micro["mb_tokens"] = jnp.full((U,), mb["loss_mask"].sum().astype(jnp.float32))
+    micro = micro._replace(mb_tokens=jnp.full((U,), mb.loss_mask.sum().astype(jnp.float32)))
 
     def step(acc, one):
-        (loss, metrics), grads = grad_fn(params, ref_params, one, denom)
+        (loss, metrics), grads = grad_fn(params, frozen, one, denom)
         return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grads, (loss_U, metrics_U) = jax.lax.scan(step, zeros, micro, unroll=U == 1)
     return grads, loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
+
+
+def accumulate(spec: UpdateSpec, model_config, grad_fn, params, frozen, mb: MicroBatch, denom):
+    """(grads, loss, metrics) of mini-batch `mb` summed over its micro-batches: U padded ones,
+    or packed token rows (loss.tokens_per_microbatch > 0: packing.accumulate)."""
+    width = mb.prompt_tokens.shape[1]
+    lay = packing.layout(spec, model_config, width, batch_shards=_batch_shards(model_config))
+    if lay is None:
+        return _scan_accumulate(spec.loss.num_microbatches, grad_fn, params, frozen, mb, denom)
+    return packing.accumulate(grad_fn, params, frozen, mb, denom, lay)
 
 
 def all_finite(tree) -> jax.Array:
@@ -248,18 +266,14 @@ def _batch_shards(model_config) -> int:
 
 
 def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry, mb):
-    """One optimizer update on a mini-batch: padded micro-batches, or packed token rows."""
-    params, opt_state, ref_params = carry
-    tok_mask = mb["loss_mask"]
+    """One optimizer update on a mini-batch (`carry`: trained weights, their optimizer state,
+    the frozen weights)."""
+    params, opt_state, frozen = carry
+    tok_mask = mb.loss_mask
     n_tok = tok_mask.sum().astype(jnp.float32)
     n_seq = tok_mask.any(-1).sum().astype(jnp.float32)
     denom = n_tok if spec.loss.agg == "token-mean" else n_seq
-    width = mb["prompt_tokens"].shape[1]
-    lay = packing.layout(spec, model_config, width, batch_shards=_batch_shards(model_config))
-    if lay is None:
-        grads, loss, metrics = _accumulate(spec, grad_fn, params, ref_params, mb, denom)
-    else:
-        grads, loss, metrics = packing.accumulate(grad_fn, params, ref_params, mb, denom, lay)
+    grads, loss, metrics = accumulate(spec, model_config, grad_fn, params, frozen, mb, denom)
     grad_norm = optax.tree.norm(grads)
     updates, new_opt = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
@@ -271,7 +285,7 @@ def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry,
     metrics = dict(
         metrics, **{"actor/loss": loss, "actor/grad_norm": grad_norm, "skipped": ~finite}
     )
-    return (params, opt_state, ref_params), metrics
+    return (params, opt_state, frozen), metrics
 
 
 def _advantages(spec: UpdateSpec, eb_state, ro: Rollout, valid_PG):
@@ -306,24 +320,13 @@ def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
     per = P // spec.loss.num_minibatches // spec.loss.num_microbatches
     split = lambda x: x.reshape(P // per, per, *x.shape[1:])
 
-    def one(mb):
-        prompt_PTp, plen_P, comp_PGN, clen_PG, routing = mb
-        logp_BN = completion_logprobs(
-            model_config,
-            params,
-            prompt_PTp,
-            plen_P,
-            comp_PGN.reshape(-1, N),
-            clen_PG.reshape(-1),
-            with_entropy=False,
-            chunk_size=spec.loss.logits_chunk,
-            routing=routing,
-        )
+    def one(mb: MicroBatch):
+        logp_BN = logprobs(spec, model_config, params, mb, with_entropy=False)
         return logp_BN.reshape(per, G, N)
 
     routing = ro.routing if spec.moe.routing_replay else None
-    chunks = (ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths, routing)
-    old_CPGN = jax.lax.map(one, jax.tree.map(split, chunks))
+    rows = MicroBatch(ro.prompt_tokens, ro.prompt_lengths, ro.tokens, ro.lengths, routing=routing)
+    old_CPGN = jax.lax.map(one, jax.tree.map(split, rows))
     return jax.lax.stop_gradient(old_CPGN.reshape(P, G, N))
 
 
@@ -370,9 +373,46 @@ def _step_metrics(ro: Rollout, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens
 SAMPLE_ADVANTAGES = "samples/advantages_G"  # the [G] advantages of the step's first prompt
 
 
+def _loss_mask(spec: UpdateSpec, ro: Rollout, valid_PG, trunc_PG):
+    """[P, G, N] bool: the tokens in the loss."""
+    N = spec.max_new_tokens
+    # Observation tokens of multi-turn episodes are context: out of every loss term and count.
+    loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None] & ro.action_mask
+    if spec.dapo.mask_truncated:
+        loss_mask_PGN &= ~trunc_PG[..., None]
+    return loss_mask_PGN
+
+
+def _loss_batch(spec: UpdateSpec, model_config, state: TrainState, ro: Rollout, adv_PG, mask_PGN):
+    """The whole rollout as one MicroBatch for the PPO epochs, and the off-policy metrics
+    (old log-probs recomputed by the trainer, IS weights) when the spec asks for them."""
+    data = MicroBatch(
+        prompt_tokens=ro.prompt_tokens,
+        prompt_lengths=ro.prompt_lengths,
+        tokens=ro.tokens,
+        lengths=ro.lengths,
+        logprobs=ro.logprobs,
+        adv=adv_PG,
+        loss_mask=mask_PGN,
+    )
+    if spec.moe.routing_replay:
+        if ro.routing is None:
+            raise ValueError("model.moe.routing_replay: the rollout recorded no routing")
+        data = data._replace(routing=ro.routing)
+    if not spec.loss.recompute_old_logprobs:
+        return data, {}
+    view = policy_lib.Policy(model_config, spec.lora)
+    params = view.forward_params(view.trained(state), view.frozen(state))
+    old, mask, w, off_metrics = _off_policy(spec, model_config, params, ro, mask_PGN)
+    data = data._replace(logprobs=old, loss_mask=mask)
+    if spec.loss.is_correction != "none":
+        data = data._replace(is_weights=w)
+    return data, off_metrics
+
+
 def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState, ro: Rollout):
     """Advantages, then PPO epochs x mini-batches over the rollout: (new state, metrics)."""
-    P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
+    P, G = spec.prompts, spec.group_size
     key = jax.random.wrap_key_data(state.rng)
     key, k_perm = jax.random.split(key)
     # A non-finite reward (a broken verifier) is dropped: masked out of the estimator, its
@@ -382,34 +422,13 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     valid_PG = jnp.broadcast_to(ro.group_valid[:, None], (P, G)) & finite_PG
     shaped_PG, adv_PG, eb_state, est_metrics = _advantages(spec, state.eb_state, ro, valid_PG)
     trunc_PG = truncated(ro.tokens, ro.lengths, eos_id)
-    # Observation tokens of multi-turn episodes are context: out of every loss term and count.
-    loss_mask_PGN = (jnp.arange(N) < ro.lengths[..., None]) & valid_PG[..., None] & ro.action_mask
-    if spec.dapo.mask_truncated:
-        loss_mask_PGN &= ~trunc_PG[..., None]
-    data = {
-        "prompt_tokens": ro.prompt_tokens,
-        "prompt_lengths": ro.prompt_lengths,
-        "tokens": ro.tokens,
-        "lengths": ro.lengths,
-        "logprobs": ro.logprobs,
-        "adv": adv_PG,
-        "loss_mask": loss_mask_PGN,
-    }
-    if spec.moe.routing_replay:
-        if ro.routing is None:
-            raise ValueError("model.moe.routing_replay: the rollout recorded no routing")
-        data["routing"] = ro.routing
-    off_metrics = {}
-    if spec.loss.recompute_old_logprobs:
-        params = policy(spec, state.params, state.base)
-        old, mask, w, off_metrics = _off_policy(spec, model_config, params, ro, loss_mask_PGN)
-        data.update(logprobs=old, loss_mask=mask)
-        if spec.loss.is_correction != "none":
-            data["is_weights"] = w
+    mask_PGN = _loss_mask(spec, ro, valid_PG, trunc_PG)
+    data, off_metrics = _loss_batch(spec, model_config, state, ro, adv_PG, mask_PGN)
+    view = policy_lib.Policy(model_config, spec.lora)
     grad_fn = jax.value_and_grad(functools.partial(_loss_fn, spec, model_config), has_aux=True)
     (params, opt_state, _), upd = jax.lax.scan(
         functools.partial(_minibatch_update, spec, model_config, grad_fn, optimizer),
-        (state.params, state.opt_state, state.ref_params if spec.lora is None else state.base),
+        (view.trained(state), state.opt_state, view.frozen(state)),
         _minibatches(spec, data, k_perm),
         unroll=spec.updates == 1,
     )
@@ -428,16 +447,14 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     metrics["train/skipped_updates"] = skipped
     metrics["reward/nonfinite_count"] = (~finite_PG).sum().astype(jnp.float32)
     nonfinite_run = jnp.where(skipped > 0, state.nonfinite_run + 1, 0)
-    new_state = TrainState(
+    new_state = state._replace(
         params=params,
         opt_state=opt_state,
         eb_state=eb_state,
         step=state.step + 1,
         rng=jax.random.key_data(key),
-        ref_params=state.ref_params,
         nonfinite_run=nonfinite_run,
         generated_tokens=new_tokens,
-        base=state.base,
     )
     metrics["train/nonfinite_run"] = nonfinite_run
     # Not a scalar metric: the first prompt's advantages, for samples.jsonl (the loop pops it).

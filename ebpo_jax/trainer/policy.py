@@ -1,0 +1,107 @@
+"""The policy view: for full fine-tuning and LoRA/QLoRA alike, which weights train, which
+stay frozen, what the KL reference is, what the sampler runs, and what a checkpoint holds.
+
+Full fine-tuning: `TrainState.params` train; `ref_params` (a copy made at step 0, only when
+the KL term needs it) is frozen and is the reference. LoRA: `params` are the adapters, `base`
+(quantized for QLoRA) is frozen and is the reference (the adapters off), and the sampler runs
+base + A B merged in the compute dtype. The loop, the step, the update and the shardings ask
+this object; none of them branches on LoRA.
+"""
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from ebpo_jax.config import ConfigError
+from ebpo_jax.models import lora as lora_lib
+from ebpo_jax.trainer import lora_state
+from ebpo_jax.trainer.state import TrainState, init_train_state
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Policy:
+    """How a run's TrainState holds its policy (`lora` None: full fine-tuning)."""
+
+    model_config: Any
+    lora: lora_lib.LoraSpec | None = None
+    with_ref: bool = False  # full fine-tuning: keep a frozen copy for the KL term
+
+    @property
+    def is_lora(self) -> bool:
+        return self.lora is not None
+
+    def init(self, params, optimizer, *, seed: int, num_clusters: int = 1) -> TrainState:
+        """The step-0 TrainState around `params` (jit-able: build it with out_shardings)."""
+        if self.is_lora:  # adapters trained; the base frozen, the KL reference
+            return lora_state.init_lora_state(
+                params,
+                optimizer,
+                self.lora,
+                self.model_config,
+                seed=seed,
+                num_clusters=num_clusters,
+            )
+        return init_train_state(
+            params, optimizer, seed=seed, num_clusters=num_clusters, with_ref=self.with_ref
+        )
+
+    def trained(self, state: TrainState):
+        """The weights the optimizer updates (the adapters under LoRA)."""
+        return state.params
+
+    def frozen(self, state: TrainState):
+        """The weights the loss reads but never updates: the KL reference (None without KL in
+        full fine-tuning) or, under LoRA, the base the adapters sit on (also the reference)."""
+        return state.base if self.is_lora else state.ref_params
+
+    def forward_params(self, trained, frozen):
+        """The params `forward` runs the trained policy on (adapters attached to the base)."""
+        return lora_lib.attach(frozen, trained, self.lora) if self.is_lora else trained
+
+    def sampled(self, state: TrainState):
+        """The weights the sampler runs: the params, or the base with A B merged in the compute
+        dtype (faster to sample than the adapter path: benchmarks/lora_bench.py)."""
+        if not self.is_lora:
+            return state.params
+        return lora_lib.merge(state.base, state.params, self.lora, dtype=self.model_config.dtype)
+
+    def sampler_fn(self):
+        """`sampled` as the step calls it: a plain read, or one jitted merge per step."""
+        return jax.jit(self.sampled) if self.is_lora else self.sampled
+
+    def abstract_sampled(self, abstract_state: TrainState):
+        """The (abstract) weights the sampler runs, for their shardings."""
+        if not self.is_lora:
+            return abstract_state.params
+        from ebpo_jax import models
+
+        return models.abstract_params(self.model_config)
+
+    def checkpoint_tree(self, state: TrainState) -> dict:
+        """What a checkpoint saves of the state: all but the frozen LoRA base, which every
+        start rebuilds from the task's source."""
+        return {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
+
+    def checkpoint_extra(self, model, source: str) -> dict:
+        """The checkpoint's extra entries: under LoRA, the base the adapters belong to."""
+        if not self.is_lora:
+            return {}
+        return {lora_state.EXTRA_KEY: lora_state.base_reference(model, source)}
+
+    def check_checkpoint(self, extra: dict, model, source: str) -> None:
+        """ConfigError when a checkpoint's adapters belong to another base or adapter spec, or
+        when LoRA is on for a full checkpoint or off for a LoRA one (either would look corrupt)."""
+        saved = extra.get(lora_state.EXTRA_KEY)
+        if self.is_lora:
+            lora_state.check_base_reference(saved or {}, model, source)
+        elif saved is not None:
+            raise ConfigError(
+                f"the checkpoint holds LoRA adapters (model.lora.rank={saved.get('rank')}); "
+                "resume with the same model.lora settings"
+            )
+
+
+def of(spec, model_config) -> Policy:
+    """The run's Policy from its RunSpec."""
+    return Policy(model_config, lora=spec.update.lora, with_ref=spec.with_ref)
