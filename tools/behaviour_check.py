@@ -1,6 +1,6 @@
 """Refactor guard: train a fixed set of small runs and compare their metrics bitwise.
 
-    python tools/behaviour_check.py --out=/tmp/before        # on the old commit
+    python tools/behaviour_check.py --out=/tmp/before --root=<checkout of the old commit>
     python tools/behaviour_check.py --out=/tmp/after --compare=/tmp/before
 
 Each case is `experiments/train.py` with `--config.` overrides in a fresh workdir (subprocess,
@@ -71,6 +71,11 @@ MATH = [
     "--config.sft.steps=0",
 ]
 
+# Warm-started (non-zero gradients at every step): the gradient path, KL, LoRA and staleness.
+WARM = [*MICRO, "--config.sft.steps=40", "--config.group_size=8"]
+WARM += ["--config.optimizer.learning_rate=1e-2"]
+KL = ["--config.loss.kl_coef=0.01"]
+
 CASES = {
     "micro": (MICRO, {}),
     "micro_k2": (MICRO + ["--config.steps_per_jit=2"], {}),
@@ -80,6 +85,29 @@ CASES = {
     "slots_packed": (MICRO + SLOTS_PACKED, {}),
     "math_records": (["--config=configs/micro.py"] + MATH, {}),
     "tiny_default": ([], {}),
+    "warm_kl_micro_entropy_dual": (
+        WARM
+        + KL
+        + ["--config.loss.num_microbatches=2", "--config.loss.entropy_coef=0.01"]
+        + ["--config.loss.dual_clip=3"],
+        {},
+    ),
+    "warm_k2_gspo": (
+        WARM
+        + ["--config.steps_per_jit=2", "--config.loss.name=gspo"]
+        + ["--config.loss.agg=seq-mean-token-mean"],
+        {},
+    ),
+    "warm_lora_kl": (
+        WARM + KL + ["--config.model.lora.rank=4", "--config.loss.num_microbatches=2"],
+        {},
+    ),
+    "warm_packed_recompute_tis": (
+        WARM + KL + SLOTS_PACKED[:2] + STALE[-2:],
+        {},
+    ),
+    "warm_stale1_kl": (WARM + KL + STALE, EIGHT),
+    "warm_lora_stale1": (WARM + ["--config.model.lora.rank=4"] + STALE, EIGHT),
 }
 
 
@@ -112,12 +140,13 @@ def _timing(key: str) -> bool:
     return key.startswith("perf/") or "per_s" in key or key.endswith("_s") or "time" in key
 
 
-def run_case(name: str, out: str, scratch: str) -> list[dict]:
+def run_case(name: str, out: str, scratch: str, root: str = ROOT) -> list[dict]:
     args, env = CASES[name]
     args = args + (_math_files(scratch) if name == "math_records" else [])
     workdir = os.path.join(scratch, name)
     cmd = [sys.executable, "experiments/train.py", *args, f"--config.workdir={workdir}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
+    env = {**os.environ, **env}
+    proc = subprocess.run(cmd, check=False, cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
@@ -145,11 +174,12 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--compare", default="")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--root", default=ROOT, help="the source tree to train with (an old checkout)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     for name in a.cases.split(","):
         with tempfile.TemporaryDirectory() as scratch:
-            rows = run_case(name, a.out, scratch)
+            rows = run_case(name, a.out, scratch, a.root)
         verdict = compare(name, rows, a.compare) if a.compare else f"{len(rows)} rows"
         print(f"| {name} | {verdict} |", flush=True)
 
