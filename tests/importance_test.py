@@ -130,7 +130,7 @@ def test_bad_arguments_and_config_fields():
         ({"is_correction": "tis"}, "needs loss.recompute_old_logprobs=True"),
         ({"is_correction": "TIS", "recompute_old_logprobs": True}, "loss.is_correction='TIS'"),
         ({"is_level": "seq"}, "loss.is_level='seq'"),
-        ({"is_cap": 0.5}, "loss.is_cap=0.5"),
+        ({"is_cap": 0.5}, "loss.is_cap must be >= 1 .*, got 0.5"),
         ({"is_low": 1.2}, "loss.is_low=1.2"),
         ({"is_high": 0.9}, "loss.is_high=0.9"),
     ]

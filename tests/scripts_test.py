@@ -120,7 +120,7 @@ def test_async_bench_configs_resolve(tmp_path, monkeypatch):
     bench = _load("benchmarks/async_bench.py")
     for staleness in (0, 1):
         spec = resolve(bench.config(str(tmp_path), staleness, 3), 8)
-        assert spec.mesh.devices == 4
+        assert spec.mesh.mesh.devices == 4
 
 
 def test_gpu_check_cpu_checks(capsys):
