@@ -38,6 +38,7 @@ HARMLESS_FIELDS = (
     "sft.cache_dir",
     "data.reward_workers",
     "wandb.",  # every wandb.* field
+    "sampler.mesh",  # layout only: the sampler's weights are resharded from the trainer's
 )
 
 
