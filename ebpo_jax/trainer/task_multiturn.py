@@ -44,7 +44,7 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
     def evaluate(params) -> dict[str, float]:
         gen = functools.partial(_generate, task.model_config, s_spec, params)
         scores = []
-        with EnvPool(ro.env_workers, timeout_s=ro.env_timeout_s) as pool:
+        with EnvPool(ro.rollout.env_workers, timeout_s=ro.rollout.env_timeout_s) as pool:
             for c, lo in enumerate(range(0, len(plen_B), ev.run.eval_batch_size)):
                 sl = slice(lo, lo + ev.run.eval_batch_size)
                 key = jax.random.fold_in(jax.random.key(ev.run.seed), c)
