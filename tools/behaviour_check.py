@@ -71,6 +71,10 @@ MATH = [
     "--config.sft.steps=0",
 ]
 
+# Multi-turn episodes with an environment (workers, observation masks), shortened.
+GUESS = ["--config.total_steps=3", "--config.eval_every=3", "--config.checkpoint_every=3"]
+GUESS += ["--config.sft.steps=30", "--config.prompts_per_step=8", "--config.task.test_per_cell=4"]
+
 # Warm-started (non-zero gradients at every step): the gradient path, KL, LoRA and staleness.
 WARM = [*MICRO, "--config.sft.steps=40", "--config.group_size=8"]
 WARM += ["--config.optimizer.learning_rate=1e-2"]
@@ -108,6 +112,7 @@ CASES = {
     ),
     "warm_stale1_kl": (WARM + KL + STALE, EIGHT),
     "warm_lora_stale1": (WARM + ["--config.model.lora.rank=4"] + STALE, EIGHT),
+    "guess_multiturn": (["--config=configs/guess.py", *GUESS], {}),
 }
 
 
