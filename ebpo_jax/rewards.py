@@ -2,12 +2,11 @@
 
 math-verify bounds its own work with `signal.alarm`, which only works in a process's main
 thread and cannot interrupt C code (e.g. sympy on a huge power). So every verification runs
-in a worker process of a `RewardPool`; a worker that overruns its per-item timeout is killed
-and replaced, and the item scores 0. Workers start from a `forkserver` (or `spawn`), never
-`fork`: the parent has JAX threads. Both would re-import the caller's main script in each
-worker, so workers are started with `sys.modules["__main__"]` hidden: a plain script
-without an `if __name__ == "__main__":` guard can score rewards. Workers die with the
-parent (Linux `PR_SET_PDEATHSIG`, plus a thread that watches the parent's pid).
+in a worker process of a `RewardPool` (an `ebpo_jax.workers.WorkerPool`); a worker that
+overruns its per-item timeout is killed and replaced, and the item scores 0. Workers start
+from a `forkserver` (or `spawn`), never `fork`, with the caller's `__main__` hidden (a plain
+script without an `if __name__ == "__main__":` guard can score rewards), and die with the
+parent.
 
 The answer is what follows the last "Answer:" (to the end of that line) or the last
 `\\boxed{}`, and it is compared whole: math-verify parses that answer alone, and a parse that
@@ -29,24 +28,17 @@ import path `"my_pkg.module:fn"` with `get_reward`.
 """
 
 import atexit
-import contextlib
-import ctypes
 import importlib
 import multiprocessing as mp
-import multiprocessing.connection
-import os
 import pickle
 import re
-import signal
-import sys
-import threading
-import time
-import types
-from collections import deque
 from collections.abc import Callable, Sequence
 from fractions import Fraction
+from functools import partial
 
 import numpy as np
+
+from ebpo_jax.workers import LoadError, PoolOwner, WorkerPool
 
 RewardFn = Callable[[str, str], float]
 
@@ -361,119 +353,51 @@ def _local_fn(spec):
     return _LOCAL.get(spec) if isinstance(spec, str) else None
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+def _score(spec: str | RewardFn, item: tuple[str, str]) -> float:
+    """What a pool worker runs: the reward `spec` of one (response, answer)."""
+    return float((_local_fn(spec) or get_reward(spec))(*item))
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Exit when `parent_pid` (the process that owns the pool) is gone.
-
-    PR_SET_PDEATHSIG kills this process when its parent dies, even inside C code; the parent
-    of a forkserver worker is the fork server, which exits when the pool's owner does. The
-    watchdog thread covers other platforms and a fork server that outlives its owner.
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-    def watch():
-        while True:
-            try:
-                os.kill(parent_pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:
-                pass  # alive, owned by someone else (pid reused: rare, harmless)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, daemon=True, name="reward-parent-watch").start()
-
-
-def _worker_loop(conn, parent_pid: int | None = None) -> None:
-    """Worker: answer (index, spec, response, answer) messages with (index, reward or error)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and kills us
-    if parent_pid is not None:
-        _die_with_parent(parent_pid)
-    import math_verify  # noqa: F401  (warm import before announcing readiness)
-
-    conn.send("ready")
-    fns = {}
-    while True:
-        msg = conn.recv()
-        if msg is None:
-            return
-        index, spec, response, answer = msg
+def _check_sendable(fn: str | RewardFn) -> None:
+    """Fail here, not in every worker, on a bad name or a function workers cannot get."""
+    if isinstance(fn, str):
+        get_reward(fn)
+    elif getattr(fn, "__module__", None) == "__main__":
+        raise ValueError(
+            f"reward {fn!r} is defined in __main__, which worker processes never import; "
+            "define it in a module and pass it (or its import path 'pkg.module:fn')"
+        )
+    else:
         try:
-            key = spec if isinstance(spec, str) else id(spec)
-            if key not in fns:
-                fns[key] = _local_fn(spec) or get_reward(spec)
-            conn.send((index, float(fns[key](response, answer)), None))
-        except Exception as e:  # noqa: BLE001  reported to the parent, which raises with context
-            conn.send((index, 0.0, f"{type(e).__name__}: {e}"))
+            pickle.dumps(fn)
+        except Exception as e:  # noqa: BLE001  lambdas, closures: any pickling failure
+            raise ValueError(
+                f"reward {fn!r} cannot be sent to worker processes ({e}); pass a "
+                "module-level function or its import path 'pkg.module:fn'"
+            ) from None
 
 
-@contextlib.contextmanager
-def _main_hidden():
-    """Start processes without the caller's `__main__`: forkserver and spawn would re-import it
-    in the child (running a guard-less script's top level again)."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
-class _Worker:
-    def __init__(self, ctx):
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_loop, args=(child, os.getpid()), daemon=True)
-        with _main_hidden():
-            self.process.start()
-        child.close()
-        self.ready = False
-        self.item: int | None = None
-        self.deadline = 0.0
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.join(5)
-        self.conn.close()
-
-
-class RewardPool:
+class RewardPool(PoolOwner):
     """Worker processes scoring (response, answer) pairs, each item cut at a timeout (score 0)."""
 
     def __init__(self, workers: int = 2, *, start_method: str = "forkserver"):
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
-        if start_method not in ("forkserver", "spawn"):
-            raise ValueError(
-                f"start_method must be 'forkserver' or 'spawn' (never fork), got {start_method!r}"
+        # Under forkserver one clean server process imports math-verify once; workers (and
+        # replacements for killed ones) fork from it in milliseconds.
+        super().__init__(
+            WorkerPool(
+                workers,
+                start_method=start_method,
+                preload=("ebpo_jax.rewards", "math_verify"),
+                name="reward worker",
             )
-        self._ctx = mp.get_context(start_method)
-        if start_method == "forkserver":
-            # One clean server process imports math-verify once; workers (and replacements
-            # for killed ones) fork from it in milliseconds.
-            self._ctx.set_forkserver_preload(["ebpo_jax.rewards", "math_verify"])
-        self._workers = [_Worker(self._ctx) for _ in range(workers)]
+        )
         self.num_timeouts = 0  # items cut by the timeout, over the pool's life
 
     def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Block until every worker has imported math-verify (keeps start-up out of timeouts)."""
-        deadline = time.monotonic() + timeout_s
-        for w in self._workers:
-            if not w.ready:
-                if not w.conn.poll(max(0.0, deadline - time.monotonic())):
-                    raise TimeoutError(f"reward worker did not start within {timeout_s}s")
-                try:
-                    w.ready = w.conn.recv() == "ready"
-                except EOFError:
-                    w.process.join(5)
-                    raise RuntimeError(
-                        f"reward worker exited during start-up (exit code {w.process.exitcode})"
-                    ) from None
+        self._workers.wait_ready(timeout_s)
 
     def map(
         self,
@@ -488,89 +412,17 @@ class RewardPool:
             raise ValueError(f"{len(responses)} responses but {len(answers)} answers")
         if fn is math_reward:  # the pooled wrapper would start a pool inside each worker
             fn = "math"
-        if isinstance(fn, str):
-            get_reward(fn)  # a bad name fails here, not in every worker
-        elif getattr(fn, "__module__", None) == "__main__":
-            raise ValueError(
-                f"reward {fn!r} is defined in __main__, which worker processes never import; "
-                "define it in a module and pass it (or its import path 'pkg.module:fn')"
-            )
-        else:
-            try:
-                pickle.dumps(fn)
-            except Exception as e:  # noqa: BLE001  lambdas, closures: any pickling failure
-                raise ValueError(
-                    f"reward {fn!r} cannot be sent to worker processes ({e}); pass a "
-                    "module-level function or its import path 'pkg.module:fn'"
-                ) from None
-        if not any(w.ready for w in self._workers):
-            self.wait_ready()  # replacements for killed workers join while the batch runs
-        out = np.zeros(len(responses), np.float32)
-        errors: list[str] = []
-        todo = deque(range(len(responses)))
-        while todo or any(w.item is not None for w in self._workers):
-            for w in self._workers:
-                if w.ready and w.item is None and todo:
-                    w.item = todo.popleft()
-                    w.deadline = time.monotonic() + timeout_s
-                    w.conn.send((w.item, fn, str(responses[w.item]), str(answers[w.item])))
-            busy = [w for w in self._workers if w.item is not None or not w.ready]
-            deadline = min((w.deadline for w in busy if w.item is not None), default=None)
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + 1e-3
-            ready = mp.connection.wait([w.conn for w in busy], timeout=timeout)
-            for i, w in enumerate(self._workers):
-                if w.conn in ready:
-                    self._receive(i, w, out, errors)
-                elif w.item is not None and time.monotonic() > w.deadline:
-                    out[w.item] = 0.0  # pathological item: kill its worker, start a fresh one
-                    self.num_timeouts += 1
-                    self._replace(i)
+        _check_sendable(fn)
+        items = [(str(r), str(a)) for r, a in zip(responses, answers)]
+        try:
+            outcomes = self._workers.map(partial(_score, fn), items, timeout_s=timeout_s)
+        except LoadError as e:
+            raise RuntimeError(f"reward workers cannot load {fn!r} ({e})") from None
+        self.num_timeouts += sum(o.cut for o in outcomes)
+        errors = [f"item {i}: {o.error}" for i, o in enumerate(outcomes) if o.error and not o.cut]
         if errors:  # raised only once every worker is idle again, so the pool stays usable
             raise RuntimeError(f"reward {fn!r} failed on {len(errors)} items, first: {errors[0]}")
-        return out
-
-    def _receive(self, i: int, w: _Worker, out: np.ndarray, errors: list[str]) -> None:
-        try:
-            msg = w.conn.recv()
-        except EOFError:  # the worker died (e.g. out of memory): score 0, replace it
-            if w.item is not None:
-                out[w.item] = 0.0
-                self.num_timeouts += 1
-            self._replace(i)
-            return
-        if msg == "ready":
-            w.ready = True
-            return
-        index, reward, error = msg
-        w.item = None
-        if error is not None:
-            errors.append(f"item {index}: {error}")
-        out[index] = reward
-
-    def _replace(self, i: int) -> None:
-        self._workers[i].kill()
-        self._workers[i] = _Worker(self._ctx)
-
-    def close(self) -> None:
-        """Stop the workers (politely, then by force)."""
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for w in self._workers:
-            w.process.join(2)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(2)
-            w.conn.close()
-        self._workers = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        return np.array([0.0 if o.error else o.value for o in outcomes], np.float32)
 
 
 _POOLS: dict[int, RewardPool] = {}

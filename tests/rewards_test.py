@@ -236,7 +236,7 @@ def test_workers_die_with_the_parent(tmp_path):
         "if __name__ == '__main__':\n"
         "    pool = rewards.RewardPool(2)\n"
         "    pool.wait_ready()\n"
-        "    print(' '.join(str(w.process.pid) for w in pool._workers), flush=True)\n"
+        "    print(' '.join(str(pid) for pid in pool.pids), flush=True)\n"
         "    pool.map('spin:spin', ['a', 'b'], ['a', 'b'], timeout_s=600)\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
