@@ -1,5 +1,7 @@
 """Qwen3-MoE: transformers parity, cached/grouped paths, grouped matmuls, sharding, LoRA, router."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -266,10 +268,11 @@ def _tie_router(params, first, second):
     return out
 
 
-def _replay_gap(spec, P=4, G=2):
-    """The sampled log-probs vs the trainer's recompute, without and with routing replay."""
+@functools.cache  # the replay tests share one sampled rollout
+def _sampled_with_routing(spec, P=4, G=2):
+    """(config, the trainer's params, prompts, lengths, generation, routing [P, G, ...], stats)
+    from a router with an exact tie that the trainer's rounding-sized change breaks."""
     from ebpo_jax import sampler
-    from ebpo_jax.trainer.update import completion_logprobs
 
     config = _config(num_experts=4)
     params = _tie_router(models.init_params(config, jax.random.key(0)), 1, 0)
@@ -287,24 +290,55 @@ def _replay_gap(spec, P=4, G=2):
     bumped = jax.tree.map(lambda x: x, params)
     bumped["moe"]["router"].set_value(bumped["moe"]["router"][...].at[..., 1].add(1e-7))
     routing = jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), recorded)
-    mask = np.arange(N)[None] < np.asarray(gen.lengths)[:, None]
+    return config, bumped, prompts, plen, gen, routing, stats
 
-    def gap(routing):
-        logp = completion_logprobs(
-            config, bumped, prompts, plen, gen.tokens, gen.lengths, with_entropy=False,
+
+def _packed_logprobs(config, params, prompts, plen, gen, routing):
+    """trainer/packing.py's log-probs [B, N] of the completions, 2 rows per micro-batch."""
+    from ebpo_jax.trainer import packing
+
+    (B, N), P = gen.tokens.shape, prompts.shape[0]
+    lay = packing.Layout(P, B // P, N, prompts.shape[1] + N, 2, -(-B // 2), share_prompt=True)
+    mask_BN = jnp.arange(N)[None] < gen.lengths[:, None]
+    pl = packing.plan(lay, plen, packing.loss_span(mask_BN))
+    assert int(pl.num_micro) > 1
+    fwd = jax.jit(
+        lambda r: packing.packed_completion_logprobs(config, params, r, slots=(B, N),
+                                                     with_entropy=False)
+    )  # fmt: skip
+    micro = lambda u: packing.micro_batch(lay, pl, prompts, plen, gen.tokens, u, routing)
+    return sum(fwd(micro(u)) for u in range(int(pl.num_micro)))
+
+
+def _replay_gap(spec, P=4, G=2):
+    """The sampled log-probs vs the trainer's recompute, without and with routing replay, by the
+    padded and the packed forward: ({"padded": (without, with), "packed": ...}, stats)."""
+    from ebpo_jax.trainer.update import completion_logprobs
+
+    config, params, prompts, plen, gen, routing, stats = _sampled_with_routing(spec, P, G)
+    mask = np.arange(spec.max_new_tokens)[None] < np.asarray(gen.lengths)[:, None]
+
+    def padded(routing):
+        return completion_logprobs(
+            config, params, prompts, plen, gen.tokens, gen.lengths, with_entropy=False,
             routing=routing,
         )  # fmt: skip
-        return np.abs(np.where(mask, np.asarray(logp) - np.asarray(gen.logprobs), 0)).max()
 
-    return gap(None), gap(routing), stats
+    def packed(routing):
+        return _packed_logprobs(config, params, prompts, plen, gen, routing)
+
+    gap = lambda logp: np.abs(np.where(mask, np.asarray(logp) - np.asarray(gen.logprobs), 0)).max()
+    gaps = {f.__name__: (gap(f(None)), gap(f(routing))) for f in (padded, packed)}
+    return gaps, stats
 
 
 def test_routing_replay_makes_recomputed_logprobs_equal_the_samplers():
     from ebpo_jax import sampler
 
-    without, with_replay, _ = _replay_gap(sampler.SamplerSpec(max_new_tokens=6))
-    assert without > 1e-3  # flipped experts: the recomputed log-probs move
-    assert with_replay <= 1e-6
+    gaps, _ = _replay_gap(sampler.SamplerSpec(max_new_tokens=6))
+    for without, with_replay in gaps.values():  # the padded and the packed forward
+        assert without > 1e-3  # flipped experts: the recomputed log-probs move
+        assert with_replay <= 1e-6
 
 
 @pytest.mark.slow
@@ -314,10 +348,11 @@ def test_routing_replay_with_few_slots_and_a_short_page_pool():
     # 8 rows through 3 slots, 4-token pages, a pool of 6 pages (3 slots x 3 pages needed):
     # rows are refilled, and growing rows preempt the youngest, which recompute their tokens.
     spec = sampler.SamplerSpec(max_new_tokens=6, slots=3, page_size=4, kv_pages=6)
-    without, with_replay, stats = _replay_gap(spec)
+    gaps, stats = _replay_gap(spec)
     assert int(stats.preempted) > 0
-    assert without > 1e-3
-    assert with_replay <= 1e-6
+    for without, with_replay in gaps.values():
+        assert without > 1e-3
+        assert with_replay <= 1e-6
 
 
 def test_record_routing_needs_a_mixture_of_experts_config():
@@ -329,3 +364,51 @@ def test_record_routing_needs_a_mixture_of_experts_config():
     with pytest.raises(ValueError, match="record_routing needs a mixture-of-experts"):
         sampler.generate(config, params, jnp.ones((1, 2), jnp.int32), jnp.array([2]), spec,
                          rng=jax.random.key(0))  # fmt: skip
+
+
+def test_packed_update_with_routing_replay_equals_the_padded_one():
+    """One update with replay: packed rows == padded micro-batches (loss and gradients)."""
+    from ebpo_jax import sampler
+    from ebpo_jax.config import default_config
+    from ebpo_jax.spec import resolve
+    from ebpo_jax.trainer import make_update_fn
+    from ebpo_jax.trainer.rollout import Rollout
+    from ebpo_jax.trainer.state import init_train_state, make_optimizer
+
+    P, G, N = 4, 2, 6
+    config, params, prompts, plen, gen, routing, _ = _sampled_with_routing(
+        sampler.SamplerSpec(max_new_tokens=N), P, G
+    )
+    per_group = lambda x: x.reshape(P, G, *x.shape[1:])
+    ro = Rollout(
+        prompt_tokens=prompts,
+        prompt_lengths=plen,
+        answer_tokens=jnp.zeros((P, 1), jnp.int32),
+        answer_lengths=jnp.ones((P,), jnp.int32),
+        index=jnp.arange(P),
+        cluster_ids=jnp.zeros((P,), jnp.int32),
+        tokens=per_group(gen.tokens),
+        logprobs=per_group(gen.logprobs),
+        lengths=per_group(gen.lengths),
+        rewards=jnp.tile(jnp.array([[1.0, 0.0], [0.0, 1.0]]), (2, 1)),
+        group_valid=jnp.ones((P,), bool),
+        generated_tokens=gen.lengths.sum(),
+        all_same_frac=jnp.float32(0),
+        action_mask=jnp.ones((P, G, N), bool),
+        routing=routing,
+    )
+
+    def update(budget):
+        c = default_config()
+        c.prompts_per_step, c.group_size, c.sampler.max_new_tokens = P, G, N
+        c.model.moe.routing_replay = True
+        c.loss.tokens_per_microbatch = budget
+        spec = resolve(c)
+        opt = make_optimizer(spec.optim)
+        state = init_train_state(params, opt, seed=0)
+        return jax.jit(make_update_fn(spec.update, config, opt, eos_id=1))(state, ro)[1]
+
+    padded, packed = update(0), update(3 * (5 + N))  # 3 rows of 11 tokens per micro-batch
+    for k in ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/clip_frac_low"):
+        np.testing.assert_allclose(packed[k], padded[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert padded["actor/grad_norm"] > 0

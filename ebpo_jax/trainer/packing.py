@@ -150,12 +150,13 @@ def plan(lay: Layout, prompt_len_P, span_B) -> Plan:
     )
 
 
-def micro_batch(lay: Layout, pl: Plan, prompt_PT, prompt_len_P, comp_BN, u):
+def micro_batch(lay: Layout, pl: Plan, prompt_PT, prompt_len_P, comp_BN, u, routing=None):
     """The packed rows [R, L] of micro-batch u: model inputs, targets and [B, N] slots.
 
     Keys: tokens, positions, segment_ids (0 = padding), prefix_ids (shared prompts only),
     targets (the completion token each position predicts) and dest (flat slot b * N + n the
-    position's log-prob goes to; B * N = none).
+    position's log-prob goes to; B * N = none). With `routing` (the rollout's recorded
+    experts, {"prompt", "comp"} of [P, G, ...]) also "routing" [sparse layers, R, L, k].
     """
     B, N, L, Tp = comp_BN.shape[0], lay.max_new_tokens, lay.row_len, prompt_PT.shape[1]
     # Pieces: B units then B prefixes, by flat start; an absent piece starts past the end.
@@ -192,24 +193,49 @@ def micro_batch(lay: Layout, pl: Plan, prompt_PT, prompt_len_P, comp_BN, u):
     }
     if lay.share_prompt:
         out["prefix_ids"] = jnp.where(inside_RL, prefix_id_RL, 0)
-    return {k: v.astype(jnp.int32) for k, v in out.items()}
+    out = {k: v.astype(jnp.int32) for k, v in out.items()}
+    if routing is not None:
+        from_prompt_RL = inside_RL & (~unit_RL | (j_RL == 0))
+        # prompt position (a prefix token, a unit's first) or completion index (the rest)
+        i_RL = jnp.where(unit_RL, jnp.where(j_RL == 0, lp_RL - 1, j_RL - 1), j_RL)
+        out["routing"] = _routing_rows(routing, p_RL, b_RL, i_RL, from_prompt_RL, inside_RL)
+    return out
 
 
-def packed_completion_logprobs(model_config, params, packed, *, slots, with_entropy, chunk_size=0):
+def _routing_rows(routing, p_RL, b_RL, i_RL, from_prompt_RL, inside_RL):
+    """The recorded experts of each packed token, [sparse layers, R, L, k] (0 off the pieces):
+    prompt[p, 0, :, i] (the group's first sample's, as the padded update's) or comp[b, :, i]."""
+    prompt_PLTk = routing["prompt"][:, 0]
+    comp_BLNk = routing["comp"].reshape(-1, *routing["comp"].shape[2:])
+    Tp, N = prompt_PLTk.shape[2], comp_BLNk.shape[2]
+    from_prompt_RLLk = prompt_PLTk[p_RL, :, jnp.clip(i_RL, 0, Tp - 1)]  # [R, L, layers, k]
+    from_comp_RLLk = comp_BLNk[b_RL, :, jnp.clip(i_RL, 0, N - 1)]
+    e_RLLk = jnp.where(from_prompt_RL[..., None, None], from_prompt_RLLk, from_comp_RLLk)
+    return jnp.where(inside_RL[..., None, None], e_RLLk, 0).transpose(2, 0, 1, 3)
+
+
+def packed_completion_logprobs(
+    model_config, params, packed, *, slots, with_entropy, chunk_size=0, with_router=False
+):
     """Per-token log-probs [B, N] (and entropy) of the completions in `packed`'s rows.
 
     `slots` = (B, N). Slots of sequences not in these rows are 0, so a loss over them needs
     a loss mask restricted to this micro-batch's sequences (`accumulate` builds it).
+    Mixture of experts: packed["routing"] (if there) replays recorded experts; `with_router`
+    returns (result, route), route as `models.forward`'s over the rows' tokens.
     """
     B, N = slots
-    h_RLD = models.forward(
+    out = models.forward(
         model_config,
         params,
         packed["tokens"],
         positions=packed["positions"],
         segments=models.Segments(packed["segment_ids"], packed.get("prefix_ids")),
         return_hidden=True,
+        routing=packed.get("routing"),
+        with_router=with_router,
     )
+    h_RLD, route = out if with_router else (out, None)
     R, L, D = h_RLD.shape
     w_DV = models.output_embedding(model_config, params)
     t_RL = packed["targets"]
@@ -228,7 +254,8 @@ def packed_completion_logprobs(model_config, params, packed, *, slots, with_entr
     dest_T = packed["dest"].reshape(-1)
     scatter = lambda x_T: jnp.zeros(B * N, x_T.dtype).at[dest_T].set(x_T, mode="drop")
     logp_BN = scatter(logp_T).reshape(B, N)
-    return (logp_BN, scatter(ent_T).reshape(B, N)) if with_entropy else logp_BN
+    result = (logp_BN, scatter(ent_T).reshape(B, N)) if with_entropy else logp_BN
+    return (result, route) if with_router else result
 
 
 def _pair(out):
@@ -254,7 +281,7 @@ def accumulate(grad_fn, params, frozen, mb: MicroBatch, denom, lay: Layout):
     mb_tokens = mask_PGN.sum().astype(jnp.float32)
 
     def micro(u):
-        rows = micro_batch(lay, pl, mb.prompt_tokens, mb.prompt_lengths, comp_BN, u)
+        rows = micro_batch(lay, pl, mb.prompt_tokens, mb.prompt_lengths, comp_BN, u, mb.routing)
         return MicroBatch(
             logprobs=mb.logprobs,
             adv=mb.adv,

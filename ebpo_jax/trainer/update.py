@@ -72,7 +72,10 @@ def _padded_logprobs(
     router = {"with_router": True} if with_router else {}
     if attention.resolve(model_config.attention) == "splash":
         if routing is not None:
-            raise ValueError("routing replay needs attention 'xla' or 'cudnn' (splash packs rows)")
+            raise ValueError(
+                "routing replay in the padded forward (the padded update, the old-log-prob "
+                "recompute) needs attention 'xla' or 'cudnn'"
+            )
         prompt_BTp, prompt_len_B = jnp.repeat(prompt_PTp, G, 0), jnp.repeat(prompt_len_P, G, 0)
         tokens_BT, mask_BT = pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B)
         out = models.forward(
@@ -99,9 +102,7 @@ def _padded_logprobs(
         route = out[2][1] if with_router else None  # the completions' tokens
         h_BND = _shift(out[0], out[1], prompt_len_P, G)
     result = _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size)
-    if not with_router:
-        return result
-    return result, {f"router/{k}": jnp.mean(route[k]) for k in ("lb_loss", "load_max", "entropy")}
+    return (result, _router_metrics(route)) if with_router else result
 
 
 def _replay_layout(routing):
@@ -149,22 +150,28 @@ def truncated(tokens_PGN, lengths_PG, eos_id):
 def logprobs(
     spec: UpdateSpec, model_config, params, mb: MicroBatch, *, with_entropy, with_router=False
 ):
-    """Per-token log-probs [B, N] (and entropy, router metrics) of a padded or packed MicroBatch."""
+    """Per-token log-probs [B, N] (and entropy, router metrics) of a padded or packed MicroBatch
+    (packed: router metrics over the rows' prompt and completion tokens, as under splash)."""
     if mb.packed is None:
         return _padded_logprobs(
             model_config, params, mb, with_entropy, spec.loss.logits_chunk, with_router
         )
-    if spec.moe.routing_replay or spec.moe.lb_coef:
-        raise ValueError("routing replay and the router loss need the padded update")
     N = spec.max_new_tokens
-    return packing.packed_completion_logprobs(
+    out = packing.packed_completion_logprobs(
         model_config,
         params,
         mb.packed,
         slots=(mb.logprobs.size // N, N),
         with_entropy=with_entropy,
         chunk_size=spec.loss.logits_chunk,
+        with_router=with_router,
     )
+    return (out[0], _router_metrics(out[1])) if with_router else out
+
+
+def _router_metrics(route):
+    """The router stats averaged over the sparse layers, as update metrics."""
+    return {f"router/{k}": jnp.mean(route[k]) for k in ("lb_loss", "load_max", "entropy")}
 
 
 def loss_options(spec: UpdateSpec) -> losses.LossOptions:
@@ -188,7 +195,7 @@ def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, den
     """
     N = spec.max_new_tokens
     view = policy_lib.Policy(model_config, spec.lora)
-    moe = model_config.is_moe and mb.packed is None  # router metrics on the padded path
+    moe = model_config.is_moe
     params_fwd = view.forward_params(params, frozen)
     out = logprobs(spec, model_config, params_fwd, mb, with_entropy=True, with_router=moe)
     (logp_BN, ent_BN), router = out if moe else (out, {})
