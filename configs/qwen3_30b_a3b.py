@@ -9,10 +9,13 @@ full remat, chunked log-probs, the paged sampler on a data=16 x tp=2 mesh). What
   fsdp=32; each device sorts its own rows and runs them through the experts gathered at
   the dispatch's shard_map (models/moe.py), as FSDP gathers a dense layer. In the sampler
   (no fsdp axis) the experts are replicated over `data` and their hidden dim split over `tp`.
-- Sampler pool: 2048 pages of 128 tokens per data shard (qwen3_8b.py's POOL_PAGES), half the
-  dense models', as the weights take ~30 GB per chip on tp=2. The committed AOT report
-  (results/aot_tpu/qwen3_30b_a3b_v5p64.json) was compiled with the previous sampler (256
-  slots on data=8 x tp=4); this paged setting has not been compiled yet.
+- Sampler pool: 1536 pages of 128 tokens per data shard (qwen3_8b.py's POOL_PAGES, 9 GiB per
+  chip), as the bf16 weights take 28.5 GiB per chip on tp=2. AOT for v5p-64
+  (results/aot_tpu/qwen3_30b_a3b_v5p64.json, docs/moe.md): decode 74.6 GiB per chip, 88.8
+  with the train state resident; 2048 pages compiled to 98.3, over the 95. The estimated
+  peak is 1269 pages per shard. With 4 kv heads, tp=2 leaves 4 combined K/V heads per
+  chip, the layout docs/pods.md says the compiled decode converts around the kernel: the
+  decode's temporaries grew ~3x the pool's bytes between 1536 and 2048 pages.
 - Grouped matmuls: `moe_impl="auto"`, the Pallas megablox kernel when compiling for TPU.
 - Memory: float32 master weights + Adam + the reference are ~490 GB, ~15 GB per chip.
 - Router: no load-balancing loss (`model.moe.lb_coef` 0, as RL recipes do for a pretrained

@@ -76,9 +76,9 @@ EVAL_SETS = (
 
 VARIANTS = ("paper", "authors", "aot")
 # KV pages of 128 tokens per data shard of the v5p-64 sampler mesh (data=16 x tp=2).
-# Qwen3-30B-A3B: half the pool, as its weights take twice the 8B's per chip on tp=2 (its
-# paged-engine AOT compile is still to run; docs/pods.md).
-POOL_PAGES = {"qwen3_8b": 4096, "llama3_1_8b": 4096, "qwen3_14b": 4096, "qwen3_30b_a3b": 2048}
+# Qwen3-30B-A3B: 1536, which compiles to fit beside the resident train state (its bf16
+# weights take 28.5 GiB per chip on tp=2; 2048 pages missed by 3.3 GiB; docs/moe.md).
+POOL_PAGES = {"qwen3_8b": 4096, "llama3_1_8b": 4096, "qwen3_14b": 4096, "qwen3_30b_a3b": 1536}
 
 
 def _variants(variant: str | None) -> set[str]:
