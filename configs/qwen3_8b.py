@@ -93,6 +93,54 @@ def _variants(variant: str | None) -> set[str]:
     return chosen
 
 
+def _data(c, preset: str, chosen) -> None:
+    """The DAPO-Math records with topics, the paper's prompt and the math-verify reward."""
+    c.data.schema = "record"  # cluster_topics.py output: DAPO records + topic
+    c.data.template = "answer"  # the paper's "Answer: $Answer" prompt
+    c.data.chat = True
+    c.data.max_prompt_len = 4096
+    c.data.on_overflow = "drop"
+    c.data.order = "topic"  # EBPO-topic, the paper's best curriculum
+    c.data.topics = "field"
+    c.data.reward = "math"
+    if "aot" not in chosen:
+        c.model.hf_path = CHECKPOINTS[preset]
+        c.data.path = "data/dapo_math_17k_topics.jsonl"
+        c.data.eval_path = EVAL_SETS
+    c.task.order = "topic"  # the aot variant's synthetic stream, same curriculum
+
+
+def _sampler_and_update(c, preset: str) -> None:
+    """The paged sampler's layout and the PPO update's optimizer and loss."""
+    c.sampler.max_new_tokens = 8192
+    c.sampler.temperature = 1.0
+    c.sampler.top_p = 1.0
+    c.sampler.top_k = 0
+    c.sampler.prompts_per_call = 512  # one call per step: see the comment block
+    c.sampler.slots = 0  # every row of the call at once: pages, not slots, bound concurrency
+    c.sampler.page_size = 128
+    c.sampler.kv_pages = 16 * POOL_PAGES[preset]  # per data shard x 16: see the comment block
+    c.sampler.mesh = "data=16,tp=2"
+
+    c.optimizer.learning_rate = 1e-6
+    c.optimizer.weight_decay = 0.01
+    c.optimizer.warmup_steps = 0
+    c.optimizer.schedule = "constant"
+    c.optimizer.clip_norm = 1.0
+
+    c.loss.ppo_epochs = 1
+    c.loss.num_minibatches = 4  # 512 / 128 prompts
+    c.loss.num_microbatches = 16  # one 12288-token row per chip on 32 chips
+    c.loss.clip_low = 0.2
+    c.loss.clip_high = 0.2
+    c.loss.dual_clip = 3.0  # the authors' runs (verl's clip_ratio_c = 3.0)
+    c.loss.agg = "token-mean"
+    c.loss.kl_coef = 0.001
+    c.loss.kl_estimator = "k3"
+    c.loss.entropy_coef = 0.0
+    c.loss.logits_chunk = 1024
+
+
 def recipe(preset: str, variant: str | None = None):
     """The paper's recipe around the model `preset` (shared by the 8B and 14B configs).
 
@@ -126,47 +174,8 @@ def recipe(preset: str, variant: str | None = None):
     c.model.overrides.remat = "full"
     c.model.overrides.attention = "splash"
 
-    c.data.schema = "record"  # cluster_topics.py output: DAPO records + topic
-    c.data.template = "answer"  # the paper's "Answer: $Answer" prompt
-    c.data.chat = True
-    c.data.max_prompt_len = 4096
-    c.data.on_overflow = "drop"
-    c.data.order = "topic"  # EBPO-topic, the paper's best curriculum
-    c.data.topics = "field"
-    c.data.reward = "math"
-    if "aot" not in chosen:
-        c.model.hf_path = CHECKPOINTS[preset]
-        c.data.path = "data/dapo_math_17k_topics.jsonl"
-        c.data.eval_path = EVAL_SETS
-    c.task.order = "topic"  # the aot variant's synthetic stream, same curriculum
-
-    c.sampler.max_new_tokens = 8192
-    c.sampler.temperature = 1.0
-    c.sampler.top_p = 1.0
-    c.sampler.top_k = 0
-    c.sampler.prompts_per_call = 512  # one call per step: see the comment block
-    c.sampler.slots = 0  # every row of the call at once: pages, not slots, bound concurrency
-    c.sampler.page_size = 128
-    c.sampler.kv_pages = 16 * POOL_PAGES[preset]  # per data shard x 16: see the comment block
-    c.sampler.mesh = "data=16,tp=2"
-
-    c.optimizer.learning_rate = 1e-6
-    c.optimizer.weight_decay = 0.01
-    c.optimizer.warmup_steps = 0
-    c.optimizer.schedule = "constant"
-    c.optimizer.clip_norm = 1.0
-
-    c.loss.ppo_epochs = 1
-    c.loss.num_minibatches = 4  # 512 / 128 prompts
-    c.loss.num_microbatches = 16  # one 12288-token row per chip on 32 chips
-    c.loss.clip_low = 0.2
-    c.loss.clip_high = 0.2
-    c.loss.dual_clip = 3.0  # the authors' runs (verl's clip_ratio_c = 3.0)
-    c.loss.agg = "token-mean"
-    c.loss.kl_coef = 0.001
-    c.loss.kl_estimator = "k3"
-    c.loss.entropy_coef = 0.0
-    c.loss.logits_chunk = 1024
+    _data(c, preset, chosen)
+    _sampler_and_update(c, preset)
 
     c.sft.steps = 0  # real checkpoints need no warm start
 
