@@ -1,6 +1,6 @@
 """Rollout speed: the paged engine vs the previous slot engine, and decode cost vs the longest row.
 
-Run: .venv/bin/python benchmarks/rollout_bench.py [--pairs 5] [--parts tail,longest,tiny,update]
+Run: .venv/bin/python benchmarks/rollout_bench.py [--pairs 5] [--parts tail,longest,tiny,update,turns]
 Each part prints ratios measured in this one process, as the median and range over
 `--pairs` alternating pairs (drift and load hit both sides alike), and the CPU model.
 The previous engine (static batch + `slots` continuous batching, one max-length KV cache per
@@ -15,6 +15,10 @@ temp module: it is no part of the package.
 3. tiny: configs/tiny.py's sampler shapes (32 prompts x 8 samples, 5 new tokens): paged
    generate vs the old static generate, seconds per call.
 4. update: update tokens/s padded vs packed (benchmarks/packed_bench.py, long-tail case).
+5. turns: multi-turn episodes (`--turns` turns of `--turn-tokens` drawn tokens, each but the
+   last followed by `--obs-tokens` observation tokens), rows keeping their KV pages
+   (sampler.TurnSession) vs every turn prefilling the episode so far (generate): tokens the
+   model runs per episode token (prompt + episode) for each, and seconds per batch.
 Compile time is excluded (one warm-up call each).
 """
 
@@ -276,6 +280,72 @@ def tiny(old, args):
     )
 
 
+def _episode_plan(args):
+    """Per turn k: the tokens drawn so far before it and the observation after it."""
+    T, O, K = args.turn_tokens, args.obs_tokens, args.turns
+    return [(k * (T + O), O if k < K - 1 else 0) for k in range(K)]
+
+
+def _kept_turns(config, params, tokens, lengths, spec, args):
+    """The episodes on one TurnSession, and the tokens the model ran (prefill + decode feeds)."""
+    B, N, T = len(lengths), spec.max_new_tokens, args.turn_tokens
+    rng = np.random.default_rng(1)
+    obs_BN = rng.integers(1, config.vocab_size, (B, N), dtype=np.int32)
+    session = sampler.TurnSession(config, spec)
+    gen = session.start(params, tokens, lengths, np.full(B, T), rng=jax.random.key(0))
+    ran = int(lengths.sum()) + int(session.stats.busy)
+    for start, O in _episode_plan(args)[:-1]:
+        mask = np.zeros((B, N), bool)
+        mask[:, start + T : start + T + O] = True
+        limit = np.full(B, start + T + O + T)
+        gen = session.resume(params, obs_BN, mask, np.ones(B, bool), limit)
+        ran += int(session.stats.busy)
+    return gen, ran
+
+
+def _reprefilled_turns(config, params, tokens, lengths, spec, args):
+    """The same episodes, each turn a generate call on the prompt and the episode so far, and
+    the tokens the model ran."""
+    B, N, T = len(lengths), spec.max_new_tokens, args.turn_tokens
+    rng = np.random.default_rng(1)
+    obs_BN = rng.integers(1, config.vocab_size, (B, N), dtype=np.int32)
+    ctx = np.concatenate([tokens, np.zeros((B, N), np.int32)], 1)
+    turn_spec, ran = spec._replace(max_new_tokens=T), 0
+    for k, (start, O) in enumerate(_episode_plan(args)):
+        key = jax.random.fold_in(jax.random.key(0), k)
+        gen, stats = sampler.generate_with_stats(
+            config, params, ctx, lengths + start, turn_spec, rng=key
+        )
+        ran += int(lengths.sum()) + B * start + int(stats.busy)
+        new = np.asarray(gen.tokens)
+        for b in range(B):  # the turn, then its observation, after the episode so far
+            at = lengths[b] + start
+            ctx[b, at : at + T] = new[b]
+            ctx[b, at + T : at + T + O] = obs_BN[b, start + T : start + T + O]
+    return gen, ran
+
+
+def turns(config, params, args):
+    """Forward tokens per episode token and seconds per batch, kept KV vs re-prefilled."""
+    width, B = 32, args.prompts
+    tokens, lengths = prompts_for(config, B, width)
+    plan = _episode_plan(args)
+    N = plan[-1][0] + args.turn_tokens
+    spec = sampler.SamplerSpec(max_new_tokens=N, sampling=sampler.Sampling(1.0))
+    episode = int(lengths.sum()) + B * N  # a single-turn row of the same total length
+    run_kept = lambda: _kept_turns(config, params, tokens, lengths, spec, args)
+    run_again = lambda: _reprefilled_turns(config, params, tokens, lengths, spec, args)
+    kept, reprefill = run_kept()[1], run_again()[1]
+    kept_s, again_s, ratios = pairs(lambda: run_kept()[0], lambda: run_again()[0], args.pairs)
+    print(
+        f"turns ({args.turns} x {args.turn_tokens} drawn + {args.obs_tokens} observed tokens, "
+        f"{B} rows): forward tokens per episode token kept {kept / episode:.2f} vs re-prefilled "
+        f"{reprefill / episode:.2f} (target <= 1.2); seconds per batch kept "
+        f"{statistics.median(kept_s):.2f} vs re-prefilled {statistics.median(again_s):.2f}: "
+        f"kept is {spread(ratios)} faster"
+    )
+
+
 def update_line(runs: int = 2):
     """Update tokens/s padded vs packed on the same long-tailed lengths (packed_bench)."""
     import packed_bench  # benchmarks/ is on sys.path when this file runs
@@ -297,7 +367,10 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=16, help="the old engine's slots")
     ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
-    ap.add_argument("--parts", default="tail,longest,tiny,update")
+    ap.add_argument("--turns", type=int, default=4, help="part turns: model turns")
+    ap.add_argument("--turn-tokens", type=int, default=32, help="part turns: tokens per turn")
+    ap.add_argument("--obs-tokens", type=int, default=16, help="part turns: per observation")
+    ap.add_argument("--parts", default="tail,longest,tiny,update,turns")
     ap.add_argument("--smoke", action="store_true", help="part longest at the smallest sizes")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -315,6 +388,8 @@ def main(argv=None):
         tiny(old, args)
     if "update" in parts:
         print(update_line())
+    if "turns" in parts:
+        turns(config, params, args)
 
 
 def smoke(args):
@@ -326,6 +401,8 @@ def smoke(args):
     params = models.init_params(config, jax.random.key(0))
     args.pairs = 1
     longest(config, params, args, rows=2, live=20, tops=(8, 16))
+    args.prompts, args.turns, args.turn_tokens, args.obs_tokens = 2, 2, 3, 2
+    turns(config, params, args)
 
 
 if __name__ == "__main__":

@@ -289,6 +289,11 @@ class Rollout:
     )
     max_turns: int = setting(1, "model turns per episode", at_least(1))
     turn_tokens: int = setting(0, "tokens per model turn; 0 = sampler.max_new_tokens")
+    keep_kv: bool = setting(
+        True,
+        "multi-turn rows keep their KV pages across turns (only observations are fed); "
+        "False: every turn prefills the episode so far",
+    )
     env_workers: int = setting(
         2, "environment worker processes; 0 = in the trainer's process", nonneg
     )

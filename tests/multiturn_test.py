@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flaky_env import Flaky
 
-from ebpo_jax import envs, sampler, schema
+from ebpo_jax import envs, models, sampler, schema
 from ebpo_jax.config import ConfigError
 from ebpo_jax.envs import Episode, Reply, calculator
 from ebpo_jax.envs.guess import reply_to
@@ -99,7 +99,7 @@ def _run(tok, env, prompts, answers, scripts, N, turns, T=0):
     gen = _scripted(tok, scripts, stops, N)
     with EnvPool(0) as pool:
         return episodes.run_episodes(
-            gen,
+            episodes.Reprefill(gen),
             _spec(N, turns, T),
             env,
             pool,
@@ -231,3 +231,55 @@ def test_bad_turn_fields_are_config_errors(field, value, message):
     c[section][name] = value
     with pytest.raises(ConfigError, match=message):
         resolve(c)
+
+
+class _Echo:
+    """A test environment: a turn ending on `stop` reads "<7" back, reward 1 per call."""
+
+    error_observation = "!"
+
+    def __init__(self, stop: str):
+        self.stop_sequences = (stop,)
+
+    def step(self, episode):
+        return envs.Reply("<7", reward=1.0)
+
+
+def test_kept_kv_episodes_equal_reprefilled_ones_greedy():
+    """Greedy episodes do not depend on the keys: keeping the KV pages across turns must give
+    the re-prefilled episodes token for token, running each episode token at most once."""
+    tok = guess.make_tokenizer()
+    config = models.get_config("tiny", vocab_size=tok.vocab_size, max_position_embeddings=48)
+    params = jax.tree.map(
+        lambda x: x * 4.0 if x.ndim > 1 else x, models.init_params(config, jax.random.key(3))
+    )
+    prompt_BT, plen_B = tok.encode_batch(["0-15=", "3-9=", "12-15=", "1="], add_bos=True)
+    greedy = schema.Sampler(max_new_tokens=20, temperature=0.0)
+    spec = dataclasses.replace(_spec(20, turns=4, T=6), sampler=greedy)
+    s_spec = episodes.turn_sampler_spec(spec, tok.eos_id, ())
+    free = np.asarray(
+        sampler.generate(config, params, prompt_BT, plen_B, s_spec, rng=jax.random.key(0)).tokens
+    )
+    # The stop: the text token these greedy rows emit most, so that rows call the environment.
+    env = _Echo(tok.decode([int(np.bincount(free[free >= 3]).argmax())]))
+    stops = episodes.stop_token_ids(tok, env)
+    prompts = episodes.EpisodePrompts(prompt_BT, plen_B, ["7"] * 4)
+    out = {}
+    for keep in (True, False):
+        ro = dataclasses.replace(spec.rollout, keep_kv=keep)
+        turns = episodes.make_turns(
+            dataclasses.replace(spec, rollout=ro), config, params, tok.eos_id, stops
+        )
+        with EnvPool(0) as pool:
+            out[keep] = episodes.run_episodes(
+                turns, spec, env, pool, tok, prompts, jax.random.key(2), tok.eos_id
+            )
+    kept, again = out[True], out[False]
+    assert kept.tool_calls.sum() >= 2  # the test exercises continued rows
+    for field in ("tokens", "action_mask", "lengths", "turns", "tool_calls", "env_reward"):
+        np.testing.assert_array_equal(getattr(kept, field), getattr(again, field), field)
+    np.testing.assert_allclose(kept.logprobs, again.logprobs, rtol=0, atol=1e-5)
+    ratio = {k: episodes.episode_metrics(e, e.env_reward, plen_B) for k, e in out.items()}
+    # Kept: each token once (a last observation of an episode that is over is never fed).
+    assert ratio[True]["episode/forward_token_ratio"] <= 1.0
+    assert ratio[False]["episode/forward_token_ratio"] > 1.2

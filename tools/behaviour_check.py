@@ -113,6 +113,11 @@ CASES = {
     "warm_stale1_kl": (WARM + KL + STALE, EIGHT),
     "warm_lora_stale1": (WARM + ["--config.model.lora.rank=4"] + STALE, EIGHT),
     "guess_multiturn": (["--config=configs/guess.py", *GUESS], {}),
+    # Turns that prefill the episode so far (the multi-turn path before KV was kept).
+    "guess_reprefill": (
+        ["--config=configs/guess.py", *GUESS, "--config.rollout.keep_kv=False"],
+        {},
+    ),
 }
 
 

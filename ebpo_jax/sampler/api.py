@@ -93,3 +93,56 @@ def generate_with_stats(
         gen, comp_routes = gen
         gen = (gen, {"prompt": prompt_routes[0], "comp": comp_routes})
     return gen, stats
+
+
+class TurnSession:
+    """Rows decoded over several calls with their KV pages kept (multi-turn episodes).
+
+    `start` prefills the prompts and runs every row's first turn; each `resume` feeds the
+    given tokens (an environment's observations) through the decode steps, as a row's own
+    tokens are, and decodes on, so nothing is prefilled twice. Both return every row's
+    episode so far as a Generation (given tokens with log-prob 0). Row r's token t is drawn
+    with fold_in(fold_in(rng, r), t) over the whole episode, as `generate` draws it.
+    """
+
+    def __init__(self, config, spec: SamplerSpec, *, mesh=None, data_axes=None):
+        self.config, self.spec = config, validated(spec, config.vocab_size)
+        self.mesh, self.data_axes = mesh, data_axes
+        self.state, self.static, self.stats = None, None, None
+
+    def start(self, params, prompt_tokens, prompt_lengths, row_limits, *, rng) -> Generation:
+        """Every row's first turn, up to row_limits [rows] tokens."""
+        spec = self.spec
+        _check_prompts(self.config, prompt_tokens, prompt_lengths, spec.max_new_tokens)
+        num_prompts, prompt_len = jnp.shape(prompt_tokens)
+        plan = engine.make_plan(
+            spec, num_prompts, prompt_len, self.mesh, self.data_axes, self.config.sharding_rules
+        )
+        engine.check_turns(spec, plan)
+        self.static = {"config": self.config, "spec": spec, "plan": plan}
+        self.rng, self.eos_E = rng, jnp.asarray(spec.eos_ids, jnp.int32).reshape(-1)
+        lengths_P = jnp.asarray(prompt_lengths, jnp.int32)
+        prefilled = engine.Prefilled(
+            *engine.prefill_jit(
+                params, jnp.asarray(prompt_tokens, jnp.int32), lengths_P, rng, **self.static
+            )
+        )
+        limit_R = jnp.asarray(row_limits, jnp.int32)
+        self.state, self.stats = engine.begin_turns_jit(
+            params, prefilled, lengths_P, rng, self.eos_E, limit_R, **self.static
+        )
+        return engine.turns_generation(self.state, spec=spec, plan=plan)
+
+    def resume(self, params, given_tokens, given_mask, go, row_limits) -> Generation:
+        """Rows `go` [rows] continue up to token row_limits [rows] of their episode; where
+        given_mask [rows, N] holds, given_tokens [rows, N] is fed instead of drawn."""
+        if self.state is None:
+            raise ValueError("TurnSession.resume before start")
+        given = engine.Given(
+            jnp.asarray(go, bool), jnp.asarray(row_limits, jnp.int32),
+            jnp.asarray(given_tokens, jnp.int32), jnp.asarray(given_mask, bool),
+        )  # fmt: skip
+        self.state, self.stats = engine.continue_turns_jit(
+            params, self.state, self.rng, self.eos_E, given, **self.static
+        )
+        return engine.turns_generation(self.state, spec=self.spec, plan=self.static["plan"])

@@ -220,14 +220,20 @@ def _record(st, out, tok_DS, logp_DS, experts_DSLk=None):
     return tokens_DRN, logps_DRN, gen_len_DR, routes_DRLNk
 
 
-def _finish(st, rows, tok_DS, eos_E, *, release=True):
-    """Rows that stopped are done (and release their pages); the others move to token t + 1."""
-    ends_DS = st.live_S & (jnp.isin(tok_DS, eos_E) | (st.t_S + 1 >= st.limit_S))
-    done_DR = jax.vmap(
-        lambda s, r, e: s.at[jnp.where(e, r, s.shape[0])].set(schedule.DONE, mode="drop")
-    )
+_done = jax.vmap(  # status DONE for the rows of the slots that end
+    lambda s, r, e: s.at[jnp.where(e, r, s.shape[0])].set(schedule.DONE, mode="drop")
+)
+
+
+def _finish(st, rows, tok_DS, eos_E, *, release=True, fed_DS=None):
+    """Rows that stopped are done (and release their pages); the others move to token t + 1.
+
+    fed_DS: tokens that were given, not sampled; a stop id among them stops nothing.
+    """
+    stop_DS = jnp.isin(tok_DS, eos_E) if fed_DS is None else jnp.isin(tok_DS, eos_E) & ~fed_DS
+    ends_DS = st.live_S & (stop_DS | (st.t_S + 1 >= st.limit_S))
     st = st._replace(
-        status_R=done_DR(st.status_R, st.row_S, ends_DS),
+        status_R=_done(st.status_R, st.row_S, ends_DS),
         t_S=st.t_S + st.live_S,
         prev_S=jnp.where(st.live_S, tok_DS, st.prev_S),
     )
@@ -272,16 +278,9 @@ def _decode_out(rows, logp_R, *, config, spec, plan) -> tuple:
     return layout.constrain_tree(out, plan.lead)
 
 
-def decode(
-    params, prefilled: Prefilled, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
-):
-    """Every row through the slots: (Generation, Stats).
-
-    spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
-    experts of each fed-back token (a row's last token, never fed back, keeps zeros).
-    """
-    D, Rd, S, N = plan.shards, plan.rows, plan.slots, spec.max_new_tokens
-    ps = spec.page_size
+def _begin(params, prefilled: Prefilled, lengths_P, eos_E, limit_R, *, config, spec, plan):
+    """The rows, the slots after the first admission, the pools and the output buffers."""
+    D, S, ps = plan.shards, plan.slots, spec.page_size
     rows = _decode_rows(prefilled, lengths_P, limit_R, spec=spec, plan=plan)
     init = functools.partial(
         schedule.init, slots=S, width=plan.width, max_pages=plan.max_pages, num_pages=plan.pages
@@ -289,9 +288,44 @@ def decode(
     st = layout.constrain_tree(jax.vmap(init, in_axes=(0, None))(rows, eos_E), plan.lead)
     out = _decode_out(rows, prefilled.logp_R, config=config, spec=spec, plan=plan)
     pools = layout.constrain_tree(pages.init_pools(config, D, plan.pages, ps), plan.lead)
+    st, pools = _admit(st, pools, prefilled.staged, rows, plan=plan, page_size=ps)
+    return rows, st, pools, out
+
+
+class Turns(NamedTuple):
+    """The engine's state between the turns of multi-turn rows: rows keep their pages."""
+
+    rows: schedule.Rows
+    st: schedule.Slots
+    pools: tuple
+    out: tuple  # tokens, log-probs, lengths [D, Rd(, N)]: every row's episode so far
+
+
+class Given(NamedTuple):
+    """What a continuing call gets per row [R]: whether it goes on, its token limit (absolute),
+    and the tokens fed instead of drawn, [R, N] where mask_RN holds."""
+
+    go_R: jax.Array
+    limit_R: jax.Array
+    tokens_RN: jax.Array
+    mask_RN: jax.Array
+
+
+def _force(st, forced, tok_DS, logp_DS):
+    """Tokens given for (row, t) replace the sampled ones (log-prob 0): fed, not drawn."""
+    tokens_DRN, mask_DRN = forced
+    at = jax.vmap(lambda x, r, t: x[r, jnp.minimum(t, x.shape[1] - 1)])
+    forced_DS = st.live_S & at(mask_DRN, st.row_S, st.t_S)
+    tok_DS = jnp.where(forced_DS, at(tokens_DRN, st.row_S, st.t_S), tok_DS)
+    return tok_DS, jnp.where(forced_DS, 0.0, logp_DS), forced_DS
+
+
+def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, config, spec, plan):
+    """Decode steps until no slot is live and no row waits: (Turns, Stats)."""
+    rows, st, pools, out = turns
+    D, Rd, S, ps = plan.shards, plan.rows, plan.slots, spec.page_size
     layers = models.split_layers(config, params) if layout.on_cpu(plan.lead) else None
-    admit = functools.partial(_admit, staged=prefilled.staged, rows=rows, plan=plan, page_size=ps)
-    st, pools = admit(st, pools)
+    admit = functools.partial(_admit, staged=staged, rows=rows, plan=plan, page_size=ps)
     row_offset_D1 = (Rd * jnp.arange(D))[:, None]
     s = spec.sampling
 
@@ -309,11 +343,14 @@ def decode(
         keys = selection.row_keys(rng, (st.row_S + row_offset_D1).reshape(-1), st.t_S.reshape(-1))
         tok_B, logp_B = selection.select_tokens(keys, logits_BV, **s._asdict())
         tok_DS, logp_DS = tok_B.reshape(D, S), logp_B.reshape(D, S)
+        fed_DS = None
+        if forced is not None:
+            tok_DS, logp_DS, fed_DS = _force(st, forced, tok_DS, logp_DS)
         out = _record(st, out, tok_DS, logp_DS, experts_DSLk)
         # The static batch with reserved pages: every row was admitted before the loop and
         # holds all its pages, so nothing is freed, grown or admitted inside it.
         static = plan.reserve and S == Rd
-        st = _finish(st, rows, tok_DS, eos_E, release=not static)
+        st = _finish(st, rows, tok_DS, eos_E, release=not static, fed_DS=fed_DS)
         if not plan.reserve:
             st = jax.vmap(functools.partial(schedule.grow, page_size=ps))(st, rows)
         if not static:
@@ -323,14 +360,93 @@ def decode(
 
     held = plan.pages - st.free_P.sum(-1).min()
     carry = (st, pools, out, jnp.int32(0), jnp.int32(0), held)
-    st, _, out, steps, busy, peak = jax.lax.while_loop(cond, body, carry)
-    tokens_DRN, logps_DRN, gen_len_DR, *routes = out
-    R = D * Rd
-    gen = Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))
-    if routes:
-        gen = (gen, routes[0].reshape(R, *routes[0].shape[2:]))
-    return gen, Stats(steps, busy, st.preempted.sum(), peak, S, plan.pages)
+    st, pools, out, steps, busy, peak = jax.lax.while_loop(cond, body, carry)
+    return Turns(rows, st, pools, out), Stats(steps, busy, st.preempted.sum(), peak, S, plan.pages)
+
+
+def _generation(out, plan, N) -> Generation:
+    tokens_DRN, logps_DRN, gen_len_DR = out[:3]
+    R = plan.shards * plan.rows
+    return Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))
+
+
+def decode(
+    params, prefilled: Prefilled, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
+):
+    """Every row through the slots: (Generation, Stats).
+
+    spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
+    experts of each fed-back token (a row's last token, never fed back, keeps zeros).
+    """
+    static = {"config": config, "spec": spec, "plan": plan}
+    turns = Turns(*_begin(params, prefilled, lengths_P, eos_E, limit_R, **static))
+    turns, stats = _loop(params, turns, prefilled.staged, rng, eos_E, **static)
+    out = turns.out
+    gen = _generation(out, plan, spec.max_new_tokens)
+    if spec.record_routing:
+        routes = out[3]
+        gen = (gen, routes.reshape(plan.shards * plan.rows, *routes.shape[2:]))
+    return gen, stats
+
+
+def check_turns(spec: SamplerSpec, plan: Plan) -> None:
+    """Rows that continue need their pages kept: the static batch with reserved pages."""
+    if not (plan.reserve and plan.slots == plan.rows) or spec.record_routing:
+        raise ValueError(
+            "rows continued across turns need slots=0, kv_pages=0 and no record_routing "
+            f"(got slots={spec.slots}, kv_pages={spec.kv_pages}, "
+            f"record_routing={spec.record_routing})"
+        )
+
+
+def begin_turns(params, prefilled, lengths_P, rng, eos_E, limit_R, *, config, spec, plan):
+    """The first turn of every row: (Turns, Stats). Every row is admitted, even one whose
+    token 0 ends its turn (a later turn may continue it)."""
+    static = {"config": config, "spec": spec, "plan": plan}
+    N = spec.max_new_tokens
+    never_E = jnp.full((1,), -1, jnp.int32)
+    rows, st, pools, out = _begin(
+        params, prefilled, lengths_P, never_E, jnp.full_like(limit_R, N), **static
+    )
+    rows = rows._replace(limit_R=limit_R.reshape(rows.limit_R.shape))
+    take = jax.vmap(lambda x, r: x[r])
+    limit_DS = take(rows.limit_R, st.row_S)
+    ends_DS = st.live_S & (jnp.isin(take(rows.first_R, st.row_S), eos_E) | (limit_DS <= 1))
+    st = st._replace(
+        limit_S=limit_DS,
+        live_S=st.live_S & ~ends_DS,
+        status_R=_done(st.status_R, st.row_S, ends_DS),
+    )
+    return _loop(params, Turns(rows, st, pools, out), prefilled.staged, rng, eos_E, **static)
+
+
+def continue_turns(params, turns: Turns, rng, eos_E, given: Given, *, config, spec, plan):
+    """Rows given.go_R decode on from where they stopped, up to their token limit, fed the
+    given tokens where given.mask_RN holds: (Turns, Stats)."""
+    D, Rd, N = plan.shards, plan.rows, spec.max_new_tokens
+    st = turns.st
+    take = jax.vmap(lambda x, r: x[r])
+    go_DR = given.go_R.reshape(D, Rd)
+    go_DS = take(go_DR, st.row_S)
+    st = st._replace(
+        live_S=go_DS,
+        limit_S=jnp.where(go_DS, take(given.limit_R.reshape(D, Rd), st.row_S), st.limit_S),
+        status_R=jnp.where(go_DR, schedule.RUNNING, st.status_R),
+    )
+    forced = (given.tokens_RN.reshape(D, Rd, N), given.mask_RN.reshape(D, Rd, N))
+    static = {"config": config, "spec": spec, "plan": plan}
+    # No row is admitted or freed inside the static batch: the prompt pages are not read.
+    return _loop(params, turns._replace(st=st), None, rng, eos_E, forced, **static)
+
+
+def turns_generation(turns: Turns, *, spec, plan) -> Generation:
+    """Every row's episode so far (model tokens and the forced ones) as a Generation."""
+    return _generation(turns.out, plan, spec.max_new_tokens)
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("config", "spec", "plan"))
 decode_jit = jax.jit(decode, static_argnames=("config", "spec", "plan"))
+begin_turns_jit = jax.jit(begin_turns, static_argnames=("config", "spec", "plan"))
+continue_turns_jit = jax.jit(
+    continue_turns, static_argnames=("config", "spec", "plan"), donate_argnames=("turns",)
+)

@@ -9,9 +9,12 @@ A model turn ends at EOS (the episode ends), at `rollout.turn_tokens` or the bud
 or on an environment stop sequence (the environment answers; `rollout.max_turns` model turns
 at most). The sampler stops on the last token of each stop sequence; a stop on that token
 without the whole sequence (`<calc>` for `</calc>`) continues the same turn in the next call.
-Rows finish independently: each sampler call decodes the live rows, finished rows get a
-one-token limit. The engine has no API to extend a finished row, so every call prefills the
-row's prompt and episode so far again (`episode/forward_token_ratio` measures the cost).
+Rows finish independently: each sampler call decodes the live rows. Two ways to run the
+model turns: `KeptKV` (`rollout.keep_kv`, the default) continues every row on a
+`sampler.TurnSession`, whose rows keep their KV pages across calls, so a turn feeds only the
+new observation through the model; `Reprefill` prefills each row's prompt and episode so far
+on every call (finished rows get a one-token limit). `episode/forward_token_ratio` measures
+what each costs: tokens the model ran per episode token.
 """
 
 from collections.abc import Callable
@@ -122,6 +125,80 @@ def _answer(rows: _Rows, calls, replies, tokenizer, spec: RolloutSpec, env) -> N
         rows.live[b] = fits and not over and rows.used[b] < rows.tokens.shape[1]
 
 
+class Turn(NamedTuple):
+    """One sampler call's new tokens per row (tokens[b, :lengths[b]]) and tokens prefilled."""
+
+    gen: sampler.Generation
+    prefilled: int
+
+
+class Reprefill:
+    """Model turns by `generate(context, lengths, limits, key) -> Generation`: each call
+    prefills the live rows' prompts and episodes so far (call c draws with fold_in(key, c))."""
+
+    def __init__(self, generate: Callable):
+        self.generate = generate
+
+    def __call__(self, rows: _Rows, prompts: "EpisodePrompts", limit_B, key, call: int) -> Turn:
+        ctx_BT = _context(rows, prompts.tokens_BT, prompts.lengths_B)
+        ctx_len_B = (prompts.lengths_B + rows.used).astype(np.int32)
+        limit_B = np.where(rows.live, limit_B, 1).astype(np.int32)
+        g = jax.device_get(self.generate(ctx_BT, ctx_len_B, limit_B, jax.random.fold_in(key, call)))
+        return Turn(g, int(ctx_len_B[rows.live].sum()))
+
+
+class KeptKV:
+    """Model turns on a `sampler.TurnSession`: the first call prefills the prompts, later ones
+    feed each row's new observation tokens and decode on from its kept pages. Row b's episode
+    token t is drawn with fold_in(fold_in(key, b), t)."""
+
+    def __init__(self, session: sampler.TurnSession, params):
+        self.session, self.params, self.fed_B = session, params, None
+
+    def __call__(self, rows: _Rows, prompts: "EpisodePrompts", limit_B, key, call: int) -> Turn:
+        upto_B = (rows.used + limit_B).astype(np.int32)
+        if self.fed_B is None:
+            g = self.session.start(
+                self.params, prompts.tokens_BT, prompts.lengths_B, upto_B, rng=key
+            )
+            fed = int(prompts.lengths_B.sum())
+        else:
+            pos_N = np.arange(rows.tokens.shape[1])[None]
+            new_BN = (pos_N >= self.fed_B[:, None]) & (pos_N < rows.used[:, None]) & ~rows.act
+            given_BN = new_BN & rows.live[:, None]
+            g = self.session.resume(self.params, rows.tokens, given_BN, rows.live, upto_B)
+            fed = int(given_BN.sum())
+        g = jax.device_get(g)
+        self.fed_B = np.asarray(g.lengths)
+        return Turn(_since(g, rows.used), fed)
+
+
+def _since(g: sampler.Generation, used_B) -> sampler.Generation:
+    """Each row's tokens from position used_B[b] on, moved to the front."""
+    N = g.tokens.shape[1]
+    idx_BN = np.minimum(used_B[:, None] + np.arange(N)[None], N - 1)
+    n_B = np.maximum(np.asarray(g.lengths) - used_B, 0).astype(np.int32)
+    keep_BN = np.arange(N)[None] < n_B[:, None]
+    take = lambda x: np.where(keep_BN, np.take_along_axis(np.asarray(x), idx_BN, 1), 0)
+    return sampler.Generation(take(g.tokens), take(g.logprobs), n_B)
+
+
+def make_turns(spec: RolloutSpec, model_config, params, eos_ids, extra_stops, *, mesh=None):
+    """The model's turns of one batch of episodes: KeptKV (`rollout.keep_kv`), whose session
+    decodes the whole episode budget, or Reprefill on `generate`, a turn per call."""
+    s_spec = turn_sampler_spec(spec, eos_ids, extra_stops)
+    if spec.rollout.keep_kv:
+        s_spec = s_spec._replace(max_new_tokens=spec.max_new_tokens)
+        return KeptKV(sampler.TurnSession(model_config, s_spec, mesh=mesh), params)
+
+    def generate(ctx_BT, len_B, limit_B, key):
+        return sampler.generate_with_stats(
+            model_config, params, ctx_BT, len_B, s_spec, rng=key, mesh=mesh, row_limits=limit_B
+        )[0]
+
+    return Reprefill(generate)
+
+
 def _context(rows: _Rows, prompt_BT, prompt_len_B):
     """[B, Tp + N] each row's prompt then its episode so far (what the next call prefills)."""
     B, N = rows.tokens.shape
@@ -147,11 +224,10 @@ class EpisodePrompts(NamedTuple):
 
 
 def run_episodes(
-    generate: Callable, spec: RolloutSpec, env: Environment, pool: EnvPool, tokenizer,
+    turns: Callable, spec: RolloutSpec, env: Environment, pool: EnvPool, tokenizer,
     prompts: EpisodePrompts, key, eos_ids,
 ) -> Episodes:  # fmt: skip
-    """B episodes: model turns by `generate(context, lengths, limits, key) -> Generation`,
-    environment replies by `pool`."""
+    """B episodes: model turns by `turns` (Reprefill or KeptKV), replies by `pool`."""
     prompt_BT, prompt_len_B, answers = prompts
     B = prompt_BT.shape[0]
     N, T = spec.max_new_tokens, spec.rollout.turn_tokens or spec.max_new_tokens
@@ -162,11 +238,9 @@ def run_episodes(
     for call in range(4 * spec.rollout.max_turns * max(1, -(-N // T))):  # a bound, never reached
         if not rows.live.any():
             break
-        ctx_BT = _context(rows, prompt_BT, prompt_len_B)
-        ctx_len_B = (prompt_len_B + rows.used).astype(np.int32)
-        limit_B = np.where(rows.live, np.minimum(T, N - rows.used), 1).astype(np.int32)
-        prefill += int(ctx_len_B[rows.live].sum())
-        g = jax.device_get(generate(ctx_BT, ctx_len_B, limit_B, jax.random.fold_in(key, call)))
+        limit_B = np.minimum(T, N - rows.used).astype(np.int32)
+        g, fed = turns(rows, prompts, limit_B, key, call)
+        prefill += fed
         calls = []
         for b in np.flatnonzero(rows.live):
             n = int(g.lengths[b])
@@ -192,7 +266,7 @@ def episode_metrics(ep: Episodes, rewards_B, prompt_len_B) -> dict[str, float]:
         "episode/tool_errors_mean": float(ep.tool_errors.mean()),
         "episode/tool_call_rate": float((ep.tool_calls > 0).mean()),
         "episode/observation_token_share": 1.0 - acts / total,
-        # Tokens the model ran per episode token: re-prefilling every turn vs 1.0 with KV kept.
+        # Tokens the model ran per episode token: > 1 when turns re-prefill, 1.0 with KV kept.
         "episode/forward_token_ratio": (ep.prefill_tokens + acts)
         / max(int(prompt_len_B.sum()) + total, 1),
     }

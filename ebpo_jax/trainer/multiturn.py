@@ -6,24 +6,15 @@ task's reward on the whole episode plus the environment's contributions.
 """
 
 import atexit
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax import sampler
 from ebpo_jax.envs.pool import EnvPool
 from ebpo_jax.spec import RolloutSpec
 from ebpo_jax.trainer import episodes
 from ebpo_jax.trainer.rollout import Rollout, all_same
-
-
-def _generate(model_config, sampler_spec, mesh, params, ctx_BT, len_B, limit_B, key):
-    gen, _ = sampler.generate_with_stats(
-        model_config, params, ctx_BT, len_B, sampler_spec, rng=key, mesh=mesh, row_limits=limit_B
-    )
-    return gen
 
 
 class MultiTurnRollout:
@@ -34,8 +25,9 @@ class MultiTurnRollout:
             raise ValueError("dapo.dynamic_sampling is not supported with multi-turn rollouts")
         self.spec, self.task = spec, task
         stops = episodes.stop_token_ids(task.tokenizer, task.env)
-        s_spec = episodes.turn_sampler_spec(spec, task.stop_ids, stops)
-        self.generate = functools.partial(_generate, task.model_config, s_spec, mesh)
+        self.turns = lambda params: episodes.make_turns(
+            spec, task.model_config, params, task.stop_ids, stops, mesh=mesh
+        )
         self.pool = EnvPool(spec.rollout.env_workers, timeout_s=spec.rollout.env_timeout_s)
         atexit.register(self.pool.close)
         self.reward = jax.jit(task.reward.fn) if task.reward.jittable else task.reward.fn
@@ -52,7 +44,7 @@ class MultiTurnRollout:
             episodes.answers_text(tok, rep(b.answer_tokens), rep(b.answer_lengths)),
         )
         ep = episodes.run_episodes(
-            functools.partial(self.generate, params), self.spec, self.task.env, self.pool, tok,
+            self.turns(params), self.spec, self.task.env, self.pool, tok,
             prompts, key, self.task.stop_ids,
         )  # fmt: skip
         ro = self._rollout(b, ep, np.zeros((P, G), np.float32))

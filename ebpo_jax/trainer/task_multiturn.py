@@ -10,19 +10,12 @@ import functools
 import jax
 import numpy as np
 
-from ebpo_jax import envs, sampler
+from ebpo_jax import envs
 from ebpo_jax.envs.pool import EnvPool
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.tasks import calc, encode_problems, guess
 from ebpo_jax.trainer import episodes, task_arithmetic
 from ebpo_jax.trainer.task import Task
-
-
-def _generate(model_config, sampler_spec, params, ctx_BT, len_B, limit_B, key):
-    gen, _ = sampler.generate_with_stats(
-        model_config, params, ctx_BT, len_B, sampler_spec, rng=key, row_limits=limit_B
-    )
-    return gen
 
 
 def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
@@ -32,7 +25,6 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
     sampling = dataclasses.replace(spec.rollout.sampler, temperature=ev.run.eval_temperature)
     ro = dataclasses.replace(spec.rollout, sampler=sampling)
     stops = episodes.stop_token_ids(tok, task.env)
-    s_spec = episodes.turn_sampler_spec(ro, task.stop_ids, stops)
     data = encode_problems(problems, tok)
     k = ev.samples_per_problem
     rep = lambda x: np.repeat(np.asarray(x), k, axis=0)
@@ -42,7 +34,9 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
     reward = jax.jit(reward_fn)
 
     def evaluate(params) -> dict[str, float]:
-        gen = functools.partial(_generate, task.model_config, s_spec, params)
+        turns = functools.partial(
+            episodes.make_turns, ro, task.model_config, params, task.stop_ids, stops
+        )
         scores = []
         with EnvPool(ro.rollout.env_workers, timeout_s=ro.rollout.env_timeout_s) as pool:
             for c, lo in enumerate(range(0, len(plen_B), ev.run.eval_batch_size)):
@@ -50,7 +44,7 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
                 key = jax.random.fold_in(jax.random.key(ev.run.seed), c)
                 prompts = episodes.EpisodePrompts(prompt_BT[sl], plen_B[sl], answers[sl])
                 ep = episodes.run_episodes(
-                    gen, ro, task.env, pool, tok, prompts, key, task.stop_ids
+                    turns(), ro, task.env, pool, tok, prompts, key, task.stop_ids
                 )
                 r = np.asarray(reward(ep.tokens, ep.lengths, ans_BA[sl], alen_B[sl]))
                 scores.append(r + ep.env_reward)
