@@ -228,6 +228,11 @@ class Task:
         "", 'a name in trainer.task\'s registry; "" = "math" with data.path, else "arithmetic"'
     )
     topics: str = setting("", 'comma-separated topic names; "" = every topic')
+    env: str = setting(
+        "",
+        "an environment (ebpo_jax.envs registry) that makes any family's rollouts multi-turn "
+        'episodes; "" = the family\'s own (calculator, guess) or none',
+    )
     max_difficulty: int = setting(0, "0 = every level", nonneg)
     seed: int = setting(
         0, "problem generation (the held-out split depends only on this)", int_at_least(0)
