@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_tiny_decode
 
 from ebpo_jax import aot_report, gpu_topology, models
 
@@ -168,21 +169,8 @@ def test_tiny_config_compiles_for_8xh100(tmp_path):
 def test_engine_decode_holds_one_pool_on_gpu():
     """The engine's decode for H100 keeps one pool: no per-step copy of it (XLA:GPU copies
     the operands of a lax.cond, which admitting rows once used)."""
-    from ebpo_jax import aot
-    from ebpo_jax.sampler import SamplerSpec, Sampling
-    from ebpo_jax.sharding import param_shardings
-
     _, _, devs = aot_report.topology_devices("8xH100")
     auto = (jax.sharding.AxisType.Auto,) * 2
     mesh = jax.sharding.Mesh(np.array(devs).reshape(4, 2), ("data", "tp"), axis_types=auto)
-    mc = models.get_config("tiny", head_dim=128, num_kv_heads=8, num_heads=16, dtype="bfloat16")
-    params = models.abstract_params(mc)
-    params = aot.abstract(params, param_shardings(mc, params, mesh))
-    spec = SamplerSpec(
-        max_new_tokens=64, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=16,
-        kv_pages=8192, attention="xla",
-    )  # fmt: skip
-    with jax.default_matmul_precision("default"):
-        _, decode, plan = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
-    pool = plan.pages * aot.page_bytes_per_chip(mc, 16, tp=2)
+    decode, pool = compile_tiny_decode(mesh, "xla")
     assert decode.memory_analysis().temp_size_in_bytes < 1.3 * pool
