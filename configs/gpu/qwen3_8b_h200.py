@@ -6,8 +6,8 @@ to JAX, AOT):
   with every row at once a call takes as many decode steps as its longest row, so fewer,
   larger calls read the weights fewer times. Prefill pages every prompt at the 4096-token
   padded width (18 GiB per GPU for 256 prompts, held through the call's decode) plus 48
-  GiB of temporaries; 512 prompts per call would need twice both, beside the 15 GiB
-  resident train state.
+  GiB of temporaries; 512 prompts per call would need about twice both (not compiled),
+  beside the 15 GiB resident train state.
 - kv_pages 36864 (one data shard): 81 GiB per GPU at 2.25 MiB a page (see qwen3_8b_h100.py),
   about 4x the 8.3k pages the 1024 rows hold at once at the README's length distribution
   (`step_estimate.paged`), so a long tail seldom preempts. Decode compiles to the pool plus
