@@ -281,6 +281,11 @@ class Sampler:
         "KV pages per sampler call; 0 = every slot's longest row",
         int_at_least(0, " (0 = enough for every slot)"),
     )
+    attention: str = setting(
+        "auto",
+        "paged decode attention: auto (the platform's Pallas kernel), xla, pallas_tpu, pallas_gpu",
+        one_of(lazy="ebpo_jax.sampler.spec:ATTENTION_IMPLS"),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

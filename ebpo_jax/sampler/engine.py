@@ -156,8 +156,10 @@ def _admit(st, pools, staged, rows, *, plan, page_size):
     admit = functools.partial(schedule.admit, page_size=page_size, reserve=plan.reserve)
     st, copy = jax.vmap(admit)(st, rows)
     admitted = jnp.any(copy.own_C < plan.pages)
-    copy_all = lambda p: jax.vmap(_copy_prompts)(p, staged, copy)
-    pools = jax.lax.cond(admitted, copy_all, lambda p: p, pools)
+    copy_all = lambda _, p: jax.vmap(_copy_prompts)(p, staged, copy)
+    # A loop of 0 or 1 trips, not lax.cond: XLA:GPU copies a conditional's operands (every
+    # pool, at every step), while a loop updates its carry in place.
+    pools = jax.lax.fori_loop(0, admitted.astype(jnp.int32), copy_all, pools)
     return st, layout.constrain_tree(pools, plan.lead)
 
 

@@ -68,6 +68,7 @@ def turn_sampler_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.Sample
         eos_ids=tuple(int(e) for e in np.atleast_1d(eos_ids)) + tuple(extra_stops),
         sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
         page_size=spec.sampler.page_size,
+        attention=spec.sampler.attention,
     )
 
 
