@@ -7,6 +7,10 @@ over its own pages (sampler.attention), samples, then frees the pages of rows th
 gives growing rows their next page and refills free slots (sampler.schedule). With a slot
 per row it is the static batch. Row r's token t is drawn with fold_in(fold_in(rng, r), t),
 so a row's tokens do not depend on the slots, the pages or the rows around it.
+
+Multi-turn rows (begin_turns, continue_turns) run the same loop on the static batch with
+reserved pages, and keep its state (`Turns`) between calls: a continued row is fed the tokens
+it is given (an environment's observation) as if it had drawn them, then draws on.
 """
 
 import functools
@@ -367,6 +371,7 @@ def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, config, spec
 
 
 def _generation(out, plan, N) -> Generation:
+    """The output buffers [D, Rd, ...] as a Generation over all rows."""
     tokens_DRN, logps_DRN, gen_len_DR = out[:3]
     R = plan.shards * plan.rows
     return Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))
