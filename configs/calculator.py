@@ -4,12 +4,11 @@ value from the environment and answers after "#". The SFT warm start shows the t
 quarter of the problems; EBPO can raise the tool-call rate and the pass rate.
 """
 
-from configs import reasoning
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def get_config():
-    c = reasoning.get_config()
+    c = load_sibling(__file__, "reasoning.py").get_config()
     c.unlock()
     c.workdir = "/tmp/ebpo_runs/calculator"
     c.task.family = "calculator"

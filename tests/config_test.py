@@ -232,3 +232,22 @@ def test_custom_estimator_options_and_model_overrides_are_typed_and_hashable():
         ConfigError, match=r"model.overrides: unknown ModelConfig field\(s\) \['num_layerz'\]"
     ):
         validate(c)
+
+
+def test_shipped_configs_load_without_the_repo_on_the_path(tmp_path):
+    """experiments/train.py loads a config by path with only experiments/ on sys.path: a
+    config that imports `configs.x` as a package fails there (use config.load_sibling)."""
+    script = tmp_path / "load_all.py"
+    script.write_text(
+        "import importlib.util, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    spec = importlib.util.spec_from_file_location('cfg', path)\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    paths = [os.path.abspath(p) for p in _CONFIG_FILES]
+    out = subprocess.run(
+        [sys.executable, str(script), *paths], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
