@@ -291,14 +291,23 @@ def test_kept_kv_episodes_equal_reprefilled_ones_greedy():
 def test_task_env_gives_any_family_episodes():
     from ebpo_jax.trainer import task as task_module
 
+    tokenizers = {"calc_chars": calc.make_tokenizer(), "guess_chars": guess.make_tokenizer()}
+
     @task_module.register("single_turn_for_env_test")
     def build(spec, *, mesh=None, log=print):
-        return task_module.Task(*[None] * len(task_module.Task._fields))
+        fields = dict.fromkeys(task_module.Task._fields)
+        return task_module.Task(**fields | {"tokenizer": tokenizers[spec.tokenizer]})
 
-    spec = types.SimpleNamespace(family="single_turn_for_env_test", task=schema.Task())
+    spec = types.SimpleNamespace(
+        family="single_turn_for_env_test", task=schema.Task(), tokenizer="calc_chars"
+    )
     assert task_module.build_task(spec).env is None
     spec.task = schema.Task(env="calculator")
     assert isinstance(task_module.build_task(spec).env, calculator.Calculator)
     spec.task = schema.Task(env="nope")
     with pytest.raises(ConfigError, match="environment 'nope' is not one of"):
+        task_module.build_task(spec)
+    # guess's alphabet has no "c": "</calc>" cannot be a stop sequence of its rows.
+    spec.task, spec.tokenizer = schema.Task(env="calculator"), "guess_chars"
+    with pytest.raises(ConfigError, match="cannot write its stop sequence '</calc>'"):
         task_module.build_task(spec)

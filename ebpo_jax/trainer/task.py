@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from ebpo_jax import envs, models
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import TaskSpec
+from ebpo_jax.trainer import episodes
 
 
 class Reward(NamedTuple):
@@ -80,8 +81,26 @@ def build_task(spec: TaskSpec, *, mesh=None, log=print) -> Task:
     """The Task `spec` describes."""
     task = get(spec.family)(spec, mesh=mesh, log=log)
     if spec.task.env:  # episodes with this environment, whatever the family
-        task = task._replace(env=envs.get(spec.task.env))
+        task = task._replace(env=_checked_env(spec.task.env, task.tokenizer))
     return task
+
+
+def _checked_env(name: str, tokenizer):
+    """Environment `name`, once the task's tokenizer can write each of its stop sequences."""
+    env = envs.get(name)
+    for stop in env.stop_sequences:
+        try:
+            ids = episodes.encode_text(tokenizer, stop)
+        except ValueError as e:
+            ids, why = [], f" ({e})"
+        else:
+            why = ""
+        if not ids:
+            raise ConfigError(
+                f"task.env={name!r}: the task's tokenizer cannot write its stop sequence "
+                f"{stop!r}{why}"
+            )
+    return env
 
 
 def model_config_from(model_spec, vocab_size: int) -> models.ModelConfig:
