@@ -5,12 +5,11 @@ of the problems (the observation off its loss, tasks/calc.py); a tool episode su
 more often than a written chain, and EBPO learns to call the tool.
 """
 
-from configs import reasoning
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def get_config():
-    c = reasoning.get_config()
+    c = load_sibling(__file__, "reasoning.py").get_config()
     c.unlock()
     c.workdir = "/tmp/ebpo_runs/calculator"
     c.task.family = "calculator"

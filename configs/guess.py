@@ -3,12 +3,11 @@ ebpo_jax.tasks.guess): up to 5 guesses of 3 tokens, each answered "<", ">" or "=
 The SFT transcripts mix bisection with random guesses; EBPO can learn to bisect.
 """
 
-from configs import reasoning
-from ebpo_jax.config import finalize
+from ebpo_jax.config import finalize, load_sibling
 
 
 def get_config():
-    c = reasoning.get_config()
+    c = load_sibling(__file__, "reasoning.py").get_config()
     c.unlock()
     c.workdir = "/tmp/ebpo_runs/guess"
     c.task.family = "guess"

@@ -74,7 +74,7 @@ EVAL_SETS = (
 )
 
 
-VARIANTS = ("paper", "authors", "aot")
+VARIANTS = ("paper", "authors", "aot", "multiturn")
 # KV pages of 128 tokens per data shard of the v5p-64 sampler mesh (data=16 x tp=2).
 # Qwen3-30B-A3B: 1536, which compiles to fit beside the resident train state (its bf16
 # weights take 28.5 GiB per chip on tp=2; 2048 pages missed by 3.3 GiB; docs/moe.md).
@@ -141,12 +141,28 @@ def _sampler_and_update(c, preset: str) -> None:
     c.loss.logits_chunk = 1024
 
 
+def _multiturn(c) -> None:
+    """Episodes with the calculator tool: 4 model turns of up to 2048 tokens in the same
+    8192-token budget. A continued row keeps its KV pages (sampler.TurnSession): every row of
+    a call reserves its whole episode (96 pages of 128 tokens), so a call is 256 prompts x 4
+    (64 rows per data shard, 6144 pages, 54 GiB per chip) and a step 2 calls; the first turn
+    (prefill's pages + the pool + the train state) peaks at 84.4 of 95 GiB per chip on
+    v5p-64; 512 prompts per call would need a 108 GiB pool per chip (docs/pods.md)."""
+    c.task.env = "calculator"
+    c.rollout.max_turns = 4
+    c.rollout.turn_tokens = 2048
+    c.rollout.env_workers = 16
+    c.sampler.prompts_per_call = 256
+    c.sampler.kv_pages = 0  # each row's whole episode, reserved at admission
+
+
 def recipe(preset: str, variant: str | None = None):
     """The paper's recipe around the model `preset` (shared by the 8B and 14B configs).
 
     variant "paper" (default): the carried prior; "authors": the released code's per-batch
     statistics with mu_glob = mean of group means; "aot": no data or checkpoint paths (the
-    synthetic tasks at the same shapes). Comma-separated, e.g. "authors,aot".
+    synthetic tasks at the same shapes); "multiturn": episodes with a calculator tool.
+    Comma-separated, e.g. "authors,aot".
     """
     chosen = _variants(variant)
     from ebpo_jax.models import PRESETS
@@ -176,6 +192,8 @@ def recipe(preset: str, variant: str | None = None):
 
     _data(c, preset, chosen)
     _sampler_and_update(c, preset)
+    if "multiturn" in chosen:
+        _multiturn(c)
 
     c.sft.steps = 0  # real checkpoints need no warm start
 

@@ -26,8 +26,10 @@ from ebpo_jax.aot_report import (
     update_flops,
 )
 from ebpo_jax.hardware import GiB
+from ebpo_jax.sampler import engine
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
+from ebpo_jax.trainer import episodes
 from ebpo_jax.trainer.rollout import make_rollout_fn, sampler_spec_of
 from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.shardings import make_sampler_mesh, make_shardings
@@ -112,13 +114,8 @@ def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
-def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
-    """The engine's jitted prefill and decode (sampler.SamplerSpec `spec`) on `mesh`.
-
-    Returns (prefill, decode, plan): the Plan says the pool's pages per shard and the slots.
-    """
-    from ebpo_jax.sampler import engine
-
+def _sampler_inputs(spec, mc, mesh, prompts: int, prompt_len: int):
+    """The plan and abstract (rng, prompts, lengths, stop ids) of one sampler call on mesh."""
     plan = engine.make_plan(spec, prompts, prompt_len, mesh, None, mc.sharding_rules)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     prompt_sh = plan.prompt_lead or rep
@@ -126,20 +123,60 @@ def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
     rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
     prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=prompt_sh)
     lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=prompt_sh)
+    eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
+    return plan, (rng, prompt_PT, lengths_P, eos)
+
+
+def _outputs(lowered, compiled):
+    """A compiled program's outputs as abstract arrays with their shardings."""
+    out = lowered.out_info
+    leaves = [
+        jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
+        for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(compiled.output_shardings))
+    ]
+    return jax.tree.unflatten(jax.tree.structure(out), leaves)
+
+
+def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
+    """The engine's jitted prefill and decode (sampler.SamplerSpec `spec`) on `mesh`.
+
+    Returns (prefill, decode, plan): the Plan says the pool's pages per shard and the slots.
+    """
+    plan, (rng, prompt_PT, lengths_P, eos) = _sampler_inputs(spec, mc, mesh, prompts, prompt_len)
     static = {"config": mc, "spec": spec, "plan": plan}
     with jax.set_mesh(mesh):
-        prefill = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
-        out = prefill.out_info
-        prefill = prefill.compile()
-        outs = [
-            jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
-            for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(prefill.output_shardings))
-        ]
-        prefilled = engine.Prefilled(*jax.tree.unflatten(jax.tree.structure(out), outs))
-        eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
+        lowered = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
+        prefill = lowered.compile()
+        prefilled = engine.Prefilled(*_outputs(lowered, prefill))
         decode = engine.decode_jit.lower(params, prefilled, lengths_P, rng, eos, **static)
         decode = decode.compile()
     return prefill, decode, plan
+
+
+def compile_turns(spec, mc, mesh, params, rows: int, prompt_len: int):
+    """The multi-turn sampler (sampler.TurnSession, one row per prompt) on `mesh`: its
+    prefill, first turn and continued turn, compiled. Returns (prefill, begin, resume, plan)."""
+    plan, (rng, prompt_PT, lengths_P, eos) = _sampler_inputs(spec, mc, mesh, rows, prompt_len)
+    engine.check_turns(spec, plan)
+    static = {"config": mc, "spec": spec, "plan": plan}
+    per_row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=lengths_P.sharding)
+    N = spec.max_new_tokens
+    with jax.set_mesh(mesh):
+        lowered = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
+        prefill = lowered.compile()
+        prefilled = engine.Prefilled(*_outputs(lowered, prefill))
+        limit_R = per_row((rows,), np.int32)
+        lowered = engine.begin_turns_jit.lower(
+            params, prefilled, lengths_P, rng, eos, limit_R, **static
+        )
+        begin = lowered.compile()
+        turns = _outputs(lowered, begin)[0]
+        given = engine.Given(
+            per_row((rows,), bool), limit_R, per_row((rows, N), np.int32), per_row((rows, N), bool)
+        )
+        resume = engine.continue_turns_jit.lower(params, turns, rng, eos, given, **static)
+        resume = resume.compile()
+    return prefill, begin, resume, plan
 
 
 def page_bytes_per_chip(mc, page_size: int, tp: int) -> int:
@@ -295,7 +332,7 @@ def run(
         return reports, meta
     params = _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh)
     abstract_params = abstract(params, step.sh.sampler_params)
-    prompts = sampler_prompts or spec.rollout.prompts
+    prompts = sampler_prompts or spec.rollout.prompts_per_call
     paged = _compile_sampler_programs(
         attempt, reports, spec.rollout, mc, (s_mesh, abstract_params), prompts, prompt_len
     )
@@ -307,6 +344,8 @@ def run(
 def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
     """Compile the sampler's prefill and decode on `on` = (sampler mesh, abstract params);
     returns the paged KV cache's report fields (None when prefill does not fit)."""
+    if ro.rollout.max_turns > 1:
+        return _compile_turn_programs(attempt, reports, ro, mc, on, prompts, prompt_len)
     s_mesh, params = on
     calls = math.ceil(ro.prompts / prompts)
     note = f"{prompts} prompts x {ro.group_size} per call, {calls} call(s) per step"
@@ -323,6 +362,30 @@ def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt
     if attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is None:
         return None
     attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
+    reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
+    return paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
+
+
+def _compile_turn_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
+    """Multi-turn episodes: the TurnSession's prefill, first and continued turn on `on`, for
+    a call of prompts x G rows (the host turn loop runs between them)."""
+    s_mesh, params = on
+    rows = prompts * ro.group_size
+    note = f"{rows} episodes per call, {math.ceil(ro.prompts / prompts)} call(s) per step"
+    s_spec = episodes.session_spec(ro, 1, ())
+    sflops = sampler_flops(mc, rows, 1, prompt_len, ro.max_new_tokens)
+    compiled = {}
+
+    def programs():
+        names = ("prefill", "begin", "resume", "plan")
+        compiled.update(zip(names, compile_turns(s_spec, mc, s_mesh, params, rows, prompt_len)))
+        return compiled["prefill"]
+
+    if attempt("sampler prefill", s_mesh, sflops["prefill"], note, programs) is None:
+        return None
+    attempt("sampler first turn", s_mesh, sflops["decode"], note, lambda: compiled["begin"])
+    attempt("sampler decode", s_mesh, sflops["decode"], "a continued turn: " + note,
+            lambda: compiled["resume"])  # fmt: skip
     reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
     return paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
 

@@ -228,6 +228,11 @@ class Task:
         "", 'a name in trainer.task\'s registry; "" = "math" with data.path, else "arithmetic"'
     )
     topics: str = setting("", 'comma-separated topic names; "" = every topic')
+    env: str = setting(
+        "",
+        "an environment (ebpo_jax.envs registry) that makes any family's rollouts multi-turn "
+        'episodes; "" = the family\'s own (calculator, guess) or none',
+    )
     max_difficulty: int = setting(0, "0 = every level", nonneg)
     seed: int = setting(
         0, "problem generation (the held-out split depends only on this)", int_at_least(0)
@@ -275,6 +280,11 @@ class Sampler:
         0,
         "KV pages per sampler call; 0 = every slot's longest row",
         int_at_least(0, " (0 = enough for every slot)"),
+    )
+    attention: str = setting(
+        "auto",
+        "paged decode attention: auto (the platform's Pallas kernel), xla, pallas_tpu, pallas_gpu",
+        one_of(lazy="ebpo_jax.sampler.spec:ATTENTION_IMPLS"),
     )
 
 

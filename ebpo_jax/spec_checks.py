@@ -314,12 +314,16 @@ def _turns(c: Config) -> None:
         isinstance(t, int) and 0 <= t <= n,
         f"rollout.turn_tokens={t!r} must be in [0, sampler.max_new_tokens={n}]",
     )
-    if c.task.family not in MULTI_TURN_FAMILIES:
-        return
+    with_env = c.task.family in MULTI_TURN_FAMILIES or bool(c.task.env)
     need(
-        c.rollout.max_turns >= 2,
-        f"task.family={c.task.family!r} is multi-turn: set rollout.max_turns >= 2",
+        with_env or c.rollout.max_turns == 1,
+        f"rollout.max_turns={c.rollout.max_turns} needs an environment: set task.env or a "
+        f"multi-turn task.family {MULTI_TURN_FAMILIES}",
     )
+    if not with_env:
+        return
+    what = f"task.env={c.task.env!r}" if c.task.env else f"task.family={c.task.family!r}"
+    need(c.rollout.max_turns >= 2, f"{what} is multi-turn: set rollout.max_turns >= 2")
     need(
         not c.dapo.dynamic_sampling,
         "dapo.dynamic_sampling is not supported with multi-turn rollouts",

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_tiny_decode
 
 from ebpo_jax import aot_report, gpu_topology, models
 
@@ -161,3 +162,15 @@ def test_tiny_config_compiles_for_8xh100(tmp_path):
     for p in report["programs"]:
         assert p["fits"] and p["hbm_bytes"] == budget and p["argument_bytes"] > 0
     assert report["programs"][0]["peak_flops"] == 989e12
+
+
+@needs_cuda
+@pytest.mark.slow
+def test_engine_decode_holds_one_pool_on_gpu():
+    """The engine's decode for H100 keeps one pool: no per-step copy of it (XLA:GPU copies
+    the operands of a lax.cond, which admitting rows once used)."""
+    _, _, devs = aot_report.topology_devices("8xH100")
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    mesh = jax.sharding.Mesh(np.array(devs).reshape(4, 2), ("data", "tp"), axis_types=auto)
+    decode, pool = compile_tiny_decode(mesh, "xla")
+    assert decode.memory_analysis().temp_size_in_bytes < 1.3 * pool

@@ -99,7 +99,22 @@ def tiny_config_file(tmp_path_factory):
     return root, path
 
 
-def test_tiny_config_compiles_for_tpu_v5e_2x2(tiny_config_file, tmp_path):
+MULTI_TURN = ["--config.task.env=calculator", "--config.rollout.max_turns=2"]
+
+
+@pytest.mark.parametrize(
+    "extra,programs",
+    [
+        ([], ["sampler decode"]),
+        pytest.param(
+            MULTI_TURN,
+            ["sampler first turn", "sampler decode"],
+            marks=pytest.mark.slow,
+            id="multiturn",
+        ),
+    ],
+)
+def test_tiny_config_compiles_for_tpu_v5e_2x2(tiny_config_file, tmp_path, extra, programs):
     reason = aot.libtpu_available()
     if reason:
         pytest.skip(f"no TPU compiler here: {reason}")
@@ -113,13 +128,14 @@ def test_tiny_config_compiles_for_tpu_v5e_2x2(tiny_config_file, tmp_path):
         "--prompt_len=16",
         "--sampler_mesh=data=4",
         f"--out={out}",
+        *extra,
     ]
     run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["chip_topology"] == "v5e:2x2" and report["device_kind"] == "TPU v5 lite"
     names = [p["name"] for p in report["programs"]]
-    assert names == ["train update", "reshard weights", "sampler prefill", "sampler decode"]
+    assert names == ["train update", "reshard weights", "sampler prefill", *programs]
     for p in report["programs"]:
         assert p["fits"] and p["hbm_bytes"] == 16 * 2**30
         assert p["argument_bytes"] > 0

@@ -49,6 +49,7 @@ BAD = [
     ("sampler.top_k", -5, "sampler.top_k must be an int >= 0"),
     ("sampler.page_size", 0, "sampler.page_size must be an int >= 1, got 0"),
     ("sampler.kv_pages", -1, "sampler.kv_pages must be an int >= 0 .*, got -1"),
+    ("sampler.attention", "triton", r"sampler.attention='triton' is not one of"),
     ("loss.kl_estimator", "k9", r"loss.kl_estimator='k9' is not one of"),
     ("sampler.max_new_tokens", 40, r"sampler.max_new_tokens=40: .* the model has 32"),
     ("log_samples_every", -1, "log_samples_every must be >= 0"),
@@ -180,6 +181,21 @@ def test_every_shipped_config_validates(path):
     validate(config)
 
 
+def test_gpu_sampler_settings_reach_the_sampler_spec():
+    """The 8xH200 config's pool, calls and attention are what a sampler call is given."""
+    from ebpo_jax.spec import resolve
+    from ebpo_jax.trainer.rollout import sampler_spec_of
+
+    path = os.path.join(os.path.dirname(__file__), "..", "configs", "gpu", "qwen3_8b_h200.py")
+    module_spec = importlib.util.spec_from_file_location("h200_config", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    rollout = resolve(module.get_config("aot"), 8).rollout
+    s = sampler_spec_of(rollout, 1)
+    assert (s.attention, s.kv_pages, s.page_size, s.slots) == ("xla", 36864, 128, 0)
+    assert rollout.prompts_per_call == 256
+
+
 def test_every_schema_field_has_a_doc_and_the_defaults_round_trip():
     """Each setting is declared once with a doc; default_config() parses back to the schema's
     defaults, and its JSON is what config.json holds."""
@@ -216,3 +232,22 @@ def test_custom_estimator_options_and_model_overrides_are_typed_and_hashable():
         ConfigError, match=r"model.overrides: unknown ModelConfig field\(s\) \['num_layerz'\]"
     ):
         validate(c)
+
+
+def test_shipped_configs_load_without_the_repo_on_the_path(tmp_path):
+    """experiments/train.py loads a config by path with only experiments/ on sys.path: a
+    config that imports `configs.x` as a package fails there (use config.load_sibling)."""
+    script = tmp_path / "load_all.py"
+    script.write_text(
+        "import importlib.util, sys\n"
+        "for path in sys.argv[1:]:\n"
+        "    spec = importlib.util.spec_from_file_location('cfg', path)\n"
+        "    spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    paths = [os.path.abspath(p) for p in _CONFIG_FILES]
+    out = subprocess.run(
+        [sys.executable, str(script), *paths], cwd=tmp_path, env=env, capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]

@@ -65,3 +65,25 @@ def forward_cached(
 
     slots = models.CacheSlots(start, positions, kv_mask_BS, kv_len_B)
     return models.forward_cached(config, params, tokens, cache, slots, **kw)
+
+
+def compile_tiny_decode(mesh, attention: str):
+    """The engine's decode compiled on a (data, tp) `mesh` for a tiny model with 8 kv heads
+    and a pool of 8192 pages of 16 tokens: (compiled decode, the pool's bytes per chip)."""
+    import jax
+
+    from ebpo_jax import aot, models
+    from ebpo_jax.sampler import SamplerSpec, Sampling
+    from ebpo_jax.sharding import param_shardings
+
+    mc = models.get_config("tiny", head_dim=128, num_kv_heads=8, num_heads=16, dtype="bfloat16")
+    params = models.abstract_params(mc)
+    params = aot.abstract(params, param_shardings(mc, params, mesh))
+    spec = SamplerSpec(
+        max_new_tokens=64, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=16,
+        kv_pages=8192, attention=attention,
+    )  # fmt: skip
+    with jax.default_matmul_precision("default"):
+        _, decode, plan = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
+    tp = dict(mesh.shape).get("tp", 1)
+    return decode, plan.pages * aot.page_bytes_per_chip(mc, 16, tp=tp)

@@ -5,6 +5,7 @@ import dataclasses
 import os
 import pathlib
 import time
+import types
 
 import jax
 import numpy as np
@@ -233,6 +234,8 @@ def test_readme_environment_example_runs_in_the_pool(tmp_path, monkeypatch):
         ("rollout.env_workers", -1, "rollout.env_workers must be >= 0"),
         ("rollout.env_timeout_s", 0.0, "rollout.env_timeout_s must be > 0"),
         ("task.family", "guess", r"task.family='guess' is multi-turn: set rollout.max_turns >= 2"),
+        ("task.env", "guess", r"task.env='guess' is multi-turn: set rollout.max_turns >= 2"),
+        ("rollout.max_turns", 3, "rollout.max_turns=3 needs an environment: set task.env"),
     ],
 )
 def test_bad_turn_fields_are_config_errors(field, value, message):
@@ -297,3 +300,19 @@ def test_kept_kv_episodes_equal_reprefilled_ones_greedy():
     # Kept: each token once (a last observation of an episode that is over is never fed).
     assert ratio[True]["episode/forward_token_ratio"] <= 1.0
     assert ratio[False]["episode/forward_token_ratio"] > 1.2
+
+
+def test_task_env_gives_any_family_episodes():
+    from ebpo_jax.trainer import task as task_module
+
+    @task_module.register("single_turn_for_env_test")
+    def build(spec, *, mesh=None, log=print):
+        return task_module.Task(*[None] * len(task_module.Task._fields))
+
+    spec = types.SimpleNamespace(family="single_turn_for_env_test", task=schema.Task())
+    assert task_module.build_task(spec).env is None
+    spec.task = schema.Task(env="calculator")
+    assert isinstance(task_module.build_task(spec).env, calculator.Calculator)
+    spec.task = schema.Task(env="nope")
+    with pytest.raises(ConfigError, match="environment 'nope' is not one of"):
+        task_module.build_task(spec)

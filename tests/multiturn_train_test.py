@@ -45,6 +45,7 @@ def test_multiturn_resume_equals_uninterrupted(tmp_path):
     assert full == _rows(tmp_path / "resumed")
     assert all(r["episode/turns_mean"] >= 1 for r in full[1:])
     assert any(0 < r["episode/observation_token_share"] < 1 for r in full[1:])
+    assert all(r["episode/forward_token_ratio"] <= 1.0 for r in full[1:])  # KV kept
     a, b = (load_params(str(tmp_path / n)) for n in ("full", "resumed"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
     lines = (tmp_path / "full" / "samples.jsonl").read_text().splitlines()

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import compile_tiny_decode
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -253,20 +254,6 @@ def test_gpu_kernel_compiles_for_h200():
 def test_engine_decode_keeps_one_pool_in_the_kernels_layout():
     """The engine's decode loop on v5p with the kernel: its temporaries hold the pool about
     once (no layout conversion around the kernel) at 8 combined kv heads per chip."""
-    from ebpo_jax import aot, models
-    from ebpo_jax.sampler import SamplerSpec, Sampling
-    from ebpo_jax.sharding import param_shardings
-
-    mesh = _topology_mesh("v5p-8", (2, 2))
-    mc = models.get_config("tiny", head_dim=128, num_kv_heads=8, num_heads=16, dtype="bfloat16")
-    params = models.abstract_params(mc)
-    params = aot.abstract(params, param_shardings(mc, params, mesh))
-    spec = SamplerSpec(
-        max_new_tokens=64, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=16,
-        kv_pages=8192, attention="pallas_tpu",
-    )  # fmt: skip
-    with jax.default_matmul_precision("default"):
-        _, decode, plan = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
-    pool = plan.pages * aot.page_bytes_per_chip(mc, 16, tp=2)
+    decode, pool = compile_tiny_decode(_topology_mesh("v5p-8", (2, 2)), "pallas_tpu")
     assert "ragged_paged_attention" in decode.as_text()
     assert decode.memory_analysis().temp_size_in_bytes < 1.3 * pool

@@ -16,13 +16,18 @@ tokens, ...) is qwen3_8b.py's, explained there; only the layout differs:
   10 GiB per GPU); saving matmul outputs would hold several times that.
 - logits_chunk 1024: the head's [1024, 152k] float32 logits are 0.6 GiB per completion row at
   a time instead of 4.6 GiB for all 8192 positions.
-- Sampler: 32 prompts x 4 samples per call (16 calls per step) on tp=8. The KV cache is 1.7
-  GiB per 12288-token row (36 layers x 8 kv heads x 128 x 2 x bf16): 128 rows are 27 GiB per
-  GPU. The train state (15 GiB per GPU) stays resident while sampling, and prefill holds
-  the new cache plus ~10 GiB of temporaries per 64 prompts: 64 prompts per call would need
-  82 GiB (AOT: prefill 66.4 + state 15.3), over the 76 GiB budget. tp=8 puts one kv head per
+- Sampler: 32 prompts x 4 samples per call (16 calls per step; chosen for the static
+  sampler's reserved caches, not re-tuned for pages) on tp=8, every row of a call at once on
+  the paged engine (qwen3_8b.py's pages of 128 tokens). tp=8 puts one kv head per
   GPU and splits the bf16 weights 8 ways (2 GiB per GPU, read once per decoded token);
   data=8 would replicate all 16 GiB on every GPU. tp's all-reduces stay inside NVLink.
+- Pages: `kv_pages` per node (one data shard), default 4096: 9 GiB per GPU for Qwen3-8B
+  (128 tokens x 36 layers x 1 kv head x 2 x 128 x 2 bytes = 2.25 MiB a page), about 3.5x
+  the pages 128 rows hold at once at the README's length distribution (`step_estimate.paged`).
+  The train state (15 GiB per GPU) stays resident while sampling.
+- sampler.attention "xla": the gather path reads each row's live pages only; the Triton
+  paged kernel (kernels/paged_gpu.py) wants head-major pools and transposes the whole pool
+  at every layer of every step (configs/gpu/qwen3_8b_h200.py has the compiled comparison).
 - XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the launch line below; the AOT budget assumes it):
   JAX's default 0.75 would leave 20 GiB of every GPU unused.
 
@@ -43,8 +48,10 @@ from ebpo_jax.config import finalize, load_sibling
 PRESET = "qwen3_8b"
 
 
-def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=32, microbatches=16):
-    """qwen3_8b.py's recipe for `preset`, laid out on `nodes` nodes of 8 GPUs (see above)."""
+def node_recipe(
+    preset, variant=None, *, nodes=1, prompts_per_call=32, microbatches=16, kv_pages=4096
+):
+    """qwen3_8b.py's recipe for `preset` on `nodes` nodes of 8 GPUs, `kv_pages` per node."""
     c = load_sibling(__file__, "../qwen3_8b.py").recipe(preset, variant)
     c.model.overrides.attention = "cudnn"
     c.mesh.shape = (-1,)
@@ -52,6 +59,8 @@ def node_recipe(preset, variant=None, *, nodes=1, prompts_per_call=32, microbatc
     c.loss.num_microbatches = microbatches
     c.sampler.prompts_per_call = prompts_per_call
     c.sampler.mesh = f"data={nodes},tp=8"
+    c.sampler.kv_pages = nodes * kv_pages  # one data shard per node
+    c.sampler.attention = "xla"
     return c
 
 

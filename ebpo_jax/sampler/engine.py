@@ -7,6 +7,10 @@ over its own pages (sampler.attention), samples, then frees the pages of rows th
 gives growing rows their next page and refills free slots (sampler.schedule). With a slot
 per row it is the static batch. Row r's token t is drawn with fold_in(fold_in(rng, r), t),
 so a row's tokens do not depend on the slots, the pages or the rows around it.
+
+Multi-turn rows (begin_turns, continue_turns) run the same loop on the static batch with
+reserved pages, and keep its state (`Turns`) between calls: a continued row is fed the tokens
+it is given (an environment's observation) as if it had drawn them, then draws on.
 """
 
 import functools
@@ -156,8 +160,10 @@ def _admit(st, pools, staged, rows, *, plan, page_size):
     admit = functools.partial(schedule.admit, page_size=page_size, reserve=plan.reserve)
     st, copy = jax.vmap(admit)(st, rows)
     admitted = jnp.any(copy.own_C < plan.pages)
-    copy_all = lambda p: jax.vmap(_copy_prompts)(p, staged, copy)
-    pools = jax.lax.cond(admitted, copy_all, lambda p: p, pools)
+    copy_all = lambda _, p: jax.vmap(_copy_prompts)(p, staged, copy)
+    # A loop of 0 or 1 trips, not lax.cond: XLA:GPU copies a conditional's operands (every
+    # pool, at every step), while a loop updates its carry in place.
+    pools = jax.lax.fori_loop(0, admitted.astype(jnp.int32), copy_all, pools)
     return st, layout.constrain_tree(pools, plan.lead)
 
 
@@ -365,6 +371,7 @@ def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, config, spec
 
 
 def _generation(out, plan, N) -> Generation:
+    """The output buffers [D, Rd, ...] as a Generation over all rows."""
     tokens_DRN, logps_DRN, gen_len_DR = out[:3]
     R = plan.shards * plan.rows
     return Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))

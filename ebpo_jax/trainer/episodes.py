@@ -43,6 +43,12 @@ class Episodes(NamedTuple):
     prefill_tokens: int  # tokens the sampler prefilled over all calls (live rows)
 
 
+def concat(parts: list[Episodes]) -> Episodes:
+    """Episodes of consecutive row blocks as one."""
+    arrays = [np.concatenate(x) for x in zip(*(p[:-1] for p in parts))]
+    return Episodes(*arrays, sum(p.prefill_tokens for p in parts))
+
+
 def encode_text(tokenizer, text: str) -> list[int]:
     """Token ids of `text` without special tokens (a CharTokenizer or an HF tokenizer)."""
     if hasattr(tokenizer, "alphabet"):
@@ -62,6 +68,7 @@ def turn_sampler_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.Sample
         eos_ids=tuple(int(e) for e in np.atleast_1d(eos_ids)) + tuple(extra_stops),
         sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
         page_size=spec.sampler.page_size,
+        attention=spec.sampler.attention,
     )
 
 
@@ -183,13 +190,20 @@ def _since(g: sampler.Generation, used_B) -> sampler.Generation:
     return sampler.Generation(take(g.tokens), take(g.logprobs), n_B)
 
 
+def session_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.SamplerSpec:
+    """A TurnSession's sampler spec: one row per episode, the episode's whole budget."""
+    return turn_sampler_spec(spec, eos_ids, extra_stops)._replace(
+        max_new_tokens=spec.max_new_tokens
+    )
+
+
 def make_turns(spec: RolloutSpec, model_config, params, eos_ids, extra_stops, *, mesh=None):
     """The model's turns of one batch of episodes: KeptKV (`rollout.keep_kv`), whose session
     decodes the whole episode budget, or Reprefill on `generate`, a turn per call."""
-    s_spec = turn_sampler_spec(spec, eos_ids, extra_stops)
     if spec.rollout.keep_kv:
-        s_spec = s_spec._replace(max_new_tokens=spec.max_new_tokens)
+        s_spec = session_spec(spec, eos_ids, extra_stops)
         return KeptKV(sampler.TurnSession(model_config, s_spec, mesh=mesh), params)
+    s_spec = turn_sampler_spec(spec, eos_ids, extra_stops)
 
     def generate(ctx_BT, len_B, limit_B, key):
         return sampler.generate_with_stats(

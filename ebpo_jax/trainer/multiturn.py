@@ -43,10 +43,7 @@ class MultiTurnRollout:
             rep(b.prompt_lengths),
             episodes.answers_text(tok, rep(b.answer_tokens), rep(b.answer_lengths)),
         )
-        ep = episodes.run_episodes(
-            self.turns(params), self.spec, self.task.env, self.pool, tok,
-            prompts, key, self.task.stop_ids,
-        )  # fmt: skip
+        ep = self._episodes(params, prompts, key)
         ro = self._rollout(b, ep, np.zeros((P, G), np.float32))
         if self.task.reward.jittable:
             ans = (rep(b.answer_tokens), rep(b.answer_lengths))
@@ -57,6 +54,20 @@ class MultiTurnRollout:
         self.last_metrics = episodes.episode_metrics(ep, rewards_B, rep(b.prompt_lengths))
         rewards_PG = jnp.asarray(rewards_B.reshape(P, G), jnp.float32)
         return ro._replace(rewards=rewards_PG, all_same_frac=all_same(rewards_PG).mean())
+
+    def _episodes(self, params, prompts: episodes.EpisodePrompts, key) -> episodes.Episodes:
+        """The rows in sampler calls of prompts_per_call x G rows (the KV pages of one call's
+        rows are what must fit); call c draws with fold_in(key, c) when there are several."""
+        rows = self.spec.prompts_per_call * self.spec.group_size
+        B = len(prompts.lengths_B)
+        parts = []
+        for c, lo in enumerate(range(0, B, rows)):
+            part = episodes.EpisodePrompts(*(x[lo : lo + rows] for x in prompts))
+            k = key if rows >= B else jax.random.fold_in(key, c)
+            turns = self.turns(params)
+            args = (self.spec, self.task.env, self.pool, self.task.tokenizer, part, k)
+            parts.append(episodes.run_episodes(turns, *args, self.task.stop_ids))
+        return episodes.concat(parts)
 
     def _rollout(self, b, ep: episodes.Episodes, rewards_PG) -> Rollout:
         """The episodes as a Rollout (prompt-major groups)."""

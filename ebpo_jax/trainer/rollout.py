@@ -68,6 +68,7 @@ def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
         slots=spec.sampler.slots,
         page_size=spec.sampler.page_size,
         kv_pages=spec.sampler.kv_pages,
+        attention=spec.sampler.attention,
         record_routing=spec.moe.routing_replay,
     )
 

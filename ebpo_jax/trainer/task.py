@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ebpo_jax import models
+from ebpo_jax import envs, models
 from ebpo_jax.config import ConfigError
 from ebpo_jax.spec import TaskSpec
 
@@ -78,7 +78,10 @@ def get(name: str) -> Callable[..., Task]:
 
 def build_task(spec: TaskSpec, *, mesh=None, log=print) -> Task:
     """The Task `spec` describes."""
-    return get(spec.family)(spec, mesh=mesh, log=log)
+    task = get(spec.family)(spec, mesh=mesh, log=log)
+    if spec.task.env:  # episodes with this environment, whatever the family
+        task = task._replace(env=envs.get(spec.task.env))
+    return task
 
 
 def model_config_from(model_spec, vocab_size: int) -> models.ModelConfig:
