@@ -4,8 +4,10 @@ Same problems, topics and final-answer reward as ebpo_jax.tasks.reasoning; a com
 call the tool, `<calc>47+85</calc>`, read its value (an observation the environment
 writes) and answer after "#": "<calc>47+85</calc>132#132". The SFT warm start sees the
 tool on a seeded TOOL_SFT_FRAC of the training problems and the written chain of steps on
-the rest, so the warm-started policy calls the tool on a minority of problems: RL can raise
-both the tool-call rate and the pass rate.
+the rest, so the warm-started policy calls the tool on some problems; the observation is
+off the SFT loss (sft_examples), so the policy learns to copy the value it reads rather
+than to guess it. A tool episode then succeeds far more often than a written chain: RL
+can raise both the tool-call rate and the pass rate.
 """
 
 import dataclasses

@@ -135,9 +135,7 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         num_clusters=num_clusters(spec.run.eb_clusters, family),
         stop_ids=eos,
         evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
-        base_source=sft.base_source(
-            spec, model_config, len(train_problems), sft.data_key(family)
-        ),
+        base_source=sft.base_source(spec, model_config, len(train_problems), sft.data_key(family)),
         base_sha256=digest,
     )
 
