@@ -170,7 +170,7 @@ def test_turn_token_limit_ends_the_episode():
 def test_toy_families_problems():
     train, test = calc.make_splits(0, train_per_cell=40, test_per_cell=5)
     tool = [p for p in train if p.completion.startswith("<calc>")]
-    assert 0.1 < len(tool) / len(train) < 0.4
+    assert abs(len(tool) / len(train) - calc.TOOL_SFT_FRAC) < 0.1
     for p in tool:
         expr = calculator.call_of(p.completion.split("</calc>")[0] + "</calc>")
         assert str(calculator.evaluate(expr)) == p.answer
@@ -192,6 +192,20 @@ def test_toy_families_problems():
     found = np.mean(["?=" in p.completion for p in gtrain])
     assert 0.5 < found < 1.0  # the SFT transcripts are not all successes
     assert dataclasses.is_dataclass(gtrain[0])
+
+
+def test_calculator_sft_learns_to_read_the_observation_not_to_predict_it():
+    train, _ = calc.make_splits(0, train_per_cell=10, test_per_cell=2)
+    tok = calc.make_tokenizer()
+    ex = calc.sft_examples(train, tok)
+    for i, p in enumerate(train):
+        n = int(ex.lengths[i])
+        text = tok.decode(list(ex.tokens[i, 1 : n - 1]))  # BOS, EOS off
+        assert text == p.prompt + p.completion
+        off = "".join(c for c, m in zip(text, ex.loss_mask[i, 1 : n - 1]) if not m)
+        obs = p.answer if p.completion.startswith(calculator.OPEN) else ""
+        assert off == p.prompt + obs  # the call, "#" and the answer stay on the loss
+        assert ex.loss_mask[i, n - 1]  # EOS
 
 
 @pytest.mark.slow  # the worker imports the trainer (the example registers a task family)

@@ -6,6 +6,7 @@ from configs import tiny
 from ebpo_jax import config as config_lib
 from ebpo_jax import models
 from ebpo_jax.spec import resolve
+from ebpo_jax.tasks import calc, reasoning
 from ebpo_jax.trainer import sft
 
 
@@ -30,3 +31,12 @@ def test_bad_sft_seed_is_a_one_line_error():
     c.sft.seed = -2
     with pytest.raises(config_lib.ConfigError, match="sft.seed"):
         config_lib.validate(c)
+
+
+def test_a_family_data_key_names_its_own_warm_start():
+    c = tiny.get_config()
+    spec, model = resolve(c, 1).task, models.get_config("tiny")
+    plain = sft.cache_path(spec, model, 100)
+    assert sft.cache_path(spec, model, 100, sft.data_key(object())) == plain  # no key: same file
+    assert sft.cache_path(spec, model, 100, calc.SFT_DATA_KEY) != plain
+    assert calc.SFT_DATA_KEY != sft.data_key(reasoning) == ""

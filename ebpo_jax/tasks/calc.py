@@ -4,22 +4,26 @@ Same problems, topics and final-answer reward as ebpo_jax.tasks.reasoning; a com
 call the tool, `<calc>47+85</calc>`, read its value (an observation the environment
 writes) and answer after "#": "<calc>47+85</calc>132#132". The SFT warm start sees the
 tool on a seeded TOOL_SFT_FRAC of the training problems and the written chain of steps on
-the rest, so the warm-started policy calls the tool on a minority of problems: RL can raise
-both the tool-call rate and the pass rate.
+the rest, so the warm-started policy calls the tool on some problems; the observation is
+off the SFT loss (sft_examples), so the policy learns to copy the value it reads rather
+than to guess it. A tool episode then succeeds far more often than a written chain: RL
+can raise both the tool-call rate and the pass rate.
 """
 
 import dataclasses
 import zlib
 
 from ebpo_jax.envs.calculator import CLOSE, OPEN
-from ebpo_jax.tasks import reasoning
+from ebpo_jax.tasks import data, reasoning
 from ebpo_jax.tasks.tokenizer import CharTokenizer
 
 TOPICS, DIFFICULTIES = reasoning.TOPICS, reasoning.DIFFICULTIES
 # A superset of the reasoning alphabet (shared characters keep their ids, MARKER included).
 ALPHABET = reasoning.ALPHABET + "cal/"
 MARKER_ID = reasoning.MARKER_ID
-TOOL_SFT_FRAC = 0.25
+TOOL_SFT_FRAC = 0.5
+# Names these SFT targets in the warm start's cache key (trainer/sft.py): change it with them.
+SFT_DATA_KEY = f"calc: tool_frac={TOOL_SFT_FRAC}, observation off the loss"
 reward_fn = reasoning.reward_fn
 
 
@@ -32,9 +36,23 @@ def tool_completion(prompt: str, answer: str) -> str:
     return f"{OPEN}{prompt.removesuffix('=')}{CLOSE}{answer}{reasoning.MARKER}{answer}"
 
 
-def uses_tool(problem_id: str, frac: float = TOOL_SFT_FRAC) -> bool:
+def uses_tool(problem_id: str, frac: float | None = None) -> bool:
     """Whether the SFT target of this problem calls the tool (a seeded hash of its id)."""
+    frac = TOOL_SFT_FRAC if frac is None else frac
     return zlib.crc32(problem_id.encode()) % 1000 < frac * 1000
+
+
+def sft_examples(problems, tokenizer: CharTokenizer, *, seq_len: int | None = None):
+    """data.sft_examples with the observation (the value after CLOSE) off the loss: the
+    environment writes it, so the policy learns to read it, never to predict it."""
+    ex = data.sft_examples(problems, tokenizer, seq_len=seq_len)
+    mask = ex.loss_mask.copy()
+    for i, p in enumerate(problems):
+        close = p.completion.find(CLOSE)
+        if close >= 0:  # char tokens: completion offset k is position 1 + len(prompt) + k
+            lo = 1 + len(p.prompt) + close + len(CLOSE)
+            mask[i, lo : 1 + len(p.prompt) + p.completion.index(reasoning.MARKER, close)] = False
+    return ex._replace(loss_mask=mask)
 
 
 def make_splits(seed: int, **kw):

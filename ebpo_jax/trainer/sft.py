@@ -52,20 +52,20 @@ def make_sft_step(model_config, optimizer):
     return step
 
 
-def cache_path(spec: TaskSpec, model_config, num_problems: int) -> str:
-    """Where the warm-start params for this (model, SFT settings, data, seed) are cached."""
-    key = json.dumps(
-        [
-            repr(model_config),
-            # The seed enters as init_seed below: sft.seed = -1 and = the run's seed share a file.
-            {k: v for k, v in dataclasses.asdict(spec.sft).items() if k not in _NOT_IN_KEY},
-            _task_key(spec.task),
-            init_seed(spec),
-            num_problems,
-        ],
-        sort_keys=True,
-        default=str,
-    )
+def cache_path(spec: TaskSpec, model_config, num_problems: int, data_key: str = "") -> str:
+    """Where the warm-start params for this (model, SFT settings, data, seed) are cached;
+    `data_key` names a family's SFT targets where the task section does not."""
+    parts = [
+        repr(model_config),
+        # The seed enters as init_seed below: sft.seed = -1 and = the run's seed share a file.
+        {k: v for k, v in dataclasses.asdict(spec.sft).items() if k not in _NOT_IN_KEY},
+        _task_key(spec.task),
+        init_seed(spec),
+        num_problems,
+    ]
+    if data_key:  # appended only when set: every other family keeps its cache files
+        parts.append(data_key)
+    key = json.dumps(parts, sort_keys=True, default=str)
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = spec.sft.cache_dir or os.path.join(spec.run.workdir, "sft_cache")
     return os.path.join(root, f"sft_{digest}.npz")
@@ -90,17 +90,22 @@ def _load(path, like):
     return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
 
 
+def data_key(family) -> str:
+    """A family's name for its SFT targets beyond the task section ("" for most)."""
+    return getattr(family, "SFT_DATA_KEY", "")
+
+
 def init_seed(spec: TaskSpec) -> int:
     """The initial policy's seed (init and SFT batches): `sft.seed`, or the run's when -1."""
     seed = spec.sft.seed
     return spec.run.seed if seed < 0 else seed
 
 
-def base_source(spec: TaskSpec, model_config, num_problems: int) -> str:
+def base_source(spec: TaskSpec, model_config, num_problems: int, data_key: str = "") -> str:
     """What the initial policy is: the SFT cache file, or the seeded init when SFT is off."""
     if spec.sft.steps == 0:
         return f"init(seed={init_seed(spec)})"
-    return cache_path(spec, model_config, num_problems)
+    return cache_path(spec, model_config, num_problems, data_key)
 
 
 def params_digest(params) -> str:
@@ -150,15 +155,18 @@ def check_digest(spec: TaskSpec, params) -> str:
     return digest
 
 
-def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log=print):
+def warm_start(
+    spec: TaskSpec, model_config, params, problems, tokenizer, *, family=tasks, log=print
+):
     """Params after `spec.sft.steps` supervised steps on `problems` (loaded if cached), or
-    the committed `sft.params_file`."""
+    the committed `sft.params_file`; the examples are `family.sft_examples`'s (the loss mask
+    is the family's), keyed by its `SFT_DATA_KEY` when it has one."""
     if spec.sft.params_file:
         log(f"SFT warm start: committed params {spec.sft.params_file}")
         return load_file(spec.sft.params_file, params)
     if spec.sft.steps == 0:
         return params
-    path = cache_path(spec, model_config, len(problems))
+    path = cache_path(spec, model_config, len(problems), data_key(family))
     if os.path.exists(path):
         log(f"SFT warm start: loaded cached params from {path}")
         return _load(path, params)
@@ -174,7 +182,7 @@ def warm_start(spec: TaskSpec, model_config, params, problems, tokenizer, *, log
         optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01)
     )
     step = jax.jit(make_sft_step(model_config, optimizer), donate_argnums=(0, 1))
-    examples = tasks.sft_examples(problems, tokenizer)
+    examples = getattr(family, "sft_examples", tasks.sft_examples)(problems, tokenizer)
     rng = np.random.default_rng(init_seed(spec))
     opt_state = optimizer.init(params)
     params = jax.tree.map(jnp.copy, params)  # the caller's params are donated otherwise

@@ -112,7 +112,9 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
             f"{model_config.max_position_embeddings} (model max_position_embeddings)"
         )
     params = models.init_params(model_config, jax.random.key(sft.init_seed(spec)))
-    params = sft.warm_start(spec, model_config, params, train_problems, tokenizer, log=log)
+    params = sft.warm_start(
+        spec, model_config, params, train_problems, tokenizer, family=family, log=log
+    )
     try:
         digest = sft.check_digest(spec, params)
     except ValueError as e:
@@ -133,7 +135,7 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
         num_clusters=num_clusters(spec.run.eb_clusters, family),
         stop_ids=eos,
         evaluate=make_evaluator(spec.eval, model_config, sets, eos, mesh),
-        base_source=sft.base_source(spec, model_config, len(train_problems)),
+        base_source=sft.base_source(spec, model_config, len(train_problems), sft.data_key(family)),
         base_sha256=digest,
     )
 
