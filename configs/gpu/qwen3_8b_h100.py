@@ -16,15 +16,17 @@ tokens, ...) is qwen3_8b.py's, explained there; only the layout differs:
   10 GiB per GPU); saving matmul outputs would hold several times that.
 - logits_chunk 1024: the head's [1024, 152k] float32 logits are 0.6 GiB per completion row at
   a time instead of 4.6 GiB for all 8192 positions.
-- Sampler: 32 prompts x 4 samples per call (16 calls per step; chosen for the static
-  sampler's reserved caches, not re-tuned for pages) on tp=8, every row of a call at once on
-  the paged engine (qwen3_8b.py's pages of 128 tokens). tp=8 puts one kv head per
+- Sampler: 128 prompts x 4 samples per call (4 calls per step) on tp=8, every row of a call
+  at once on the paged engine (qwen3_8b.py's pages of 128 tokens); 256 per call would not
+  fit beside the train state (the H200's prefill alone is 67.9 GiB at 256). tp=8 puts one kv head per
   GPU and splits the bf16 weights 8 ways (2 GiB per GPU, read once per decoded token);
   data=8 would replicate all 16 GiB on every GPU. tp's all-reduces stay inside NVLink.
-- Pages: `kv_pages` per node (one data shard), default 4096: 9 GiB per GPU for Qwen3-8B
-  (128 tokens x 36 layers x 1 kv head x 2 x 128 x 2 bytes = 2.25 MiB a page), about 3.5x
-  the pages 128 rows hold at once at the README's length distribution (`step_estimate.paged`).
-  The train state (15 GiB per GPU) stays resident while sampling.
+- Pages: `kv_pages` per node (one data shard), 12288 here: 27 GiB per GPU for Qwen3-8B
+  (128 tokens x 36 layers x 1 kv head x 2 x 128 x 2 bytes = 2.25 MiB a page), about 3x the
+  pages 512 rows hold at once at the README's length distribution (`step_estimate.paged`);
+  decode + the resident train state (15 GiB per GPU) compile to 53.5 of 76 GiB, leaving room
+  for what a compile without a device does not count (cuDNN workspace, NCCL buffers).
+  `node_recipe`'s default for the other GPU configs stays 4096 per node.
 - sampler.attention "xla": the gather path reads each row's live pages only; the Triton
   paged kernel (kernels/paged_gpu.py) wants head-major pools and transposes the whole pool
   at every layer of every step (configs/gpu/qwen3_8b_h200.py has the compiled comparison).
@@ -65,4 +67,4 @@ def node_recipe(
 
 
 def get_config(variant=None):
-    return finalize(node_recipe(PRESET, variant))
+    return finalize(node_recipe(PRESET, variant, prompts_per_call=128, kv_pages=12288))
