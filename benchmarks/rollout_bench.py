@@ -286,11 +286,15 @@ def _episode_plan(args):
     return [(k * (T + O), O if k < K - 1 else 0) for k in range(K)]
 
 
+def _observations(config, rows: int, N: int):
+    """The environment's tokens [rows, N], at the episode positions where they are fed."""
+    return np.random.default_rng(1).integers(1, config.vocab_size, (rows, N), dtype=np.int32)
+
+
 def _kept_turns(config, params, tokens, lengths, spec, args):
     """The episodes on one TurnSession, and the tokens the model ran (prefill + decode feeds)."""
     B, N, T = len(lengths), spec.max_new_tokens, args.turn_tokens
-    rng = np.random.default_rng(1)
-    obs_BN = rng.integers(1, config.vocab_size, (B, N), dtype=np.int32)
+    obs_BN = _observations(config, B, N)
     session = sampler.TurnSession(config, spec)
     gen = session.start(params, tokens, lengths, np.full(B, T), rng=jax.random.key(0))
     ran = int(lengths.sum()) + int(session.stats.busy)
@@ -307,8 +311,7 @@ def _reprefilled_turns(config, params, tokens, lengths, spec, args):
     """The same episodes, each turn a generate call on the prompt and the episode so far, and
     the tokens the model ran."""
     B, N, T = len(lengths), spec.max_new_tokens, args.turn_tokens
-    rng = np.random.default_rng(1)
-    obs_BN = rng.integers(1, config.vocab_size, (B, N), dtype=np.int32)
+    obs_BN = _observations(config, B, N)
     ctx = np.concatenate([tokens, np.zeros((B, N), np.int32)], 1)
     turn_spec, ran = spec._replace(max_new_tokens=T), 0
     for k, (start, O) in enumerate(_episode_plan(args)):
