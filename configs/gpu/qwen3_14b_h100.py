@@ -6,8 +6,8 @@ per micro-batch of 8 prompts under full remat: the update fits one node (AOT: 64
 per GPU). The sampler stays resident beside the 27.5 GiB train state:
 - 64 prompts x 4 samples per call (8 calls per step), all 256 rows at once on the paged
   engine. Prefill compiles to 23.1 GiB (50.6 with the train state); 128 prompts per call
-  would take about twice the prompt pages and temporaries (~70 GiB with the train state,
-  too little room for what a compile without a device does not count).
+  compiled to 70.2 GiB of prefill + train state (71.3 with decode on 12288 pages), too
+  little room for what a compile without a device does not count.
 - kv_pages 6144: 15 GiB per GPU (128 tokens x 40 layers x 1 kv head x 2 x 128 x 2 bytes =
   2.5 MiB a page), about 3x the pages 256 rows hold at once at the README's length
   distribution (`step_estimate.paged`); decode + the train state compile to 51.1 of 76 GiB.
