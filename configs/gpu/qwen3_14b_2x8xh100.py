@@ -6,8 +6,15 @@ qwen3_8b_h100.py's layout (and launch) on 16 GPUs:
   the nodes (InfiniBand); at 16 prompts per micro-batch a layer's forward and backward take
   several times longer than its all-gather.
 - Micro-batches 8: 16 prompts each, one prompt and its 4 completions per GPU.
-- Sampler: 32 prompts x 4 samples per call (16 calls per step) on data=2 x tp=8: each node
-  samples its own 64 rows with tensor parallelism inside its NVLink domain.
+- Sampler: 256 prompts x 4 samples per call (2 calls per step) on data=2 x tp=8: each node
+  samples its own 512 rows, all at once on the paged engine, with tensor parallelism inside
+  its NVLink domain. Prefill + the resident train state (13.8 GiB per GPU) compile to 56.5
+  of 76 GiB; 512 prompts per call would put 256 on a node, whose prefill alone compiles to
+  81.9 GiB (configs/gpu/qwen3_14b_h200.py).
+- Pages: kv_pages 12288 per node (one data shard each), 30 GiB per GPU at 2.5 MiB a page
+  (qwen3_14b_h100.py), about 2.8x the 4.3k pages the busier node's 512 rows hold at once at
+  the README's length distribution (`step_estimate.paged`); decode + the train state compile
+  to 57.5 of 76 GiB.
 
 Launch: one process per GPU on both nodes (16 processes), node 0's address as coordinator:
   # on node n (0 or 1), for i in 0..7:
@@ -26,5 +33,7 @@ def _node():
 
 def get_config(variant=None):
     return finalize(
-        _node().node_recipe("qwen3_14b", variant, nodes=2, prompts_per_call=32, microbatches=8)
+        _node().node_recipe(
+            "qwen3_14b", variant, nodes=2, prompts_per_call=256, microbatches=8, kv_pages=12288
+        )
     )

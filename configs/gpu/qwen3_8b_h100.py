@@ -26,7 +26,7 @@ tokens, ...) is qwen3_8b.py's, explained there; only the layout differs:
   pages 512 rows hold at once at the README's length distribution (`step_estimate.paged`);
   decode + the resident train state (15 GiB per GPU) compile to 53.5 of 76 GiB, leaving room
   for what a compile without a device does not count (cuDNN workspace, NCCL buffers).
-  `node_recipe`'s default for the other GPU configs stays 4096 per node.
+  Every GPU config passes its own prompts per call and pool to `node_recipe`.
 - sampler.attention "xla": the gather path reads each row's live pages only; the Triton
   paged kernel (kernels/paged_gpu.py) wants head-major pools and transposes the whole pool
   at every layer of every step (configs/gpu/qwen3_8b_h200.py has the compiled comparison).
