@@ -137,6 +137,13 @@ def _outputs(lowered, compiled):
     return jax.tree.unflatten(jax.tree.structure(out), leaves)
 
 
+def _compile_prefill(params, prompt_PT, lengths_P, rng, static):
+    """The engine's prefill compiled, and its outputs as the abstract `Prefilled` decode takes."""
+    lowered = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
+    prefill = lowered.compile()
+    return prefill, engine.Prefilled(*_outputs(lowered, prefill))
+
+
 def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
     """The engine's jitted prefill and decode (sampler.SamplerSpec `spec`) on `mesh`.
 
@@ -145,9 +152,7 @@ def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
     plan, (rng, prompt_PT, lengths_P, eos) = _sampler_inputs(spec, mc, mesh, prompts, prompt_len)
     static = {"config": mc, "spec": spec, "plan": plan}
     with jax.set_mesh(mesh):
-        lowered = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
-        prefill = lowered.compile()
-        prefilled = engine.Prefilled(*_outputs(lowered, prefill))
+        prefill, prefilled = _compile_prefill(params, prompt_PT, lengths_P, rng, static)
         decode = engine.decode_jit.lower(params, prefilled, lengths_P, rng, eos, **static)
         decode = decode.compile()
     return prefill, decode, plan
@@ -162,9 +167,7 @@ def compile_turns(spec, mc, mesh, params, rows: int, prompt_len: int):
     per_row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=lengths_P.sharding)
     N = spec.max_new_tokens
     with jax.set_mesh(mesh):
-        lowered = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
-        prefill = lowered.compile()
-        prefilled = engine.Prefilled(*_outputs(lowered, prefill))
+        prefill, prefilled = _compile_prefill(params, prompt_PT, lengths_P, rng, static)
         limit_R = per_row((rows,), np.int32)
         lowered = engine.begin_turns_jit.lower(
             params, prefilled, lengths_P, rng, eos, limit_R, **static

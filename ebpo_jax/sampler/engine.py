@@ -396,6 +396,9 @@ def decode(
     return gen, stats
 
 
+_of_slots = jax.vmap(lambda x_R, row_S: x_R[row_S])  # per shard: each slot's row's value
+
+
 def check_turns(spec: SamplerSpec, plan: Plan) -> None:
     """Rows that continue need their pages kept: the static batch with reserved pages."""
     if not (plan.reserve and plan.slots == plan.rows) or spec.record_routing:
@@ -416,9 +419,8 @@ def begin_turns(params, prefilled, lengths_P, rng, eos_E, limit_R, *, config, sp
         params, prefilled, lengths_P, never_E, jnp.full_like(limit_R, N), **static
     )
     rows = rows._replace(limit_R=limit_R.reshape(rows.limit_R.shape))
-    take = jax.vmap(lambda x, r: x[r])
-    limit_DS = take(rows.limit_R, st.row_S)
-    ends_DS = st.live_S & (jnp.isin(take(rows.first_R, st.row_S), eos_E) | (limit_DS <= 1))
+    limit_DS = _of_slots(rows.limit_R, st.row_S)
+    ends_DS = st.live_S & (jnp.isin(_of_slots(rows.first_R, st.row_S), eos_E) | (limit_DS <= 1))
     st = st._replace(
         limit_S=limit_DS,
         live_S=st.live_S & ~ends_DS,
@@ -432,12 +434,11 @@ def continue_turns(params, turns: Turns, rng, eos_E, given: Given, *, config, sp
     given tokens where given.mask_RN holds: (Turns, Stats)."""
     D, Rd, N = plan.shards, plan.rows, spec.max_new_tokens
     st = turns.st
-    take = jax.vmap(lambda x, r: x[r])
     go_DR = given.go_R.reshape(D, Rd)
-    go_DS = take(go_DR, st.row_S)
+    go_DS = _of_slots(go_DR, st.row_S)
     st = st._replace(
         live_S=go_DS,
-        limit_S=jnp.where(go_DS, take(given.limit_R.reshape(D, Rd), st.row_S), st.limit_S),
+        limit_S=jnp.where(go_DS, _of_slots(given.limit_R.reshape(D, Rd), st.row_S), st.limit_S),
         status_R=jnp.where(go_DR, schedule.RUNNING, st.status_R),
     )
     forced = (given.tokens_RN.reshape(D, Rd, N), given.mask_RN.reshape(D, Rd, N))
