@@ -9,7 +9,7 @@ full remat, chunked log-probs, the paged sampler on a data=16 x tp=2 mesh). What
   fsdp=32; each device sorts its own rows and runs them through the experts gathered at
   the dispatch's shard_map (models/moe.py), as FSDP gathers a dense layer. In the sampler
   (no fsdp axis) the experts are replicated over `data` and their hidden dim split over `tp`.
-- Sampler pool: 1536 pages of 128 tokens per data shard (qwen3_8b.py's POOL_PAGES, 9 GiB per
+- Sampler pool: 1536 pages of 128 tokens per data shard (qwen3_8b.py's SAMPLER_LAYOUT, 9 GiB per
   chip), as the bf16 weights take 28.5 GiB per chip on tp=2. AOT for v5p-64
   (results/aot_tpu/qwen3_30b_a3b_v5p64.json, docs/moe.md): decode 74.6 GiB per chip, 88.8
   with the train state resident; 2048 pages compiled to 98.3, over the 95. The estimated

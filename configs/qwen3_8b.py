@@ -44,16 +44,17 @@ How each number was chosen:
 - attention "splash": the Pallas kernel never holds the [T, T] scores (12288^2 x 32 heads
   x 4 bytes = 18 GiB per row and layer with the plain XLA attention).
 - Sampler: all 512 prompts x 4 samples in one call, every row at once (sampler.slots = 0)
-  on the paged engine, on a data=16 x tp=2 mesh of the same 32 chips (tp=2 splits the kv
-  heads and the weights, data=16 the rows and the page pools). Each row holds pages of 128
-  tokens only for the tokens it has; the pool is 4096 pages per data shard (36 GiB per chip
-  for Qwen3-8B: 128 tokens x 36 layers x 8 of 16 combined kv heads x 128 x 2 bytes per
-  page), about 3x the estimated peak of the 128 rows a shard decodes (docs/pods.md); a static
-  cache of 2048 rows x 12288 tokens would be 108 GiB per chip. tp=2, not 4: with 4 combined
-  kv heads per chip (tp=4) the compiled decode keeps the pool in another tiled layout than
-  the TPU kernel's and converts it around the kernel at every step (3x the pool in memory,
-  two pool copies per step); 8 per chip share one layout. Pages of 128 tokens are 4 per
-  block of the TPU kernel (kernels/ragged_paged_tpu.py), half a page unused per row on average.
+  on the paged engine, on a data=4 x tp=8 mesh of the same 32 chips with attention
+  data-parallel over the tp chips (sampler.dp_attention): the weights split 8 ways, so a
+  decode step reads 1/8 of them per chip, while each chip holds every kv head of its own 64
+  rows' pages (32 row shards). Splitting the 8 kv heads over tp instead leaves 1-4 combined
+  heads per chip, a layout the compiled loop converts around the TPU kernel at every step
+  (3x the pool in memory). Each row holds pages of 128 tokens only for the tokens it has;
+  the pool is 2048 pages per chip (36 GiB for Qwen3-8B: 128 tokens x 36 layers x 16
+  combined kv heads x 128 x 2 bytes per page), about 3x the estimated peak of a chip's rows
+  (docs/pods.md); a static cache of 2048 rows x 12288 tokens would be 108 GiB per chip.
+  Pages of 128 tokens are 4 per block of the TPU kernel (kernels/ragged_paged_tpu.py),
+  half a page unused per row on average.
 The AOT reports for these choices are in docs/pods.md (experiments/aot_compile.py).
 """
 
@@ -75,10 +76,17 @@ EVAL_SETS = (
 
 
 VARIANTS = ("paper", "authors", "aot", "multiturn")
-# KV pages of 128 tokens per data shard of the v5p-64 sampler mesh (data=16 x tp=2).
-# Qwen3-30B-A3B: 1536, which compiles to fit beside the resident train state (its bf16
-# weights take 28.5 GiB per chip on tp=2; 2048 pages missed by 3.3 GiB; docs/moe.md).
-POOL_PAGES = {"qwen3_8b": 4096, "llama3_1_8b": 4096, "qwen3_14b": 4096, "qwen3_30b_a3b": 1536}
+# The v5p-64 sampler layout per preset: (sampler mesh, dp_attention, KV pages of 128 tokens
+# per row shard). The dense models decode on data=4 x tp=8 with attention data-parallel
+# over the tp chips (32 row shards, each chip every kv head of its rows). Qwen3-30B-A3B keeps
+# data=16 x tp=2 with heads split over tp: 1536 pages per data shard compile to fit beside
+# the resident train state (2048 missed by 3.3 GiB; docs/moe.md).
+SAMPLER_LAYOUT = {
+    "qwen3_8b": ("data=4,tp=8", True, 2048),
+    "llama3_1_8b": ("data=4,tp=8", True, 2048),
+    "qwen3_14b": ("data=4,tp=8", True, 2048),
+    "qwen3_30b_a3b": ("data=16,tp=2", False, 1536),
+}
 
 
 def _variants(variant: str | None) -> set[str]:
@@ -119,8 +127,11 @@ def _sampler_and_update(c, preset: str) -> None:
     c.sampler.prompts_per_call = 512  # one call per step: see the comment block
     c.sampler.slots = 0  # every row of the call at once: pages, not slots, bound concurrency
     c.sampler.page_size = 128
-    c.sampler.kv_pages = 16 * POOL_PAGES[preset]  # per data shard x 16: see the comment block
-    c.sampler.mesh = "data=16,tp=2"
+    mesh, dp, pages = SAMPLER_LAYOUT[preset]
+    c.sampler.mesh = mesh
+    c.sampler.dp_attention = dp
+    shards = 32 if dp else 16  # row shards on v5p-64's 32 chips
+    c.sampler.kv_pages = shards * pages  # see the comment block
 
     c.optimizer.learning_rate = 1e-6
     c.optimizer.weight_decay = 0.01
@@ -154,6 +165,8 @@ def _multiturn(c) -> None:
     c.rollout.env_workers = 16
     c.sampler.prompts_per_call = 256
     c.sampler.kv_pages = 0  # each row's whole episode, reserved at admission
+    c.sampler.mesh = "data=16,tp=2"  # the layout its report was compiled for
+    c.sampler.dp_attention = False
 
 
 def recipe(preset: str, variant: str | None = None):

@@ -182,6 +182,11 @@ def compile_turns(spec, mc, mesh, params, rows: int, prompt_len: int):
     return prefill, begin, resume, plan
 
 
+def pool_tp(mesh, spec) -> int:
+    """How many ways the pool's kv heads split: tp, or 1 when rows split over tp instead."""
+    return 1 if spec.dp_attention else dict(mesh.shape).get("tp", 1)
+
+
 def page_bytes_per_chip(mc, page_size: int, tp: int) -> int:
     """One page of every layer's pool on one chip: its kv heads split over tp."""
     heads = 2 * mc.num_kv_heads // tp
@@ -194,8 +199,7 @@ def paged_meta(plan, spec, mc, mesh, reports) -> dict:
     `headroom_gib_per_chip`: HBM left with the decode program and the resident train state
     (the decode's temporaries may hold the pool more than once: its peak is the measure).
     """
-    tp = dict(mesh.shape).get("tp", 1)
-    page = page_bytes_per_chip(mc, spec.page_size, tp)
+    page = page_bytes_per_chip(mc, spec.page_size, pool_tp(mesh, spec))
     pool = plan.pages * page
     meta = {
         "page_size": spec.page_size,
@@ -220,8 +224,7 @@ def paged_meta(plan, spec, mc, mesh, reports) -> dict:
 
 def paged_note(plan, spec, mc, mesh) -> str:
     """One line: the pool and the rows decoded at once."""
-    tp = dict(mesh.shape).get("tp", 1)
-    pool = plan.pages * page_bytes_per_chip(mc, spec.page_size, tp) / GiB
+    pool = plan.pages * page_bytes_per_chip(mc, spec.page_size, pool_tp(mesh, spec)) / GiB
     return (
         f"{plan.pages} pages of {spec.page_size} tokens per data shard ({pool:.1f} GiB per "
         f"chip), {plan.slots * plan.shards} rows at once, attention {plan.impl}"
@@ -429,7 +432,10 @@ def _estimate(spec, mc, hw, s_mesh, prompt_len):
 
     shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
-    return step_time_estimate(spec, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp)
+    dp = spec.rollout.sampler.dp_attention
+    return step_time_estimate(
+        spec, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp, dp_attention=dp
+    )
 
 
 def _layout_meta(spec, mc, devices, meshes, prompt_len):

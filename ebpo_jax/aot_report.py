@@ -445,36 +445,56 @@ class DecodeCost:
     kv_token_bytes: float  # one cached token's K and V over all layers, on this chip
     row_flops: float  # matmul FLOPs per decoded row (weights x 2), on this chip
     kv_token_flops: float  # attention FLOPs per cached token a row attends to, on this chip
+    row_group: int = 1  # row shards whose rows each chip's matmuls run (tp with dp_attention)
 
     def seconds(self, spec, live, read, kv):
         """Per step: the slower of HBM traffic and compute (a roofline), arrays per shard."""
         import numpy as np
 
+        if self.row_group > 1:  # the tp group's rows go through every chip's weight slice
+            g = self.row_group
+            live = np.repeat(live.reshape(*live.shape[:-1], -1, g).sum(-1), g, axis=-1)
         bytes_ = self.weight_bytes + read * self.kv_token_bytes
         flops = live * self.row_flops + kv * self.kv_token_flops
         return np.maximum(bytes_ / spec.hbm_bandwidth, flops / spec.peak_flops)
 
 
-def decode_cost(mc, tp: int) -> DecodeCost:
-    """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips."""
+def decode_cost(mc, tp: int, dp_attention: bool = False) -> DecodeCost:
+    """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips; with
+    dp_attention each chip attends every head of its own rows (a row shard per chip)."""
     m = matmul_params(mc)
+    heads_split = 1 if dp_attention else tp
     return DecodeCost(
         weight_bytes=2 * total_params(mc) / tp,
-        kv_token_bytes=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / tp,
+        kv_token_bytes=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / heads_split,
         row_flops=2.0 * (m["layers"] + m["head"]) / tp,
-        kv_token_flops=4.0 * mc.num_layers * mc.num_heads * mc.head_dim / tp,
+        kv_token_flops=4.0 * mc.num_layers * mc.num_heads * mc.head_dim / heads_split,
+        row_group=tp if dp_attention else 1,
     )
+
+
+def collectives_per_step(mc, rows_per_data_shard: int, tp: int, dp_attention: bool) -> dict:
+    """The decode step's collectives on one chip: tp's two all-reduces per layer and, with
+    dp_attention, two all-to-alls per layer (q, k, v to the rows' chips; outputs back)."""
+    L, H, K, Dh = mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim
+    moved = rows_per_data_shard * (tp - 1) / tp**2 * (2 * H + 2 * K) * Dh * 2  # bf16, sent
+    return {
+        "all_reduce": 2 * L if tp > 1 else 0,
+        "all_to_all": 2 * L if dp_attention and tp > 1 else 0,
+        "all_to_all_bytes_sent_per_chip": float(L * moved) if dp_attention and tp > 1 else 0.0,
+    }
 
 
 class PagedPool(NamedTuple):
     """The paged engine's layout for the estimate: shards, pages and the kernel's block."""
 
-    shards: int  # data shards of the sampler mesh
-    tp: int  # tensor-parallel chips per shard
+    shards: int  # row shards: the sampler mesh's data shards (x tp with dp_attention)
+    tp: int  # tensor-parallel chips per data shard
     prompt_tokens: int
     page_size: int
     kv_pages: int  # the pool over all shards (0: not checked)
     block_tokens: int  # KV tokens the kernel copies per block
+    dp_attention: bool = False
 
 
 def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
@@ -483,12 +503,12 @@ def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
     The SPMD step waits for its slowest shard: per step the maximum over shards of the
     roofline time.
     """
-    shards, tp, prompt_tokens, page_size, kv_pages, block_tokens = pool
+    shards, tp, prompt_tokens, page_size, kv_pages, block_tokens, dp = pool
     per_call = rows_C.size
     slots = min(run_spec.rollout.sampler.slots or per_call, per_call)
     sched = _paged_schedule(rows_C.reshape(shards, -1), slots // shards, prompt_tokens,
                             page_size, block_tokens)  # fmt: skip
-    cost = decode_cost(mc, tp)
+    cost = decode_cost(mc, tp, dp)
     step_SD = cost.seconds(spec, sched.live_SD, sched.read_SD, sched.kv_SD)
     prompts = run_spec.rollout.prompts_per_call
     prompt_pages = prompts // shards * -(-prompt_tokens // page_size)
@@ -514,6 +534,10 @@ ASSUMPTIONS = (
     (
         "paged: each row reads only its own tokens, rounded up to the TPU kernel's KV block; "
         "rows refill their slot in row order; prompt pages are shared by a prompt's samples"
+    ),
+    (
+        "dp_attention: a row shard per chip, each reading every kv head of its rows; the "
+        "matmuls run the tp group's rows on each chip's weight slice"
     ),
     "update: model FLOPs at bf16 peak (padded width before, each row's real tokens after)",
     "not counted: prefill, sampling, the host reward, weight moves, collectives",
@@ -564,7 +588,10 @@ def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
     return sum(c["decode_s"] for c in paged), paged[0] | meta
 
 
-def step_time_estimate(run_spec, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256):
+def step_time_estimate(
+    run_spec, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256,
+    dp_attention=False,
+):  # fmt: skip
     """Seconds per RL step (decode and update), for today's samplers and the paged engine.
 
     before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
@@ -573,6 +600,8 @@ def step_time_estimate(run_spec, mc, spec, *, prompt_len, shards, tp, lengths=Le
     longest live row). after: the paged engine (`sampler.slots` rows at once, pages of
     `sampler.page_size`, a pool of `sampler.kv_pages`) with the ragged kernel, and the packed
     update over the real tokens. ASSUMPTIONS (also in the output) say what is modelled.
+    `shards` are the data shards; with dp_attention the paged engine's rows and pages are
+    split over shards x tp (before and slots_blocked keep heads split over tp).
     """
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     cost = decode_cost(mc, tp)
@@ -593,8 +622,12 @@ def step_time_estimate(run_spec, mc, spec, *, prompt_len, shards, tp, lengths=Le
     page_size = int(run_spec.rollout.sampler.page_size or 16)
     block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
     kv_pages = int(run_spec.rollout.sampler.kv_pages)
-    pool = PagedPool(shards, tp, prompt_tokens, page_size, kv_pages, block_tokens)
+    row_shards = shards * tp if dp_attention else shards
+    pool = PagedPool(row_shards, tp, prompt_tokens, page_size, kv_pages, block_tokens, dp_attention)
     after, paged = _paged_calls(run_spec, mc, spec, calls_CDR, pool)
+    paged["collectives_per_step"] = collectives_per_step(
+        mc, per_call * G // shards, tp, dp_attention
+    )
     devices, peak = shards * tp, spec.peak_flops
     update_after = _update_seconds(run_spec, mc, rows, prompt_tokens, devices, peak)
     return {

@@ -286,6 +286,10 @@ class Sampler:
         "paged decode attention: auto (the platform's Pallas kernel), xla, pallas_tpu, pallas_gpu",
         one_of(lazy="ebpo_jax.sampler.spec:ATTENTION_IMPLS"),
     )
+    dp_attention: bool = setting(
+        False,
+        "rows and KV pages split over tp too: each tp chip attends all heads of its rows",
+    )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,7 @@ def forward_cached(
     return models.forward_cached(config, params, tokens, cache, slots, **kw)
 
 
-def compile_tiny_decode(mesh, attention: str):
+def compile_tiny_decode(mesh, attention: str, dp_attention: bool = False):
     """The engine's decode compiled on a (data, tp) `mesh` for a tiny model with 8 kv heads
     and a pool of 8192 pages of 16 tokens: (compiled decode, the pool's bytes per chip)."""
     import jax
@@ -81,9 +81,8 @@ def compile_tiny_decode(mesh, attention: str):
     params = aot.abstract(params, param_shardings(mc, params, mesh))
     spec = SamplerSpec(
         max_new_tokens=64, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=16,
-        kv_pages=8192, attention=attention,
+        kv_pages=8192, attention=attention, dp_attention=dp_attention,
     )  # fmt: skip
     with jax.default_matmul_precision("default"):
         _, decode, plan = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
-    tp = dict(mesh.shape).get("tp", 1)
-    return decode, plan.pages * aot.page_bytes_per_chip(mc, 16, tp=tp)
+    return decode, plan.pages * aot.page_bytes_per_chip(mc, 16, tp=aot.pool_tp(mesh, spec))

@@ -1,6 +1,7 @@
 """Paged decode attention: the XLA gather path against the TPU kernel's own reference, the
 mesh wrapper against the unsharded path, and the TPU kernel's compile for v5p."""
 
+import re
 import time
 
 import jax
@@ -12,7 +13,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_pa
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax import aot_report
+from ebpo_jax import aot_report, models
 from ebpo_jax.kernels.paged_shard import per_shard, shard_paged
 from ebpo_jax.kernels.paged_xla import paged_decode_attention_xla
 
@@ -104,6 +105,31 @@ def test_mesh_wrapper_gives_each_row_shard_its_own_pool_slab():
         got = jax.jit(lambda *a: shard_paged(paged_decode_attention_xla, *a))(
             q, kv, jnp.asarray(local), lens
         )
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_rows_split_over_tp_give_each_device_every_head():
+    """row_axes with tp (attention data-parallel over tp): D = data x tp shards, one per
+    device, each with all of its pool's heads."""
+    D, R, pages = 8, 2, 4
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((D, R, 4, 8), np.float32))
+    kv = jnp.asarray(rng.standard_normal((D, pages, 4, 4, 8), np.float32))
+    table = jnp.asarray(
+        np.stack([[rng.permutation(pages)[:2] for _ in range(R)] for _ in range(D)])
+    )
+    lens = jnp.asarray(rng.integers(0, 9, (D, R)), jnp.int32)
+    want = jax.vmap(paged_decode_attention_xla)(q, kv, table, lens)
+    seen = []
+
+    def local(*a):
+        seen.append(a[1].shape)
+        return paged_decode_attention_xla(*a)
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tp"))
+    with jax.set_mesh(mesh):
+        got = jax.jit(jax.vmap(per_shard(local, ("data", "tp"))))(q, kv, table, lens)
+    assert seen[-1] == (pages, 4, 4, 8)
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
@@ -248,6 +274,26 @@ def test_gpu_kernel_compiles_for_h200():
     with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
         compiled = jax.jit(jax.vmap(paged_decode_attention_gpu)).lower(*args).compile()
     assert "paged_attention_block_h" in compiled.as_text()
+
+
+@pytest.mark.slow
+def test_dp_attention_keeps_one_pool_at_four_kv_heads_per_tp_chip():
+    """data=1 x tp=4 with 8 kv heads: split over tp the pool is converted around the kernel
+    (about 3x it in temporaries); with rows split over tp instead each chip holds all 16
+    combined heads of its rows, one pool, and each layer moves q, k, v in one all-to-all and
+    the output back in one (no weights gathered)."""
+    mesh = _topology_mesh("v5p-8", (1, 4))
+    decode, pool = compile_tiny_decode(mesh, "pallas_tpu", dp_attention=True)
+    text = decode.as_text()
+    assert "ragged_paged_attention" in text
+    assert decode.memory_analysis().temp_size_in_bytes < 1.3 * pool
+    layers = models.get_config("tiny").num_layers
+    moves = re.findall(r"= (\S+) all[-_]to[-_]all(?:-start)?\(", text)
+    assert len([m for m in moves if m.startswith("bf16")]) == 2 * layers, moves
+    gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+    assert not [g for g in gathers if g.startswith("bf16[1,")], gathers  # a layer's weight
+    split, split_pool = compile_tiny_decode(mesh, "pallas_tpu")
+    assert split.memory_analysis().temp_size_in_bytes > 2 * split_pool
 
 
 @pytest.mark.slow

@@ -358,3 +358,19 @@ def test_paged_sharded_equals_unsharded(params, static_run):
     assert stats.pages == 10 and stats.slots == 2
     with pytest.raises(ValueError, match="data shards"):
         run(placed, mesh=mesh, **(kw | {"slots": 3}))
+
+
+def test_dp_attention_sharded_equals_unsharded(params):
+    """Attention data-parallel over tp (rows and pools over 4 data x 2 tp = 8 shards, every
+    head on each chip, the weights still split over tp): the unsharded static batch's tokens."""
+    prompts, lengths = np.concatenate([PROMPTS, PROMPTS[::-1]]), np.concatenate([LENGTHS] * 2)
+    kw = {"max_new_tokens": 8, "num_samples": 2, "rng": jax.random.key(3), "top_k": 6}
+    static = run(params, prompts, lengths, **kw)
+    mesh = sharding.make_mesh([("data", 4), ("tp", 2)])
+    placed = jax.device_put(params, sharding.param_shardings(CONFIG, params, mesh))
+    layout = {"slots": 8, "page_size": 2, "kv_pages": 56, "dp_attention": True}
+    gen, stats = run(placed, prompts, lengths, mesh=mesh, stats=True, **kw, **layout)
+    np.testing.assert_array_equal(gen.tokens, static.tokens)
+    np.testing.assert_array_equal(gen.lengths, static.lengths)
+    np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    assert stats.pages == 7 and stats.slots == 1  # per (data, tp) shard

@@ -88,6 +88,38 @@ def test_static_paged_decode_equals_a_step_by_step_sum():
     assert any("slowest data shard" in a for a in est["assumptions"])
 
 
+def test_dp_attention_paged_decode_equals_a_step_by_step_sum():
+    """Rows over 2 data x 4 tp chips: each chip reads all kv heads of its 8 rows, and its
+    weight slice runs the 32 rows of its tp group; summed by hand."""
+    from ebpo_jax import models
+
+    config = _qwen3_8b_aot(0, max_new_tokens=100, prompts_per_call=16, page_size=4)
+    config.prompts_per_step = 16
+    config.loss.num_minibatches = config.loss.num_microbatches = 1
+    config.loss.logits_chunk = 0
+    mc = models.get_config("qwen3_8b")
+    hw = aot.CHIPS["v5p"]
+    lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
+    est = aot.step_time_estimate(
+        _spec(config), mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths, dp_attention=True
+    )
+    split, block = aot.decode_cost(mc, 4), est["paged"]["kernel_block_tokens"]
+    rows, group = 16 * 4 // 8, 16 * 4 // 2
+    want = 0.0
+    for t in range(1, 100):
+        kv = 10 + t
+        read = -(-kv // block) * block
+        kv_bytes = rows * read * 4 * split.kv_token_bytes  # every head: 4x a tp chip's share
+        traffic = (split.weight_bytes + kv_bytes) / hw.hbm_bandwidth
+        compute = (group * split.row_flops + rows * kv * 4 * split.kv_token_flops) / hw.peak_flops
+        want += max(traffic, compute)
+    assert est["decode_s_after"] == pytest.approx(want, rel=1e-9)
+    moves = est["paged"]["collectives_per_step"]
+    assert moves["all_to_all"] == moves["all_reduce"] == 2 * mc.num_layers
+    qkvo = (2 * mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 2
+    assert moves["all_to_all_bytes_sent_per_chip"] == mc.num_layers * group * 3 / 16 * qkvo
+
+
 @pytest.mark.slow
 def test_issue_29_slots_table():
     """Qwen3-8B on v5p-64: today's blocked decode and the ideal per-row decode by slots."""
@@ -117,7 +149,7 @@ def test_paged_report_fields_by_hand():
     page = aot_compile.page_bytes_per_chip(mc, 128, tp=4)
     assert page == 128 * (2 * 8 // 4) * 128 * 36 * 2  # tokens x kv heads per chip x dim x layers
     plan = SimpleNamespace(pages=1000, shards=8, slots=256, rows=256, impl="pallas_tpu")
-    spec = SimpleNamespace(page_size=128)
+    spec = SimpleNamespace(page_size=128, dp_attention=False)
     mesh = SimpleNamespace(shape={"data": 8, "tp": 4})
     gib = 2**30
     report = lambda name, args, peak: aot.ProgramReport(

@@ -20,7 +20,7 @@ import math
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-from ebpo_jax.kernels.paged_shard import per_shard
+from ebpo_jax.kernels.paged_shard import ROW_AXES, per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
 
 BLOCK_H = 16  # query heads per program: the kernel requires a multiple of 16
@@ -63,12 +63,14 @@ def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret):
 
 
 def paged_decode_attention_gpu(
-    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, interpret=False
-):
+    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, interpret=False,
+    row_axes=ROW_AXES,
+):  # fmt: skip
     """softmax(q k^T * scale) v over each row's pages, by the Pallas GPU kernel: [R, H, D].
 
     scale defaults to 1/sqrt(head_dim). Shapes the kernel refuses (`fallback_reason`) run
     the XLA gather path. `interpret=True` runs the kernel in Pallas' interpreter (CPU).
+    Under a mesh, rows and pages split over its `row_axes` (paged_shard).
     """
     check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     scale = q_RHD.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -76,4 +78,4 @@ def paged_decode_attention_gpu(
         local = functools.partial(paged_decode_attention_xla, scale=scale)
     else:
         local = functools.partial(_local, scale=scale, interpret=interpret)
-    return per_shard(local)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+    return per_shard(local, row_axes)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)

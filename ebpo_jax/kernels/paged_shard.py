@@ -8,7 +8,9 @@ shard's arrays ([R, ...]):
                                  and its page table holds indices local to that slab),
   heads                          split over `tp` (query heads and combined K/V heads alike:
                                  K and V interleave per head, so a contiguous split keeps
-                                 each shard's pairs together).
+                                 each shard's pairs together), unless the rows are split
+                                 over `tp` too (`row_axes` holding it: attention
+                                 data-parallel over the tp chips, every head on each).
 Vmapped over a leading shard axis D (the sampler engine's [D, ...] rows, pools and page
 tables, one pool per data shard), `per_shard`'s batching rule splits D over the data axes
 instead and runs each device's shard: a plain vmap of a Pallas call would be replicated.
@@ -29,9 +31,9 @@ def _split_axes(mesh, names) -> tuple:
     return tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1 and a not in manual)
 
 
-def mesh_specs(mesh, rows: int, pages: int, heads: int, kv_heads: int):
+def mesh_specs(mesh, rows: int, pages: int, heads: int, kv_heads: int, row_axes=ROW_AXES):
     """(row/page axes, head axis) for shard_map on `mesh`; ValueError if a size does not split."""
-    row_axes = _split_axes(mesh, ROW_AXES)
+    row_axes = _split_axes(mesh, row_axes)
     n = 1
     for a in row_axes:
         n *= mesh.shape[a]
@@ -40,6 +42,7 @@ def mesh_specs(mesh, rows: int, pages: int, heads: int, kv_heads: int):
             f"paged attention: {rows} rows / {pages} pages do not split over {row_axes} ({n})"
         )
     tp = mesh.shape[HEAD_AXIS] if _split_axes(mesh, (HEAD_AXIS,)) else 1
+    tp = 1 if HEAD_AXIS in row_axes else tp
     if heads % tp or kv_heads % tp:
         raise ValueError(
             f"paged attention: {heads} heads / {kv_heads} kv heads do not split over tp={tp}"
@@ -47,14 +50,15 @@ def mesh_specs(mesh, rows: int, pages: int, heads: int, kv_heads: int):
     return (row_axes or None), (HEAD_AXIS if tp > 1 else None)
 
 
-def shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R):
+def shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, row_axes=ROW_AXES):
     """local_fn(q, kv_pages, page_table, kv_lens) per device of the ambient mesh (if any)."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or not _split_axes(mesh, (*ROW_AXES, HEAD_AXIS)):
+    if mesh.empty or not _split_axes(mesh, (*row_axes, HEAD_AXIS)):
         return local_fn(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     rows, heads = mesh_specs(
-        mesh, q_RHD.shape[0], kv_pages_PSCD.shape[0], q_RHD.shape[1], kv_pages_PSCD.shape[2] // 2
-    )
+        mesh, q_RHD.shape[0], kv_pages_PSCD.shape[0], q_RHD.shape[1], kv_pages_PSCD.shape[2] // 2,
+        row_axes,
+    )  # fmt: skip
     return jax.shard_map(
         local_fn,
         mesh=mesh,
@@ -71,14 +75,14 @@ def _each_shard(local_fn, q_DRHD, kv_DPSCD, table_DRN, lens_DR):
     return jax.lax.map(lambda a: local_fn(*a), (q_DRHD, kv_DPSCD, table_DRN, lens_DR))
 
 
-def shard_leading(local_fn, q_DRHD, kv_DPSCD, table_DRN, lens_DR):
-    """local_fn per data shard of [D, ...] arrays: D over the data axes, heads over tp."""
+def shard_leading(local_fn, q_DRHD, kv_DPSCD, table_DRN, lens_DR, *, row_axes=ROW_AXES):
+    """local_fn per data shard of [D, ...] arrays: D over row_axes, heads over tp (if free)."""
     mesh = jax.sharding.get_abstract_mesh()
     each = lambda *a: _each_shard(local_fn, *a)
-    if mesh.empty or not _split_axes(mesh, (*ROW_AXES, HEAD_AXIS)):
+    if mesh.empty or not _split_axes(mesh, (*row_axes, HEAD_AXIS)):
         return each(q_DRHD, kv_DPSCD, table_DRN, lens_DR)
     D, _, H, _ = q_DRHD.shape
-    shards, heads = mesh_specs(mesh, D, D, H, kv_DPSCD.shape[3] // 2)
+    shards, heads = mesh_specs(mesh, D, D, H, kv_DPSCD.shape[3] // 2, row_axes)
     return jax.shard_map(
         each,
         mesh=mesh,
@@ -93,22 +97,23 @@ def shard_leading(local_fn, q_DRHD, kv_DPSCD, table_DRN, lens_DR):
     )(q_DRHD, kv_DPSCD, table_DRN, lens_DR)
 
 
-def _splits(q_RHD, kv_pages_PSCD) -> bool:
+def _splits(q_RHD, kv_pages_PSCD, row_axes) -> bool:
     """Whether rows, pages and heads divide over the ambient mesh's axes."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return True
     try:
         mesh_specs(mesh, q_RHD.shape[0], kv_pages_PSCD.shape[0], q_RHD.shape[1],
-                   kv_pages_PSCD.shape[2] // 2)  # fmt: skip
+                   kv_pages_PSCD.shape[2] // 2, row_axes)  # fmt: skip
     except ValueError:
         return False
     return True
 
 
-def per_shard(local_fn):
+def per_shard(local_fn, row_axes=ROW_AXES):
     """local_fn(q, kv_pages, page_table, kv_lens) for one shard's arrays, placed on the mesh
-    by `shard_paged`, or vmapped over a leading shard axis, by `shard_leading`.
+    by `shard_paged`, or vmapped over a leading shard axis, by `shard_leading`; rows and
+    pages split over the mesh's `row_axes`.
 
     The unbatched function is traced even when the call is vmapped (custom_vmap's primal),
     so it cannot refuse shapes that do not divide the mesh: those run unsplit.
@@ -116,13 +121,15 @@ def per_shard(local_fn):
 
     @jax.custom_batching.custom_vmap
     def attend(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R):
-        if not _splits(q_RHD, kv_pages_PSCD):
+        if not _splits(q_RHD, kv_pages_PSCD, row_axes):
             return local_fn(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
-        return shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+        return shard_paged(
+            local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, row_axes=row_axes
+        )
 
     @attend.def_vmap
     def _batched(axis_size, in_batched, *args):
         full = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-        return shard_leading(local_fn, *map(full, args, in_batched)), True
+        return shard_leading(local_fn, *map(full, args, in_batched), row_axes=row_axes), True
 
     return attend

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
-from ebpo_jax.kernels.paged_shard import per_shard
+from ebpo_jax.kernels.paged_shard import ROW_AXES, per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
 
 # Tokens per KV block: the kernel copies whole blocks (pages past the row's end included),
@@ -78,13 +78,16 @@ def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale):
     return jnp.where(kv_lens_R[:, None, None] > 0, out_RHD, 0)
 
 
-def paged_decode_attention_tpu(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None):
+def paged_decode_attention_tpu(
+    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, row_axes=ROW_AXES
+):
     """softmax(q k^T * scale) v over each row's own pages, by the Pallas TPU kernel: [R, H, D].
 
     scale defaults to 1/sqrt(head_dim). Only compiles for TPU (its interpret mode fails in
     JAX 0.10.2); `ref_ragged_paged_attention` in the kernel's module is its CPU twin.
+    Under a mesh, rows and pages split over its `row_axes` (paged_shard).
     """
     check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     scale = q_RHD.shape[-1] ** -0.5 if scale is None else float(scale)
     local = functools.partial(_local, scale=scale)
-    return per_shard(local)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+    return per_shard(local, row_axes)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)

@@ -47,8 +47,14 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return kernel if kernel is not None and _available(kernel) else "xla"
 
 
-def paged_decode_attention(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, impl="xla"):
-    """out [R, H, D] in q's dtype: softmax(q k / sqrt(D)) v over each row's kv_lens_R tokens."""
+def paged_decode_attention(
+    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, impl="xla", row_axes=None
+):
+    """out [R, H, D] in q's dtype: softmax(q k / sqrt(D)) v over each row's kv_lens_R tokens.
+
+    row_axes: the mesh axes a kernel splits rows and pages over (None: its default,
+    data/fsdp); the "xla" path leaves placement to the compiler.
+    """
     impl = resolve(impl)
     if impl == "xla":
         q_RHD, kv_pages_PSCD = jnp.asarray(q_RHD), jnp.asarray(kv_pages_PSCD)
@@ -60,7 +66,8 @@ def paged_decode_attention(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, im
             f"paged attention impl={impl!r} needs {module} (not installed here); use 'xla'"
         )
     kernel = getattr(importlib.import_module(module), name)
-    return kernel(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
+    kwargs = {} if row_axes is None else {"row_axes": tuple(row_axes)}
+    return kernel(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, **kwargs)
 
 
 def _xla(q_RHD, kv_PSCD, table_RN, lens_R):

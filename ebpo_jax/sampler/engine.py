@@ -54,7 +54,7 @@ class Stats(NamedTuple):
 
 def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, rules=None):
     """The Plan of a call, after one-line checks that rows, slots and pages fit the shards."""
-    D = layout.data_size(mesh, axes, rules)
+    D = layout.data_size(mesh, axes, rules, spec.dp_attention)
     G, N, ps = spec.num_samples, spec.max_new_tokens, spec.page_size
     R = num_prompts * G
     if R % D:
@@ -76,7 +76,7 @@ def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, 
     Rd = R // D
     first = [d * Rd // G for d in range(D)]
     prompts = max(((d + 1) * Rd - 1) // G - first[d] + 1 for d in range(D))
-    lead = layout.leading_sharding(mesh, axes, rules)
+    lead = layout.leading_sharding(mesh, axes, rules, spec.dp_attention)
     prompt_lead = lead if num_prompts % D == 0 else None
     impl = attention.resolve(spec.attention, _platform(mesh))
     reserve = spec.kv_pages == 0
@@ -182,16 +182,20 @@ def _forward(params, layers, st, pools, *, config, plan, page_size, with_router=
     lens_DS = jnp.where(st.live_S, kv_DS + 1, 0)
     flat = lambda x: layout.constrain(x.reshape(D * S, *x.shape[2:]), plan.lead)
     new_pools = []
-    attend_one = functools.partial(attention.paged_decode_attention, impl=plan.impl)
+    attend_one = functools.partial(
+        attention.paged_decode_attention, impl=plan.impl, row_axes=layout.lead_axes(plan.lead)
+    )
 
     def attend(layer, attn, q_B1Hd, k_B1Kd, v_B1Kd):
+        q_B1Hd, k_B1Kd, v_B1Kd = layout.rows_over_tp(q_B1Hd, k_B1Kd, v_B1Kd, plan.lead)
         kv_DSCd = pages.interleave(k_B1Kd[:, 0], v_B1Kd[:, 0]).reshape(D, S, -1, k_B1Kd.shape[-1])
         pool = jax.vmap(pages.write_token)(pools[layer], kv_DSCd, page_DS, kv_DS % page_size)
         pool = layout.constrain(pool, plan.lead)
         new_pools.append(pool)
         q_DSHd = q_B1Hd[:, 0].reshape(D, S, *q_B1Hd.shape[2:])
         out_DSHd = jax.vmap(attend_one)(q_DSHd, pool, st.table_SM, lens_DS)
-        return attn.output(out_DSHd.reshape(D * S, 1, *out_DSHd.shape[2:]))
+        out_B1Hd = layout.heads_over_tp(out_DSHd.reshape(D * S, 1, *out_DSHd.shape[2:]), plan.lead)
+        return attn.output(out_B1Hd)
 
     out = models.decode_step(
         config, params, flat(st.prev_S), flat(kv_DS), attend, layers=layers,

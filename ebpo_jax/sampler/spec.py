@@ -44,6 +44,9 @@ class SamplerSpec(NamedTuple):
     page_size: int = 16
     kv_pages: int = 0
     attention: str = "auto"  # paged decode attention: sampler.attention.IMPLS or "auto"
+    # Rows and their pages split over the mesh's tp axis too (attention data-parallel over
+    # the tp chips, each holding every kv head of its rows); the weights stay split over tp.
+    dp_attention: bool = False
     # Mixture of experts: generate returns (Generation, routing), every input token's experts.
     record_routing: bool = False
 
@@ -71,8 +74,9 @@ def validated(spec: SamplerSpec, vocab_size: int) -> SamplerSpec:
     check_int("slots", spec.slots, 0)
     check_int("page_size", spec.page_size, 1)
     check_int("kv_pages", spec.kv_pages, 0)
-    if not isinstance(spec.record_routing, bool):
-        raise TypeError(f"record_routing must be a bool, got {spec.record_routing!r}")
+    for name in ("record_routing", "dp_attention"):
+        if not isinstance(getattr(spec, name), bool):
+            raise TypeError(f"{name} must be a bool, got {getattr(spec, name)!r}")
     if spec.attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention={spec.attention!r}; expected one of {ATTENTION_IMPLS}")
     s = spec.sampling

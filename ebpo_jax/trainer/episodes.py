@@ -69,6 +69,7 @@ def turn_sampler_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.Sample
         sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
         page_size=spec.sampler.page_size,
         attention=spec.sampler.attention,
+        dp_attention=spec.sampler.dp_attention,
     )
 
 

@@ -69,6 +69,7 @@ def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
         page_size=spec.sampler.page_size,
         kv_pages=spec.sampler.kv_pages,
         attention=spec.sampler.attention,
+        dp_attention=spec.sampler.dp_attention,
         record_routing=spec.moe.routing_replay,
     )
 
