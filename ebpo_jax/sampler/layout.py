@@ -1,7 +1,8 @@
 """How the sampler's rows, slots and pages lie over a mesh: split over its data axes.
 
 Each data shard holds its own rows, slots and page pool (leading axis D of every array),
-so admission, refills and page moves never cross shards.
+so admission, refills and page moves never cross shards. With attention data-parallel over
+tp (`SamplerSpec.dp_attention`), tp is the last of those axes: a shard per chip.
 """
 
 import jax
@@ -68,6 +69,8 @@ def rows_over_tp(q_BTHd, k_BTKd, v_BTKd, lead_sharding):
     axes = lead_axes(lead_sharding)
     if axes is None or TP not in axes:
         return q_BTHd, k_BTKd, v_BTKd
+    if axes[-1] != TP:  # chip t of a data shard takes its t-th block of rows
+        raise ValueError(f"rows split over {axes}: tp must be the last of the sampler's row axes")
     mesh, tp = lead_sharding.mesh, lead_sharding.mesh.shape[TP]
     rows = tuple(a for a in axes if a != TP) or None
     dtype = jnp.result_type(q_BTHd, k_BTKd)  # the wider: k and v come back exact
