@@ -6,8 +6,10 @@ Each part prints ratios measured in this one process, as the median and range ov
 The previous engine (static batch + `slots` continuous batching, one max-length KV cache per
 slot) is checked out of git (`--old-ref`, default the commit before the paged engine) into a
 temp module: it is no part of the package.
-1. tail: useful tokens/s on long-tailed response lengths (lognormal, mean max_new_tokens / 4,
-   5% at the limit, imposed as per-row stop positions `row_limits`) at an equal KV memory
+1. tail: useful tokens/s on long-tailed response lengths (lognormal, mean N / 4 for
+   `--new-tokens` N, 1024 by default: long enough that attention to the longest live row
+   costs the old engine what it costs at pod scale; 5% at the limit, imposed as per-row stop
+   positions `row_limits`) at an equal KV memory
    budget: the old engine's `--slots` x (prompt width + max_new_tokens) tokens, the paged
    engine's as kv_pages of page_size 16 with `--paged-slots`. Also the mean concurrent rows.
 2. longest: one decode step (all layers) at a fixed number of live tokens when the longest
@@ -56,11 +58,29 @@ OLD_REF = "1504a37"  # main before the paged engine: sampler.py, slots.py, gener
 OLD_MODULES = ("generation", "sampling", "slots", "sampler")
 
 
+# The old engine called forward_cached with the cache slots as keywords; it now takes them
+# as one CacheSlots spec. The old modules import this adapter in place of `models`.
+OLD_MODELS_ADAPTER = """
+from ebpo_jax.models import *  # noqa: F403
+from ebpo_jax import models as _models
+from ebpo_jax.models import decode
+
+
+def forward_cached(config, params, tokens_BT, positions_BT, cache, *, start, kv_mask_BS=None,
+                   kv_len_B=None, layers=None, kv_block=_models.decode.BLOCK):
+    slots = _models.CacheSlots(start, positions_BT, kv_mask_BS, kv_len_B)
+    return _models.forward_cached(config, params, tokens_BT, cache, slots, layers=layers,
+                                  kv_block=kv_block)
+"""
+
+
 def old_engine(ref: str):
     """The previous sampler (git `ref`) as temp modules old_sampler, old_slots, ...; returns
     old_sampler."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tempfile.mkdtemp(prefix="old_sampler_")
+    with open(os.path.join(tmp, "old_models.py"), "w") as f:
+        f.write(OLD_MODELS_ADAPTER)
     for name in OLD_MODULES:
         src = subprocess.check_output(
             ["git", "show", f"{ref}:ebpo_jax/{name}.py"], cwd=root, text=True
@@ -71,6 +91,11 @@ def old_engine(ref: str):
         src = re.sub(
             r"from ebpo_jax\.(generation|sampling|slots) import", r"from old_\1 import", src
         )
+        src = src.replace(
+            "from ebpo_jax import models, sharding",
+            "from ebpo_jax import sharding\nimport old_models as models",
+        )
+        src = src.replace("from ebpo_jax import models\n", "import old_models as models\n")
         with open(os.path.join(tmp, f"old_{name}.py"), "w") as f:
             f.write(src)
     sys.path.insert(0, tmp)
@@ -125,8 +150,8 @@ def prompts_for(config, prompts, width, seed=0):
 def tail(config, params, old, args):
     """Useful tokens/s and mean concurrent rows, paged vs old slots, at one KV budget."""
     width, N, G = 32, args.new_tokens, args.group
-    tokens, lengths = prompts_for(config, args.prompts, width)
-    limits = long_tail_lengths(args.prompts * G, N)
+    tokens, lengths = prompts_for(config, args.tail_prompts, width)
+    limits = long_tail_lengths(args.tail_prompts * G, N)
     key = jax.random.key(0)
     old_kw = {"max_new_tokens": N, "rng": key, "num_samples": G, "row_limits": limits}
     budget = args.slots * (width + N)  # tokens of KV the old engine reserves
@@ -366,7 +391,10 @@ def main(argv=None):
     ap.add_argument("--tiny-pairs", type=int, default=15)
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--group", type=int, default=4)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--tail-prompts", type=int, default=32, help="part tail: prompts")
+    ap.add_argument(
+        "--new-tokens", type=int, default=1024, help="part tail: the limit N (mean N / 4)"
+    )
     ap.add_argument("--slots", type=int, default=16, help="the old engine's slots")
     ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,6 +106,32 @@ def test_rollout_bench(capsys):
     _load("benchmarks/rollout_bench.py").main(["--smoke"])
     out = capsys.readouterr().out
     assert "paged attention" in out and "old attention" in out
+
+
+@pytest.mark.slow
+def test_rollout_bench_old_engine_still_runs():
+    """Parts tail and tiny run the previous engine out of git against today's models: its
+    greedy tokens equal the paged engine's (a models API change once broke it silently)."""
+    import jax
+
+    from ebpo_jax import models, sampler
+
+    bench = _load("benchmarks/rollout_bench.py")
+    found = subprocess.run(["git", "cat-file", "-e", bench.OLD_REF], cwd=ROOT, check=False)
+    if found.returncode:
+        pytest.skip(f"no git history with {bench.OLD_REF} here")
+    old = bench.old_engine(bench.OLD_REF)
+    config = models.get_config("tiny")
+    params = models.init_params(config, jax.random.key(0))
+    tokens = np.array([[5, 6, 7, 8], [9, 10, 11, 0]], np.int32)
+    lengths = np.array([4, 3], np.int32)
+    key = jax.random.key(1)
+    gen_old, _ = old._generate_with_stats(
+        config, params, tokens, lengths, max_new_tokens=5, rng=key, num_samples=2, slots=2
+    )
+    spec = sampler.SamplerSpec(5, num_samples=2, slots=2)
+    gen_new = sampler.generate(config, params, tokens, lengths, spec, rng=key)
+    np.testing.assert_array_equal(gen_old.tokens, gen_new.tokens)
 
 
 def test_sampler_bench(capsys):
