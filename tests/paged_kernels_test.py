@@ -108,34 +108,20 @@ def test_mesh_wrapper_gives_each_row_shard_its_own_pool_slab():
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def test_rows_split_over_tp_give_each_device_every_head():
-    """row_axes with tp (attention data-parallel over tp): D = data x tp shards, one per
-    device, each with all of its pool's heads."""
-    D, R, pages = 8, 2, 4
-    rng = np.random.default_rng(6)
-    q = jnp.asarray(rng.standard_normal((D, R, 4, 8), np.float32))
-    kv = jnp.asarray(rng.standard_normal((D, pages, 4, 4, 8), np.float32))
-    table = jnp.asarray(
-        np.stack([[rng.permutation(pages)[:2] for _ in range(R)] for _ in range(D)])
-    )
-    lens = jnp.asarray(rng.integers(0, 9, (D, R)), jnp.int32)
-    want = jax.vmap(paged_decode_attention_xla)(q, kv, table, lens)
-    seen = []
-
-    def local(*a):
-        seen.append(a[1].shape)
-        return paged_decode_attention_xla(*a)
-
-    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tp"))
-    with jax.set_mesh(mesh):
-        got = jax.jit(jax.vmap(per_shard(local, ("data", "tp"))))(q, kv, table, lens)
-    assert seen[-1] == (pages, 4, 4, 8)
-    np.testing.assert_allclose(got, want, atol=1e-6)
-
-
-def test_vmapped_over_shards_runs_each_shard_on_its_devices():
+@pytest.mark.parametrize(
+    "D, pages, row_axes, local_heads",
+    [
+        # The engine's default: D over data, heads over tp. custom_vmap traces the unbatched
+        # function too (here unsplit: 6 pages over 4 shards); the program runs the batching
+        # rule's call, one shard's pool and its tp half of the heads.
+        (4, 6, ("data", "fsdp"), 2),
+        # dp attention: D = data x tp shards, one per device, each with all of its heads.
+        (8, 4, ("data", "tp"), 4),
+    ],
+)
+def test_vmapped_over_shards_runs_each_shard_on_its_devices(D, pages, row_axes, local_heads):
     """The engine's call: vmap over a leading shard axis D, one pool per shard."""
-    D, R, pages = 4, 4, 6
+    R = 4
     rng = np.random.default_rng(5)
     q = jnp.asarray(rng.standard_normal((D, R, 4, 8), np.float32))
     kv = jnp.asarray(rng.standard_normal((D, pages, 4, 4, 8), np.float32))
@@ -151,13 +137,12 @@ def test_vmapped_over_shards_runs_each_shard_on_its_devices():
         return paged_decode_attention_xla(*a)
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "tp"))
+    attend = jax.vmap(per_shard(local, row_axes))
     with jax.set_mesh(mesh):
-        got = jax.jit(jax.vmap(per_shard(local)))(q, kv, table, lens)
-    # custom_vmap traces the unbatched function too (here unsplit: 6 pages over 4 shards);
-    # the program runs the batching rule's call, one shard's pool and its tp half of the heads.
-    assert seen[-1] == (pages, 4, 2, 8)
+        got = jax.jit(attend)(q, kv, table, lens)
+    assert seen[-1] == (pages, 4, local_heads, 8)
     np.testing.assert_allclose(got, want, atol=1e-6)
-    np.testing.assert_allclose(jax.vmap(per_shard(local))(q, kv, table, lens), want, atol=1e-6)
+    np.testing.assert_allclose(attend(q, kv, table, lens), want, atol=1e-6)
 
 
 def _topology_mesh(topology: str, shape) -> Mesh:
