@@ -24,11 +24,13 @@ def params():
 GIVEN = [40, 41, 42]
 
 
-def _session(params, *, mesh=None, rng=None, eos_ids=(), temperature=1.0):
+def _session(params, *, mesh=None, rng=None, eos_ids=(), temperature=1.0, dp_attention=False):
     """Three calls: first turns of [3, 5, 2, 14] tokens; rows 0-2 then get GIVEN[:b+1] and
     3 more tokens; row 0 alone decodes on to N. Returns (generations, given mask)."""
     sampling = sampler.Sampling(temperature, 6 if temperature else 0)
-    spec = sampler.SamplerSpec(max_new_tokens=N, eos_ids=eos_ids, sampling=sampling)
+    spec = sampler.SamplerSpec(
+        max_new_tokens=N, eos_ids=eos_ids, sampling=sampling, dp_attention=dp_attention
+    )
     session = sampler.TurnSession(CONFIG, spec, mesh=mesh)
     rng = jax.random.key(3) if rng is None else rng
     g1 = session.start(params, PROMPTS, LENGTHS, np.array([3, 5, 2, N]), rng=rng)
@@ -86,10 +88,15 @@ def test_given_stop_ids_stop_nothing_and_token0_stops_continue(params):
 
 
 @pytest.mark.slow
-def test_sharded_turns_equal_unsharded(params):
+@pytest.mark.parametrize("tp, dp_attention", [(4, False), (2, True)])
+def test_sharded_turns_equal_unsharded(params, tp, dp_attention):
+    """2 data x tp shards; with dp attention the 4 rows go one per (data, tp) chip."""
     (_, _, want), _, _ = _session(params)
-    mesh = sharding.make_mesh([("data", 2), ("tp", 4)])
-    p = jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, P())), params)
-    (_, _, got), _, _ = _session(p, mesh=mesh)
+    devices = np.array(jax.devices()[: 2 * tp]).reshape(2, tp)  # dp: 4 rows over 4 chips
+    mesh = jax.sharding.Mesh(devices, ("data", "tp"))
+    # The tiny model's 2 kv heads split over tp=2; over tp=4 the weights stay replicated.
+    placed = sharding.param_shardings(CONFIG, params, mesh) if tp == 2 else NamedSharding(mesh, P())
+    p = jax.device_put(params, placed)
+    (_, _, got), _, _ = _session(p, mesh=mesh, dp_attention=dp_attention)
     for a, b in zip(want, got):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
