@@ -1,6 +1,6 @@
 """Rollout speed: the paged engine vs the previous slot engine, and decode cost vs the longest row.
 
-Run: .venv/bin/python benchmarks/rollout_bench.py [--pairs 5] [--parts tail,longest,tiny,update,turns]
+Run: .venv/bin/python benchmarks/rollout_bench.py [--pairs 5] [--parts tail,longest,tiny,update,turns,rows]
 Each part prints ratios measured in this one process, as the median and range over
 `--pairs` alternating pairs (drift and load hit both sides alike), and the CPU model.
 The previous engine (static batch + `slots` continuous batching, one max-length KV cache per
@@ -21,10 +21,13 @@ temp module: it is no part of the package.
    last followed by `--obs-tokens` observation tokens), rows keeping their KV pages
    (sampler.TurnSession) vs every turn prefilling the episode so far (generate): tokens the
    model runs per episode token (prompt + episode) for each, and seconds per batch.
+6. rows: a decode step's cost per live row at 1-256 rows, and the static-vs-continuous
+   ratio that curve predicts (not in the default parts).
 Compile time is excluded (one warm-up call each).
 """
 
 import argparse
+import functools
 import importlib
 import os
 import re
@@ -282,6 +285,41 @@ def longest(config, params, args, rows=32, live=32 * 256, tops=(1024, 2048)):
         )
 
 
+def row_costs(config, params, args, counts=(1, 4, 16, 32, 64, 128, 256), cached=64):
+    """Decode step seconds vs live rows at `cached` tokens each: how a step's cost per row
+    falls (or not) as rows are added, the CPU property that sets what concurrency can buy.
+
+    Also the static/continuous time ratio this curve predicts for part tail's rows at its
+    limit (every row to the limit in one batch vs `--slots` rows at a time over the same
+    row-steps; attention and refills left out): it depends on the per-row cost at the full
+    batch against that at the slots, which differs between CPUs.
+    """
+    per_row = {}
+    for R in counts:
+        fn, pools = _paged_step(config, params, [cached] * R, 16, steps=8)
+        pools = jax.block_until_ready(fn(pools))[0]
+        times = []
+        for _ in range(max(3, args.pairs)):
+            s, (pools, _) = timed(functools.partial(fn, pools))
+            times.append(s / 8)
+        per_row[R] = statistics.median(times) / R
+    print(
+        f"decode step per live row ({cached} cached tokens): "
+        + ", ".join(f"{R} rows {1e3 * c:.3f} ms" for R, c in per_row.items())
+    )
+    rows, N = args.tail_prompts * args.group, args.new_tokens
+    limits = long_tail_lengths(rows, N)
+    full = min(counts, key=lambda R: abs(R - rows))
+    slots = min(counts, key=lambda R: abs(R - args.slots))
+    static = (N - 1) * rows * per_row[full]
+    continuous = (limits - 1).sum() * per_row[slots]
+    print(
+        f"predicted static / continuous time at {rows} rows, N {N}, {args.slots} slots: "
+        f"{static / continuous:.2f}x (per-row cost at {full} rows / at {slots}: "
+        f"{per_row[full] / per_row[slots]:.2f})"
+    )
+
+
 def tiny(old, args):
     """configs/tiny.py's sampler shapes: paged generate vs the old static generate."""
     from configs import tiny as tiny_config
@@ -417,6 +455,8 @@ def main(argv=None):
         longest(config, params, args)
     if "tiny" in parts:
         tiny(old, args)
+    if "rows" in parts:
+        row_costs(config, params, args)
     if "update" in parts:
         print(update_line())
     if "turns" in parts:
