@@ -354,12 +354,18 @@ def _devices(c: Config, num_devices: int) -> None:
         batch % math.prod(shape) == 0,
         f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
     )
+    spec = sampler_mesh(c) or tuple(zip(c.mesh.axes, shape, strict=True))
+    row_axes = ("data", "fsdp", "tp") if c.sampler.dp_attention else ("data", "fsdp")
+    shards = math.prod(n for axis, n in spec if axis in row_axes)
+    per_call = c.sampler.prompts_per_call or c.run.prompts_per_step
+    need(
+        not c.sampler.dp_attention or per_call * c.run.group_size % shards == 0,
+        f"sampler.dp_attention: the {per_call} x {c.run.group_size} rows of a sampler call "
+        f"must split over the sampler mesh's {shards} data x tp chips",
+    )
     slots = c.sampler.slots
     if not slots:
         return
-    spec = sampler_mesh(c) or tuple(zip(c.mesh.axes, shape, strict=True))
-    shards = math.prod(n for axis, n in spec if axis in ("data", "fsdp"))
-    per_call = c.sampler.prompts_per_call or c.run.prompts_per_step
     need(
         slots % shards == 0 and per_call % shards == 0,
         f"sampler.slots={slots} and the {per_call} prompts per sampler call must be multiples "
