@@ -355,21 +355,21 @@ def _devices(c: Config, num_devices: int) -> None:
         f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
     )
     spec = sampler_mesh(c) or tuple(zip(c.mesh.axes, shape, strict=True))
-    row_axes = ("data", "fsdp", "tp") if c.sampler.dp_attention else ("data", "fsdp")
-    shards = math.prod(n for axis, n in spec if axis in row_axes)
+    shards = math.prod(n for axis, n in spec if axis in ("data", "fsdp"))
+    row_shards = shards * (dict(spec).get("tp", 1) if c.sampler.dp_attention else 1)
     per_call = c.sampler.prompts_per_call or c.run.prompts_per_step
     need(
-        not c.sampler.dp_attention or per_call * c.run.group_size % shards == 0,
+        not c.sampler.dp_attention or per_call * c.run.group_size % row_shards == 0,
         f"sampler.dp_attention: the {per_call} x {c.run.group_size} rows of a sampler call "
-        f"must split over the sampler mesh's {shards} data x tp chips",
+        f"must split over the sampler mesh's {row_shards} data x tp chips",
     )
     slots = c.sampler.slots
     if not slots:
         return
     need(
-        slots % shards == 0 and per_call % shards == 0,
+        slots % row_shards == 0 and per_call % shards == 0,
         f"sampler.slots={slots} and the {per_call} prompts per sampler call must be multiples "
-        f"of the sampler mesh's {shards} data shards",
+        f"of the sampler mesh's {row_shards} row shards and {shards} data shards",
     )
 
 
