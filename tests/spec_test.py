@@ -49,6 +49,8 @@ def test_resolve_gives_frozen_slices_and_names_bad_fields():
     resolve(_micro(**dp), num_devices=8)  # 8 rows per call over 2 x 4 chips
     with pytest.raises(ConfigError, match=r"sampler.dp_attention: the 2 x 2 rows .* 8 data x tp"):
         resolve(_micro(**dp, **{"sampler.prompts_per_call": 2}), num_devices=8)
+    with pytest.raises(ConfigError, match=r"sampler.slots=4 .* 8 row shards and 2 data shards"):
+        resolve(_micro(**dp, **{"sampler.slots": 4}), num_devices=8)
 
 
 def _walk(x, path="spec"):
