@@ -16,12 +16,16 @@ from ebpo_jax import sharding
 TP = "tp"
 
 
+def _as_axes(entry) -> tuple:
+    """A PartitionSpec entry (None, an axis name or a tuple of them) as a tuple of names."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def data_axes(mesh, axes=None, rules=None, over_tp=False) -> tuple:
     """`axes`, or by default the rules table's `batch` axes that the mesh has, and `tp` after
     them with over_tp (attention data-parallel over the tp chips)."""
     if axes is None:
-        entry = sharding.logical_to_spec(("batch",), rules, mesh)[0]
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = _as_axes(sharding.logical_to_spec(("batch",), rules, mesh)[0])
         if over_tp and TP in mesh.axis_names and TP not in axes:
             axes += (TP,)
     return tuple(axes)
@@ -29,10 +33,15 @@ def data_axes(mesh, axes=None, rules=None, over_tp=False) -> tuple:
 
 def lead_axes(lead_sharding):
     """The mesh axes a `leading_sharding` splits axis 0 over (None without a mesh)."""
-    if lead_sharding is None:
+    return None if lead_sharding is None else _as_axes(lead_sharding.spec[0])
+
+
+def _over_tp(lead_sharding):
+    """(row axes, those but tp) when the rows split over tp too, else None."""
+    axes = lead_axes(lead_sharding)
+    if axes is None or TP not in axes:
         return None
-    entry = lead_sharding.spec[0]
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return axes, tuple(a for a in axes if a != TP) or None
 
 
 def data_size(mesh, axes=None, rules=None, over_tp=False) -> int:
@@ -66,13 +75,13 @@ def rows_over_tp(q_BTHd, k_BTKd, v_BTKd, lead_sharding):
     collectives on the decode step's critical path): each chip's heads of q, k and v are
     packed together, their rows dealt out over tp, and the packs unpacked by head.
     """
-    axes = lead_axes(lead_sharding)
-    if axes is None or TP not in axes:
+    split = _over_tp(lead_sharding)
+    if split is None:
         return q_BTHd, k_BTKd, v_BTKd
+    axes, rows = split
     if axes[-1] != TP:  # chip t of a data shard takes its t-th block of rows
         raise ValueError(f"rows split over {axes}: tp must be the last of the sampler's row axes")
     mesh, tp = lead_sharding.mesh, lead_sharding.mesh.shape[TP]
-    rows = tuple(a for a in axes if a != TP) or None
     dtype = jnp.result_type(q_BTHd, k_BTKd)  # the wider: k and v come back exact
     h, k = q_BTHd.shape[2] // tp, k_BTKd.shape[2] // tp  # heads per chip before the move
 
@@ -95,11 +104,10 @@ def rows_over_tp(q_BTHd, k_BTKd, v_BTKd, lead_sharding):
 def heads_over_tp(x_BTHd, lead_sharding):
     """Rows over the data axes but tp, heads over tp: attention's output handed back to the
     tp-split output projection (rows split over tp too would gather its weights instead)."""
-    axes = lead_axes(lead_sharding)
-    if axes is None or TP not in axes:
+    split = _over_tp(lead_sharding)
+    if split is None:
         return x_BTHd
-    rows = tuple(a for a in axes if a != TP) or None
-    spec = P(rows, None, TP, None)
+    spec = P(split[1], None, TP, None)
     return jax.lax.with_sharding_constraint(x_BTHd, NamedSharding(lead_sharding.mesh, spec))
 
 
