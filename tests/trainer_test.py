@@ -165,6 +165,7 @@ def test_splash_packed_path_equals_grouped_path():
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-4)
 
 
+@pytest.mark.slow  # the loop tests train the same update; this one only checks its direction
 def test_update_decreases_loss_on_fixed_batch(setup):
     c, mc, params, batches = setup
     c = _config(**{"loss.clip_low": 10.0, "loss.clip_high": 10.0, "loss.kl_coef": 0.01})
@@ -181,26 +182,27 @@ def test_update_decreases_loss_on_fixed_batch(setup):
     jax.tree.map(np.testing.assert_array_equal, state.ref_params, params)
 
 
-def test_microbatch_accumulation_equals_full_batch(setup):
+@pytest.mark.parametrize(
+    "agg,micro_n",
+    [("token-mean", 4), pytest.param("seq-mean-token-mean", 2, marks=pytest.mark.slow)],
+)
+def test_microbatch_accumulation_equals_full_batch(setup, agg, micro_n):
     c, mc, params, batches = setup
     ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
-    outs = []
-    # Each (agg, micro_n) compiles its own update; two accumulation counts cover both aggs.
-    for agg, counts in (("token-mean", (1, 4)), ("seq-mean-token-mean", (1, 2))):
-        for micro_n in counts:
-            cc = _config(**{"loss.num_microbatches": micro_n, "loss.agg": agg})
-            state, m = jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))(
-                _state(cc, params), ro
-            )
-            outs.append((agg, micro_n, state.params, m))
-    for agg, micro_n, p, m in outs:
-        ref_p, ref_m = next((o[2], o[3]) for o in outs if o[0] == agg)
-        assert float(m["actor/grad_norm"]) > 0
-        for name in ("actor/pg_loss", "actor/grad_norm", "actor/clip_frac_low", "actor/entropy"):
-            np.testing.assert_allclose(
-                m[name], ref_m[name], rtol=1e-5, atol=1e-6, err_msg=f"{agg} {micro_n} {name}"
-            )
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), p, ref_p)
+
+    def update(n):  # each count compiles its own update
+        cc = _config(**{"loss.num_microbatches": n, "loss.agg": agg})
+        return jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))(_state(cc, params), ro)
+
+    (ref, ref_m), (state, m) = update(1), update(micro_n)
+    assert float(m["actor/grad_norm"]) > 0
+    for name in ("actor/pg_loss", "actor/grad_norm", "actor/clip_frac_low", "actor/entropy"):
+        np.testing.assert_allclose(m[name], ref_m[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5),
+        state.params,
+        ref.params,
+    )
 
 
 def test_scan_of_k_steps_equals_k_calls(setup):
@@ -422,6 +424,7 @@ def test_rollout_in_prompt_chunks_matches_one_call(setup):
         )
 
 
+@pytest.mark.slow  # test_sampler_logprobs_equal_training_forward keeps the equality in the default suite
 def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(setup):
     """recompute_old_logprobs: the trainer's forward equals the sampler's log-probs (same
     params), so the update is unchanged; a perturbed sampler shows in mismatch/* and MIS."""
@@ -492,6 +495,7 @@ def test_packed_update_equals_padded_update(setup):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s1.params, s0.params)
 
 
+@pytest.mark.slow  # a whole run for a logging file
 def test_sample_completions_are_logged_every_n_steps(tmp_path):
     c = _config(workdir=str(tmp_path), total_steps=2, checkpoint_every=2, eval_every=2)
     c.log_samples_every, c.mesh.devices = 1, 1
