@@ -131,7 +131,8 @@ def timed(fn):
 def pairs(a, b, n):
     """Seconds of n (a, b) pairs after one warm-up each, run a-b, b-a, a-b, ... so that an
     order effect cancels: (a_s, b_s, b/a ratios)."""
-    a(), b()
+    # Blocked: dispatch is asynchronous, so an unblocked warm-up ran inside the first timing.
+    jax.block_until_ready((a(), b()))
     a_s, b_s = [], []
     for i in range(n):
         for fn, out in ((a, a_s), (b, b_s))[:: 1 if i % 2 == 0 else -1]:
@@ -141,6 +142,10 @@ def pairs(a, b, n):
 
 def spread(ratios):
     return f"median {statistics.median(ratios):.2f}x, range {min(ratios):.2f}-{max(ratios):.2f}x"
+
+
+def _seconds(times):
+    return " ".join(f"{t:.1f}" for t in times)
 
 
 def prompts_for(config, prompts, width, seed=0):
@@ -159,8 +164,9 @@ def tail(config, params, old, args):
     old_kw = {"max_new_tokens": N, "rng": key, "num_samples": G, "row_limits": limits}
     budget = args.slots * (width + N)  # tokens of KV the old engine reserves
     spec = sampler.SamplerSpec(
-        N, num_samples=G, slots=args.paged_slots, page_size=16, kv_pages=budget // 16
-    )
+        N, num_samples=G, slots=args.paged_slots, page_size=16, kv_pages=budget // 16,
+        live_buckets=args.live_buckets,
+    )  # fmt: skip
     run_old = lambda: old._generate_with_stats(
         config, params, tokens, lengths, slots=args.slots, **old_kw
     )
@@ -179,14 +185,17 @@ def tail(config, params, old, args):
     )
     print(
         f"useful tokens/s old slots ({args.slots} slots) {useful / statistics.median(a_s):.0f} "
-        f"vs paged ({spec.slots} slots, {spec.kv_pages} pages of 16) "
+        f"vs paged ({spec.slots} slots in {spec.live_buckets} live buckets, {spec.kv_pages} "
+        "pages of 16) "
         f"{useful / statistics.median(b_s):.0f}: speed-up {spread([1 / r for r in ratios])} "
         f"over {args.pairs} pairs (target >= 1.5x)"
     )
+    print(f"seconds per call, old: {_seconds(a_s)}; paged: {_seconds(b_s)}")
     conc_old = int(s_old.busy) / int(s_old.steps)
     conc_new = int(s_new.busy) / int(s_new.steps)
     print(
-        f"mean concurrent rows: old {conc_old:.1f}, paged {conc_new:.1f}; decode steps "
+        f"mean concurrent rows: old {conc_old:.1f}, paged {conc_new:.1f} (computed "
+        f"{int(s_new.computed) / int(s_new.steps):.1f}); decode steps "
         f"{int(s_old.steps)} vs {int(s_new.steps)}; paged preemptions {int(s_new.preempted)}, "
         f"peak pages {int(s_new.peak_pages)} of {s_new.pages}"
     )
@@ -435,6 +444,9 @@ def main(argv=None):
     )
     ap.add_argument("--slots", type=int, default=16, help="the old engine's slots")
     ap.add_argument("--paged-slots", type=int, default=32, help="the paged engine's slots")
+    ap.add_argument(
+        "--live-buckets", type=int, default=1, help="the paged engine's sampler.live_buckets"
+    )
     ap.add_argument("--old-ref", default=OLD_REF, help="git ref of the previous engine")
     ap.add_argument("--turns", type=int, default=4, help="part turns: model turns")
     ap.add_argument("--turn-tokens", type=int, default=32, help="part turns: tokens per turn")

@@ -290,6 +290,12 @@ class Sampler:
         False,
         "rows and KV pages split over tp too: each tp chip attends all heads of its rows",
     )
+    live_buckets: int = setting(
+        1,
+        "decode steps run on the smallest of this many batch sizes that holds the live rows "
+        "(each compiles its own forward); 1 = every slot at every step",
+        int_at_least(1),
+    )
 
 
 @dataclasses.dataclass(frozen=True)

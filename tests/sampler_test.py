@@ -291,11 +291,13 @@ def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling)
 
 # Paged engine layouts, each row for row equal to the static batch with its default pool:
 # slots refilled (5 for 12 rows), pages of 1-4 tokens, pools too small for every slot
-# (rows wait for pages and are preempted), page size not dividing the prompt width.
+# (rows wait for pages and are preempted), page size not dividing the prompt width, steps
+# on batch buckets of the live slots (2, 4 or 6 of 6).
 PAGED = [
     pytest.param({"slots": 5, "page_size": 4}, marks=pytest.mark.slow),
     pytest.param({"page_size": 1, "kv_pages": 40}, marks=pytest.mark.slow),
-    {"slots": 6, "page_size": 3, "kv_pages": 7},
+    pytest.param({"slots": 6, "page_size": 3, "kv_pages": 7}, marks=pytest.mark.slow),
+    {"slots": 6, "page_size": 3, "kv_pages": 7, "live_buckets": 3},
     pytest.param({"slots": 12, "page_size": 2, "kv_pages": 10}, marks=pytest.mark.slow),
 ]
 
@@ -338,6 +340,8 @@ def test_paged_layouts_equal_the_static_batch_row_for_row(params, static_run, la
     np.testing.assert_array_equal(gen.lengths, static.lengths)
     np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
     assert int(stats.peak_pages) <= stats.pages
+    computed, every = int(stats.computed), int(stats.steps) * stats.slots
+    assert int(stats.busy) <= computed < every if "live_buckets" in layout else computed == every
     if "kv_pages" in layout:  # the pool, not the slots, limits concurrency: rows waited
         assert int(stats.busy) < int(stats.steps) * stats.slots
     else:  # every slot-step that decoded a live row made one of the rows' tokens 1..len-1
@@ -349,13 +353,14 @@ def test_paged_sharded_equals_unsharded(params, static_run):
     kw, static = static_run
     mesh = sharding.make_mesh([("data", 2), ("tp", 4)])
     placed = jax.device_put(params, NamedSharding(mesh, P()))
-    layout = {"slots": 4, "page_size": 2, "kv_pages": 20}
+    layout = {"slots": 4, "page_size": 2, "kv_pages": 20, "live_buckets": 2}  # 1 or 2 of 2
     gen, stats = run(placed, mesh=mesh, stats=True, **kw, **layout)
     assert len(gen.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(gen.tokens, static.tokens)
     np.testing.assert_array_equal(gen.lengths, static.lengths)
     np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
     assert stats.pages == 10 and stats.slots == 2
+    assert int(stats.computed) < int(stats.steps) * 2 * stats.slots
     with pytest.raises(ValueError, match="data shards"):
         run(placed, mesh=mesh, **(kw | {"slots": 3}))
 

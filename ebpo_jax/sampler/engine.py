@@ -46,6 +46,7 @@ class Stats(NamedTuple):
 
     steps: jax.Array
     busy: jax.Array
+    computed: jax.Array  # slot-steps computed (busy or not): steps x slots without buckets
     preempted: jax.Array
     peak_pages: jax.Array  # per shard, the largest over shards
     slots: int  # per shard
@@ -208,6 +209,71 @@ def _forward(params, layers, st, pools, *, config, plan, page_size, with_router=
     return logits_BV, tuple(new_pools), experts_DSLk
 
 
+def _draw(st, pools, *, params, layers, rng, config, spec, plan):
+    """One decode step of every slot of `st`: tokens and log-probs [D, S], pools, experts."""
+    D, S = plan.shards, plan.slots
+    logits_BV, pools, experts_DSLk = _forward(
+        params, layers, st, pools, config=config, plan=plan, page_size=spec.page_size,
+        with_router=spec.record_routing,
+    )  # fmt: skip
+    row_DS = st.row_S + (plan.rows * jnp.arange(D))[:, None]
+    keys = selection.row_keys(rng, row_DS.reshape(-1), st.t_S.reshape(-1))
+    tok_B, logp_B = selection.select_tokens(keys, logits_BV, **spec.sampling._asdict())
+    return tok_B.reshape(D, S), logp_B.reshape(D, S), pools, experts_DSLk
+
+
+def _draw_all(st, pools, *, plan, **kw):
+    """_draw on every slot; also the slots it computed per shard."""
+    return *_draw(st, pools, plan=plan, **kw), plan.slots
+
+
+def bucket_sizes(slots: int, buckets: int) -> list:
+    """The batch sizes a step may run on: slots x j / buckets for j = 1..buckets, rounded up."""
+    return sorted({-(-slots * j // buckets) for j in range(1, buckets + 1)})
+
+
+_SLOT_FIELDS = ("row_S", "live_S", "t_S", "prev_S", "plen_S", "table_SM")  # what _draw reads
+_take = jax.vmap(lambda x_S, i_B: x_S[i_B])
+_put = jax.vmap(lambda x_S, i_B, v_B: x_S.at[i_B].set(v_B))
+
+
+def _draw_live(st, pools, *, config, spec, plan, **kw):
+    """_draw on the live slots only, packed into the smallest bucket that holds every shard's.
+
+    Slots outside the bucket are idle: their tokens and log-probs stay 0 and nothing reads
+    them. Each bucket is a loop of 0 or 1 trips, not lax.switch: a loop updates the pools
+    in place, where XLA:GPU copies a conditional's operands.
+    """
+    D, S = plan.shards, plan.slots
+    order_DS = jnp.argsort(~st.live_S, axis=1, stable=True)  # live slots first
+    live = st.live_S.sum(1).max()
+    step = functools.partial(_draw, config=config, spec=spec, **kw)
+    experts_DSLk = None
+
+    def run(b, carry):
+        pools, tok_DS, logp_DS, experts_DSLk, _ = carry
+        idx_DB = order_DS[:, :b]
+        st_B = st._replace(**{f: _take(getattr(st, f), idx_DB) for f in _SLOT_FIELDS})
+        tok_DB, logp_DB, pools, experts_DBLk = step(st_B, pools, plan=plan._replace(slots=b))
+        if experts_DBLk is not None:
+            experts_DSLk = _put(experts_DSLk, idx_DB, experts_DBLk)
+        tok_DS, logp_DS = _put(tok_DS, idx_DB, tok_DB), _put(logp_DS, idx_DB, logp_DB)
+        return pools, tok_DS, logp_DS, experts_DSLk, jnp.int32(b)
+
+    if spec.record_routing:
+        k, dtype = config.num_experts_per_tok, models.moe.expert_dtype(config.num_experts)
+        experts_DSLk = jnp.zeros((D, S, config.num_sparse_layers, k), dtype)
+    zeros_DS = jnp.zeros((D, S), jnp.int32)
+    carry = (pools, zeros_DS, zeros_DS.astype(jnp.float32), experts_DSLk, jnp.int32(0))
+    low = 0
+    for b in bucket_sizes(S, spec.live_buckets):
+        trips = ((live > low) & (live <= b)).astype(jnp.int32)
+        carry = jax.lax.fori_loop(0, trips, lambda _, c, b=b: run(b, c), carry)
+        low = b
+    pools, tok_DS, logp_DS, experts_DSLk, width = carry
+    return tok_DS, logp_DS, pools, experts_DSLk, width
+
+
 def _record(st, out, tok_DS, logp_DS, experts_DSLk=None):
     """Live rows write their token t, its log-prob and their length t + 1 (others nowhere).
 
@@ -336,23 +402,20 @@ def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, config, spec
     D, Rd, S, ps = plan.shards, plan.rows, plan.slots, spec.page_size
     layers = models.split_layers(config, params) if layout.on_cpu(plan.lead) else None
     admit = functools.partial(_admit, staged=staged, rows=rows, plan=plan, page_size=ps)
-    row_offset_D1 = (Rd * jnp.arange(D))[:, None]
-    s = spec.sampling
+    draw = functools.partial(
+        _draw_live if spec.live_buckets > 1 else _draw_all,
+        params=params, layers=layers, rng=rng, config=config, spec=spec, plan=plan,
+    )  # fmt: skip
 
     def cond(carry):
         st = carry[0]
         return jnp.any(st.live_S) | jnp.any(st.status_R == schedule.PENDING)
 
     def body(carry):
-        st, pools, out, steps, busy, peak = carry
+        st, pools, out, steps, busy, computed, peak = carry
         busy = busy + st.live_S.sum(dtype=jnp.int32)
-        logits_BV, pools, experts_DSLk = _forward(
-            params, layers, st, pools, config=config, plan=plan, page_size=ps,
-            with_router=spec.record_routing,
-        )  # fmt: skip
-        keys = selection.row_keys(rng, (st.row_S + row_offset_D1).reshape(-1), st.t_S.reshape(-1))
-        tok_B, logp_B = selection.select_tokens(keys, logits_BV, **s._asdict())
-        tok_DS, logp_DS = tok_B.reshape(D, S), logp_B.reshape(D, S)
+        tok_DS, logp_DS, pools, experts_DSLk, width = draw(st, pools)
+        computed = computed + D * width
         fed_DS = None
         if forced is not None:
             tok_DS, logp_DS, fed_DS = _force(st, forced, tok_DS, logp_DS)
@@ -366,12 +429,14 @@ def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, config, spec
         if not static:
             st, pools = admit(st, pools)
         peak = jnp.maximum(peak, plan.pages - st.free_P.sum(-1).min())
-        return st, pools, out, steps + 1, busy, peak
+        return st, pools, out, steps + 1, busy, computed, peak
 
     held = plan.pages - st.free_P.sum(-1).min()
-    carry = (st, pools, out, jnp.int32(0), jnp.int32(0), held)
-    st, pools, out, steps, busy, peak = jax.lax.while_loop(cond, body, carry)
-    return Turns(rows, st, pools, out), Stats(steps, busy, st.preempted.sum(), peak, S, plan.pages)
+    zero = jnp.int32(0)
+    carry = (st, pools, out, zero, zero, zero, held)
+    st, pools, out, steps, busy, computed, peak = jax.lax.while_loop(cond, body, carry)
+    stats = Stats(steps, busy, computed, st.preempted.sum(), peak, S, plan.pages)
+    return Turns(rows, st, pools, out), stats
 
 
 def _generation(out, plan, N) -> Generation:

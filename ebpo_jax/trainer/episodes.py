@@ -70,6 +70,7 @@ def turn_sampler_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.Sample
         page_size=spec.sampler.page_size,
         attention=spec.sampler.attention,
         dp_attention=spec.sampler.dp_attention,
+        live_buckets=spec.sampler.live_buckets,
     )
 
 

@@ -70,6 +70,7 @@ def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
         kv_pages=spec.sampler.kv_pages,
         attention=spec.sampler.attention,
         dp_attention=spec.sampler.dp_attention,
+        live_buckets=spec.sampler.live_buckets,
         record_routing=spec.moe.routing_replay,
     )
 
