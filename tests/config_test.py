@@ -49,6 +49,7 @@ BAD = [
     ("sampler.top_k", -5, "sampler.top_k must be an int >= 0"),
     ("sampler.page_size", 0, "sampler.page_size must be an int >= 1, got 0"),
     ("sampler.kv_pages", -1, "sampler.kv_pages must be an int >= 0 .*, got -1"),
+    ("sampler.live_buckets", 0, "sampler.live_buckets must be an int >= 1, got 0"),
     ("sampler.attention", "triton", r"sampler.attention='triton' is not one of"),
     ("loss.kl_estimator", "k9", r"loss.kl_estimator='k9' is not one of"),
     ("sampler.max_new_tokens", 40, r"sampler.max_new_tokens=40: .* the model has 32"),

@@ -109,7 +109,7 @@ def _loss(adapters, base, spec, ro, adv_B, *, agg="token-mean", kl_coef=0.0):
 GRAD = jax.jit(jax.value_and_grad(_loss), static_argnums=2, static_argnames=("agg", "kl_coef"))
 
 
-@pytest.mark.slow  # test_lora_run_trains_adapters_only_through_the_loop checks it end to end
+@pytest.mark.slow  # the loop test (default) checks that only the adapters move
 def test_gradients_reach_only_the_adapters():
     spec, base, ro = ALL, _params(), _rollout()
     state = lora_state.init_lora_state(base, optax.adam(1e-2), spec, CFG, seed=0)

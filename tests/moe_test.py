@@ -367,7 +367,7 @@ def test_record_routing_needs_a_mixture_of_experts_config():
                          rng=jax.random.key(0))  # fmt: skip
 
 
-@pytest.mark.slow  # the dense packed == padded and the replayed log-probs stay in the default suite
+@pytest.mark.slow  # default: packing_test's packed == padded (dense), the replayed log-probs above
 def test_packed_update_with_routing_replay_equals_the_padded_one():
     """One update with replay: packed rows == padded micro-batches (loss and gradients)."""
     from ebpo_jax import sampler

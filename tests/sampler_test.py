@@ -253,6 +253,7 @@ def test_generate_inside_jit(params):
         ({"slots": -1}, "slots"),
         ({"page_size": 0}, "page_size"),
         ({"attention": "flash"}, "attention"),
+        ({"live_buckets": 0}, "live_buckets"),
         # One row (6 prompt + 4 - 1 new tokens) needs 3 pages of 4: the pool must hold them.
         ({"page_size": 4, "kv_pages": 2}, r"kv_pages=2 gives 2 pages .* needs 3 pages"),
     ],
@@ -268,6 +269,12 @@ def test_bad_input_fails_before_compiling(params, monkeypatch, change, match):
     }
     with pytest.raises(ValueError, match=match):
         run(params, **inputs, **({"max_new_tokens": 4} | change))
+
+
+def test_bucket_sizes_cover_every_live_count():
+    assert engine.bucket_sizes(6, 4) == [2, 3, 5, 6]
+    assert engine.bucket_sizes(3, 8) == [1, 2, 3]
+    assert engine.bucket_sizes(5, 1) == [5]
 
 
 def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling):
@@ -341,7 +348,10 @@ def test_paged_layouts_equal_the_static_batch_row_for_row(params, static_run, la
     np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
     assert int(stats.peak_pages) <= stats.pages
     computed, every = int(stats.computed), int(stats.steps) * stats.slots
-    assert int(stats.busy) <= computed < every if "live_buckets" in layout else computed == every
+    if "live_buckets" in layout:  # live rows only, in buckets: fewer than every slot
+        assert int(stats.busy) <= computed < every
+    else:
+        assert computed == every
     if "kv_pages" in layout:  # the pool, not the slots, limits concurrency: rows waited
         assert int(stats.busy) < int(stats.steps) * stats.slots
     else:  # every slot-step that decoded a live row made one of the rows' tokens 1..len-1
@@ -353,14 +363,14 @@ def test_paged_sharded_equals_unsharded(params, static_run):
     kw, static = static_run
     mesh = sharding.make_mesh([("data", 2), ("tp", 4)])
     placed = jax.device_put(params, NamedSharding(mesh, P()))
-    layout = {"slots": 4, "page_size": 2, "kv_pages": 20, "live_buckets": 2}  # 1 or 2 of 2
+    layout = {"slots": 4, "page_size": 2, "kv_pages": 20}
     gen, stats = run(placed, mesh=mesh, stats=True, **kw, **layout)
     assert len(gen.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(gen.tokens, static.tokens)
     np.testing.assert_array_equal(gen.lengths, static.lengths)
     np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
     assert stats.pages == 10 and stats.slots == 2
-    assert int(stats.computed) < int(stats.steps) * 2 * stats.slots
+    assert int(stats.computed) == int(stats.steps) * 2 * stats.slots  # every slot, every step
     with pytest.raises(ValueError, match="data shards"):
         run(placed, mesh=mesh, **(kw | {"slots": 3}))
 

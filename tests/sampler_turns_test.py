@@ -24,13 +24,11 @@ def params():
 GIVEN = [40, 41, 42]
 
 
-def _session(params, *, mesh=None, rng=None, eos_ids=(), temperature=1.0, dp_attention=False):
+def _session(params, *, mesh=None, rng=None, eos_ids=(), temperature=1.0, **layout):
     """Three calls: first turns of [3, 5, 2, 14] tokens; rows 0-2 then get GIVEN[:b+1] and
     3 more tokens; row 0 alone decodes on to N. Returns (generations, given mask)."""
     sampling = sampler.Sampling(temperature, 6 if temperature else 0)
-    spec = sampler.SamplerSpec(
-        max_new_tokens=N, eos_ids=eos_ids, sampling=sampling, dp_attention=dp_attention
-    )
+    spec = sampler.SamplerSpec(max_new_tokens=N, eos_ids=eos_ids, sampling=sampling, **layout)
     session = sampler.TurnSession(CONFIG, spec, mesh=mesh)
     rng = jax.random.key(3) if rng is None else rng
     g1 = session.start(params, PROMPTS, LENGTHS, np.array([3, 5, 2, N]), rng=rng)
@@ -64,7 +62,8 @@ def _check(params, gen, mask, rng, temperature=1.0):
 
 
 def test_continued_rows_draw_by_the_episode_keys(params):
-    (g1, g2, g3), mask, rng = _session(params)
+    # Steps on buckets of the live rows (1-4 of 4): the last call runs row 0 alone.
+    (g1, g2, g3), mask, rng = _session(params, live_buckets=4)
     np.testing.assert_array_equal(g1.lengths, [3, 5, 2, N])
     # Row b: its first turn, b + 1 given tokens, 3 drawn; row 0 then decodes on to N.
     np.testing.assert_array_equal(g2.lengths, [3 + 1 + 3, 5 + 2 + 3, 2 + 3 + 3, N])

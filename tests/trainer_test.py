@@ -165,7 +165,7 @@ def test_splash_packed_path_equals_grouped_path():
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=1e-4)
 
 
-@pytest.mark.slow  # the loop tests train the same update; this one only checks its direction
+@pytest.mark.slow  # the loop tests train this update; here its direction and a frozen reference
 def test_update_decreases_loss_on_fixed_batch(setup):
     c, mc, params, batches = setup
     c = _config(**{"loss.clip_low": 10.0, "loss.clip_high": 10.0, "loss.kl_coef": 0.01})
@@ -424,7 +424,6 @@ def test_rollout_in_prompt_chunks_matches_one_call(setup):
         )
 
 
-@pytest.mark.slow  # test_sampler_logprobs_equal_training_forward keeps the equality in the default suite
 def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(setup):
     """recompute_old_logprobs: the trainer's forward equals the sampler's log-probs (same
     params), so the update is unchanged; a perturbed sampler shows in mismatch/* and MIS."""
@@ -495,7 +494,7 @@ def test_packed_update_equals_padded_update(setup):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s1.params, s0.params)
 
 
-@pytest.mark.slow  # a whole run for a logging file
+@pytest.mark.slow  # a whole run: the only check of samples.jsonl, kept out of the 12-min suite
 def test_sample_completions_are_logged_every_n_steps(tmp_path):
     c = _config(workdir=str(tmp_path), total_steps=2, checkpoint_every=2, eval_every=2)
     c.log_samples_every, c.mesh.devices = 1, 1

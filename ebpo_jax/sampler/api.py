@@ -65,7 +65,8 @@ def generate_with_stats(
     config, params, prompt_tokens, prompt_lengths, spec: SamplerSpec, *, rng, mesh=None,
     data_axes=None, row_limits=None,
 ) -> tuple[Generation, engine.Stats]:  # fmt: skip
-    """generate, and the decode's Stats (steps, busy slot-steps, preemptions, peak pages).
+    """generate, and the decode's Stats (steps, busy and computed slot-steps, preemptions,
+    peak pages).
 
     row_limits: [rows] int, a token limit per row (<= max_new_tokens), as if each row's
     stop id came at that length: how benchmarks impose a length distribution.

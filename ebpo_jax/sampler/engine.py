@@ -42,11 +42,12 @@ class Plan(NamedTuple):
 
 
 class Stats(NamedTuple):
-    """Decode steps, slot-steps that decoded a live row, preemptions, most pages held."""
+    """Decode steps, slot-steps that decoded a live row or were computed, preemptions, most
+    pages held. busy and computed are summed over the shards."""
 
     steps: jax.Array
     busy: jax.Array
-    computed: jax.Array  # slot-steps computed (busy or not): steps x slots without buckets
+    computed: jax.Array  # busy or idle; steps x slots x shards with live_buckets = 1
     preempted: jax.Array
     peak_pages: jax.Array  # per shard, the largest over shards
     slots: int  # per shard
@@ -232,7 +233,6 @@ def bucket_sizes(slots: int, buckets: int) -> list:
     return sorted({-(-slots * j // buckets) for j in range(1, buckets + 1)})
 
 
-_SLOT_FIELDS = ("row_S", "live_S", "t_S", "prev_S", "plen_S", "table_SM")  # what _draw reads
 _take = jax.vmap(lambda x_S, i_B: x_S[i_B])
 _put = jax.vmap(lambda x_S, i_B, v_B: x_S.at[i_B].set(v_B))
 
@@ -248,23 +248,25 @@ def _draw_live(st, pools, *, config, spec, plan, **kw):
     order_DS = jnp.argsort(~st.live_S, axis=1, stable=True)  # live slots first
     live = st.live_S.sum(1).max()
     step = functools.partial(_draw, config=config, spec=spec, **kw)
-    experts_DSLk = None
+    slot_fields = [f for f in st._fields if f.endswith(("_S", "_SM"))]
 
     def run(b, carry):
         pools, tok_DS, logp_DS, experts_DSLk, _ = carry
         idx_DB = order_DS[:, :b]
-        st_B = st._replace(**{f: _take(getattr(st, f), idx_DB) for f in _SLOT_FIELDS})
+        st_B = st._replace(**{f: _take(getattr(st, f), idx_DB) for f in slot_fields})
         tok_DB, logp_DB, pools, experts_DBLk = step(st_B, pools, plan=plan._replace(slots=b))
         if experts_DBLk is not None:
             experts_DSLk = _put(experts_DSLk, idx_DB, experts_DBLk)
         tok_DS, logp_DS = _put(tok_DS, idx_DB, tok_DB), _put(logp_DS, idx_DB, logp_DB)
         return pools, tok_DS, logp_DS, experts_DSLk, jnp.int32(b)
 
+    experts_DSLk = None
     if spec.record_routing:
         k, dtype = config.num_experts_per_tok, models.moe.expert_dtype(config.num_experts)
         experts_DSLk = jnp.zeros((D, S, config.num_sparse_layers, k), dtype)
     zeros_DS = jnp.zeros((D, S), jnp.int32)
-    carry = (pools, zeros_DS, zeros_DS.astype(jnp.float32), experts_DSLk, jnp.int32(0))
+    outs = layout.constrain_tree((zeros_DS, zeros_DS.astype(jnp.float32), experts_DSLk), plan.lead)
+    carry = (pools, *outs, jnp.int32(0))
     low = 0
     for b in bucket_sizes(S, spec.live_buckets):
         trips = ((live > low) & (live <= b)).astype(jnp.int32)
