@@ -5,7 +5,8 @@ keys and values as pages. The decode loop runs `slots` rows at a time per data s
 step feeds every live row its last token, writes its key/value into its own page, attends
 over its own pages (sampler.attention), samples, then frees the pages of rows that ended,
 gives growing rows their next page and refills free slots (sampler.schedule). With a slot
-per row it is the static batch. Row r's token t is drawn with fold_in(fold_in(rng, r), t),
+per row it is the static batch. With spec.live_buckets > 1 a step computes only its live
+slots, packed into the smallest of a few fixed batch sizes. Row r's token t is drawn with fold_in(fold_in(rng, r), t),
 so a row's tokens do not depend on the slots, the pages or the rows around it.
 
 Multi-turn rows (begin_turns, continue_turns) run the same loop on the static batch with
