@@ -200,12 +200,10 @@ def _train_all(todo, configs, cache_dir, workers, bar, stamp=None) -> list[str]:
 def _finished(runs, configs, out) -> set[str]:
     """Run ids with a summary.json under runs/, or with no folder there that the committed
     results.csv holds to their last step."""
-    from ebpo_jax.ablation import record
+    from ebpo_jax.ablation import record, results
 
     runs_dir = os.path.join(out, "runs")
-    done = {
-        r.run_id for r in runs if os.path.exists(os.path.join(runs_dir, r.run_id, "summary.json"))
-    }
+    done = {r.run_id for r in runs if results.finished(os.path.join(runs_dir, r.run_id))}
     gone = {
         r.run_id: configs[r.run_id].total_steps
         for r in runs

@@ -343,6 +343,25 @@ def test_plot_axes_ignore_provenance():
     assert plots._axes_of(df) == (["method"], "group_size")
 
 
+def test_only_finished_runs_are_collected(tmp_path):
+    """A run without its summary.json (still training, or killed) gives no rows: its last
+    eval would read as its final pass@1."""
+    runs = ablation.expand(
+        ml_collections.ConfigDict(
+            {"blocks": [{"name": "b", "axes": {"seed": [0, 1]}}], "base": {}, "out_dir": ""}
+        )
+    )
+    for run in runs:
+        (tmp_path / run.run_id).mkdir()
+        rows = [{"step": 0, "eval/pass@1": 0.1}, {"step": 50, "eval/pass@1": 0.2}]
+        (tmp_path / run.run_id / "metrics.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows)
+        )
+    (tmp_path / runs[0].run_id / "summary.json").write_text("{}")
+    evals, _ = ablation.results.collect(str(tmp_path), runs)
+    assert list(evals.run_id.unique()) == [runs[0].run_id] and len(evals) == 2
+
+
 def test_committed_results_count_as_finished_runs():
     """A fresh clone (no runs/) sees the committed reasoning group-size runs as done; --seeds
     lists more seeds to train."""

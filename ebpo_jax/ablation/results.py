@@ -47,11 +47,20 @@ def run_provenance(run_dir: str) -> dict:
     return {k: recorded.get(k, "") for k in PROVENANCE_FIELDS}
 
 
+def finished(run_dir: str) -> bool:
+    """Whether the run ended: ablate writes its summary.json after its last step."""
+    return os.path.exists(os.path.join(run_dir, "summary.json"))
+
+
 def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(eval rows, step rows) of every run with metrics under `runs_dir/<run_id>`; eval rows
-    end with the run's provenance (versions, machine, CPU, XLA flags) when it recorded one."""
+    """(eval rows, step rows) of every finished run under `runs_dir/<run_id>`; eval rows end
+    with the run's provenance (versions, machine, CPU, XLA flags) when it recorded one.
+
+    A run still training (or killed) is left out: its last eval is not its final one."""
     evals, steps = [], []
     for run in runs:
+        if not finished(os.path.join(runs_dir, run.run_id)):
+            continue
         records = read_metrics(os.path.join(runs_dir, run.run_id))
         prov = run_provenance(os.path.join(runs_dir, run.run_id))
         cols, since, tokens = _run_columns(run), [], 0.0
