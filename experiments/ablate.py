@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 from absl import flags
 
@@ -450,19 +451,10 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     reported beside the recorded ones, and `verdict` is reproduce.verdict's: bitwise on the
     recorded CPU family, inside or outside the cell's seed band on another.
     """
-    import pandas as pd
-
     from ebpo_jax import ablation
-    from ebpo_jax.ablation import reproduce
 
     out = os.path.abspath(grid.out_dir)
-    results = os.path.join(out, "results.csv")
-    if not os.path.exists(results):
-        raise ValueError(f"--rerun: no {results} to compare with")
-    recorded_all = pd.read_csv(results, keep_default_na=False, na_values=[""])
-    old = recorded_all[recorded_all.run_id == run_id]
-    if old.empty:
-        raise ValueError(f"--rerun={run_id!r}: not in {results}")
+    recorded_all, old = _recorded_rows(out, run_id)
     run = _find_run(grid, out, run_id)
     rerun_dir = os.path.join(out, "rerun")
     workdir = os.path.join(rerun_dir, run_id)
@@ -476,25 +468,9 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     t0 = time.time()
     _train_like(config, recorded, workdir, os.path.join(out, "jax_cache"))
     new, _ = ablation.collect(rerun_dir, [run])
-    report = compare_rows(old, new, atol)
     prov = ablation.results.run_provenance(workdir)
-    report.update(
-        run_id=run_id,
-        atol=atol,
-        wall_time_s=time.time() - t0,
-        recorded={k: recorded.get(k) for k in prov},
-        now=prov,
-        warm_start_file=warm_file,
-        **_against_band(recorded_all, old, new, run),
-    )
-    report["verdict"] = reproduce.verdict(
-        report["match"],
-        recorded.get("cpu", ""),
-        prov.get("cpu", ""),
-        report["final_pass@1"]["rerun"],
-        report["seed_band"],
-        atol,
-    )
+    report = _rerun_report(recorded_all, old, new, run, prov, atol=atol, warm_file=warm_file)
+    report["wall_time_s"] = time.time() - t0
     log(json.dumps(report, indent=2, default=str))
     with open(_report_path(rerun_dir, run_id, recorded, prov), "w") as f:
         json.dump(report, f, indent=2, default=str)  # the record; the run's folder is not kept
@@ -503,6 +479,41 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
         f"rerun {run_id}: {verdict} (max |diff| {report.get('max_abs_diff')}, atol {atol}); "
         f"{report['verdict']}"
     )
+    return report
+
+
+def _recorded_rows(out: str, run_id: str):
+    """(every row of `out`'s results.csv, the rows of run_id), after one-line checks."""
+    import pandas as pd
+
+    results = os.path.join(out, "results.csv")
+    if not os.path.exists(results):
+        raise ValueError(f"--rerun: no {results} to compare with")
+    recorded_all = pd.read_csv(results, keep_default_na=False, na_values=[""])
+    old = recorded_all[recorded_all.run_id == run_id]
+    if old.empty:
+        raise ValueError(f"--rerun={run_id!r}: not in {results}")
+    return recorded_all, old
+
+
+def _rerun_report(recorded_all, old, new, run, prov: dict, *, atol: float, warm_file: str):
+    """The rows compared, both provenances, the seed band and reproduce.verdict's verdict."""
+    from ebpo_jax.ablation import reproduce
+
+    recorded = old.iloc[0].to_dict()
+    report = compare_rows(old, new, atol)
+    report.update(
+        run_id=run.run_id,
+        atol=atol,
+        recorded={k: recorded.get(k) for k in prov},
+        now=prov,
+        warm_start_file=warm_file,
+        **_against_band(recorded_all, old, new, run),
+    )
+    report["verdict"] = reproduce.verdict(
+        report["match"], recorded.get("cpu", ""), prov.get("cpu", ""),
+        report["final_pass@1"]["rerun"], report["seed_band"], atol,
+    )  # fmt: skip
     return report
 
 
@@ -579,66 +590,78 @@ def _matching(runs, only: str):
     return chosen
 
 
+class PowerAnalysis(NamedTuple):
+    """Seeds by power analysis: a pilot of `pilot_seeds`, then enough seeds (at most
+    `max_seeds`) to detect `effect` with `power` (effect 0: off)."""
+
+    effect: float = 0.0
+    power: float = 0.8
+    pilot_seeds: int = 4
+    max_seeds: int = 20
+
+
+NO_POWER_ANALYSIS = PowerAnalysis()
+
+
+def _power_pilot(grid, out, analysis: PowerAnalysis, *, alpha, workers, dry_run, log):
+    """(the grid at the seeds the pilot chose, the power report, the runs trained); with
+    dry_run, the pilot grid itself and no report."""
+    from ebpo_jax import ablation
+    from ebpo_jax.ablation import record
+
+    n = analysis.pilot_seeds
+    if n < 2:
+        raise ValueError(f"--pilot_seeds={n}: a std needs >= 2 paired seeds")
+    pilot = ablation.with_seeds(grid, range(n))
+    pilot_runs = ablation.expand(pilot)
+    if dry_run:
+        log(f"power analysis: a pilot of {n} seeds first ({len(pilot_runs)} runs)")
+        return pilot, None, []
+    trained = _train_grid(pilot, pilot_runs, out, workers, log)
+    evals, _ = record.collect(out, pilot_runs)
+    report = choose_seeds(
+        evals, pilot_runs, effect=analysis.effect, power=analysis.power, alpha=alpha,
+        pilot=analysis.pilot_seeds, max_seeds=analysis.max_seeds, log=log,
+    )  # fmt: skip
+    with open(os.path.join(out, "power.json"), "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    return ablation.with_seeds(grid, range(report["seeds"])), report, trained
+
+
 def run_grid(
     grid,
     *,
     workers: int = 1,
     dry_run: bool = False,
     plots_only: bool = False,
-    power_effect: float = 0.0,
-    power: float = 0.8,
+    analysis: PowerAnalysis = NO_POWER_ANALYSIS,
     alpha: float = 0.05,
-    pilot_seeds: int = 4,
-    max_seeds: int = 20,
     seeds: int = 0,
     only: str = "",
     log=print,
 ) -> dict:
-    """Train the grid's unfinished runs (seeds by power analysis when power_effect > 0, or
+    """Train the grid's unfinished runs (seeds by power analysis when analysis.effect > 0, or
     0..seeds-1; only the ids matching `only`), then write the tables and plots; returns
     paths, the run ids and those trained."""
     from ebpo_jax import ablation
-    from ebpo_jax.ablation import record
 
     out = os.path.abspath(grid.out_dir)
-    runs_dir = os.path.join(out, "runs")
-    power_report = None
+    power_report, trained = None, []
     if seeds:
-        if power_effect > 0 or seeds < 1:
+        if analysis.effect > 0 or seeds < 1:
             raise ValueError(f"--seeds={seeds}: give N >= 1, and not with --power_effect")
         grid = ablation.with_seeds(grid, range(seeds))
-    if power_effect > 0 and not plots_only:
-        if pilot_seeds < 2:
-            raise ValueError(f"--pilot_seeds={pilot_seeds}: a std needs >= 2 paired seeds")
-        pilot = ablation.with_seeds(grid, range(pilot_seeds))
-        pilot_runs = ablation.expand(pilot)
-        if dry_run:
-            log(f"power analysis: a pilot of {pilot_seeds} seeds first ({len(pilot_runs)} runs)")
-            grid = pilot
-        else:
-            trained = _train_grid(pilot, pilot_runs, out, workers, log)
-            evals, _ = record.collect(out, pilot_runs)
-            power_report = choose_seeds(
-                evals,
-                pilot_runs,
-                effect=power_effect,
-                power=power,
-                alpha=alpha,
-                pilot=pilot_seeds,
-                max_seeds=max_seeds,
-                log=log,
-            )
-            grid = ablation.with_seeds(grid, range(power_report["seeds"]))
-            with open(os.path.join(out, "power.json"), "w") as f:
-                json.dump(power_report, f, indent=2, default=str)
+    if analysis.effect > 0 and not plots_only:
+        grid, power_report, trained = _power_pilot(
+            grid, out, analysis, alpha=alpha, workers=workers, dry_run=dry_run, log=log
+        )
     runs = ablation.expand(grid)
     if dry_run:
-        done = _finished(runs, _configs(grid, runs, runs_dir), out)
+        done = _finished(runs, _configs(grid, runs, os.path.join(out, "runs")), out)
         for r in runs:
             log(f"  {'done' if r.run_id in done else 'todo'}  {r.run_id}")
         return {"runs": [r.run_id for r in runs], "trained": []}
     t0 = time.time()
-    trained = [] if power_report is None else trained
     if not plots_only:
         trained += _train_grid(grid, _matching(runs, only), out, workers, log)
     paths = write_results(grid, runs, out, alpha=alpha, log=log)
@@ -661,11 +684,8 @@ def main(argv):
         workers=_WORKERS.value,
         dry_run=_DRY_RUN.value,
         plots_only=_PLOTS_ONLY.value,
-        power_effect=_POWER_EFFECT.value,
-        power=_POWER.value,
+        analysis=PowerAnalysis(_POWER_EFFECT.value, _POWER.value, _PILOT.value, _MAX_SEEDS.value),
         alpha=_ALPHA.value,
-        pilot_seeds=_PILOT.value,
-        max_seeds=_MAX_SEEDS.value,
         seeds=_SEEDS.value,
         only=_ONLY.value,
     )

@@ -279,7 +279,8 @@ def test_power_pilot_then_rerun_micro(tmp_path):
             "fixed": {"mesh.devices": 1},
         }
     ]
-    out = ablate.run_grid(grid, power_effect=0.5, pilot_seeds=2, max_seeds=3, log=lambda *_: None)
+    analysis = ablate.PowerAnalysis(effect=0.5, pilot_seeds=2, max_seeds=3)
+    out = ablate.run_grid(grid, analysis=analysis, log=lambda *_: None)
     assert out["power"]["seeds"] in (2, 3) and len(out["runs"]) == 2 * out["power"]["seeds"]
     assert os.path.exists(os.path.join(grid.out_dir, "power.json"))
     evals = pd.read_csv(out["results"])
@@ -386,4 +387,5 @@ def test_committed_results_count_as_finished_runs():
     with pytest.raises(ValueError, match=r"--only='\(': not a regex"):
         ablate.run_grid(grid, seeds=6, only="(", log=lines.append)
     with pytest.raises(ValueError, match="--seeds=3: .* not with --power_effect"):
-        ablate.run_grid(grid, seeds=3, power_effect=0.02, dry_run=True, log=lines.append)
+        analysis = ablate.PowerAnalysis(effect=0.02)
+        ablate.run_grid(grid, seeds=3, analysis=analysis, dry_run=True, log=lines.append)
