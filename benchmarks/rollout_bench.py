@@ -128,11 +128,11 @@ def timed(fn):
     return time.perf_counter() - start, out
 
 
-def pairs(a, b, n):
-    """Seconds of n (a, b) pairs after one warm-up each, run a-b, b-a, a-b, ... so that an
-    order effect cancels: (a_s, b_s, b/a ratios)."""
-    # Blocked: dispatch is asynchronous, so an unblocked warm-up ran inside the first timing.
-    jax.block_until_ready((a(), b()))
+def pairs(a, b, n, warm_up=True):
+    """Seconds of n (a, b) pairs after one warm-up each (warm_up=False: the caller has run
+    both), run a-b, b-a, a-b, ... so that an order effect cancels: (a_s, b_s, b/a ratios)."""
+    if warm_up:  # blocked: dispatch is asynchronous, so it would run inside the first timing
+        jax.block_until_ready((a(), b()))
     a_s, b_s = [], []
     for i in range(n):
         for fn, out in ((a, a_s), (b, b_s))[:: 1 if i % 2 == 0 else -1]:
@@ -175,8 +175,8 @@ def tail(config, params, old, args):
     )
     (g_old, s_old), (g_new, s_new) = run_old(), run_new()
     assert np.array_equal(np.asarray(g_new.lengths), limits), "row limits not imposed"
-    same = bool(np.array_equal(g_old.tokens, g_new.tokens))
-    a_s, b_s, ratios = pairs(run_old, run_new, args.pairs)
+    same = bool(np.array_equal(g_old.tokens, g_new.tokens))  # both ran: the warm-up
+    a_s, b_s, ratios = pairs(run_old, run_new, args.pairs, warm_up=False)
     useful = int(limits.sum())
     print(
         f"long tail: {len(limits)} rows, mean length {limits.mean():.1f} of {N}, "
