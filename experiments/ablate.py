@@ -228,6 +228,20 @@ def claims_stamp(grid) -> dict:
     return {"claims_sha256": registration.file_sha256(path)}
 
 
+def _start_over_uncheckpointed(todo, configs, log) -> None:
+    """Mark for a restart each run stopped before its first checkpoint: it has metrics but
+    nothing to resume from, and the grid owns its folder, so it starts over (its metrics
+    rewritten) where the trainer alone would refuse the folder."""
+    from ebpo_jax.workdir import WorkdirError, check_workdir
+
+    for r in todo:
+        try:
+            check_workdir(configs[r.run_id].workdir, restart=False)
+        except WorkdirError:
+            log(f"  {r.run_id}: stopped before its first checkpoint, starts over")
+            configs[r.run_id].restart = True
+
+
 def _train_grid(grid, runs, out, workers, log) -> list[str]:
     """Train the unfinished `runs` of `grid` (seed-major) after adopting the same runs of
     the grids in its `reuse` list; returns the ids trained. Refuses a grid whose claims
@@ -247,6 +261,7 @@ def _train_grid(grid, runs, out, workers, log) -> list[str]:
     order = {r.run_id: i for i, r in enumerate(runs)}
     todo.sort(key=lambda r: (r.value("seed", 0), order[r.run_id]))
     log(f"grid {grid.name}: {len(runs)} runs, {len(done)} finished, {len(todo)} to train -> {out}")
+    _start_over_uncheckpointed(todo, configs, log)
     os.makedirs(out, exist_ok=True)
     bar = tqdm(total=len(runs), initial=len(done), unit="run", desc=grid.name, disable=False)
     try:

@@ -170,6 +170,15 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     assert partial["trained"] == [r for r in out["runs"] if "grpo" in r]
     expected = evals[(evals.method == "grpo") | (evals.step == 0)].reset_index(drop=True)
     pd.testing.assert_frame_equal(pd.read_csv(partial["results"]), expected)
+    # A run killed before its first checkpoint (metrics, no checkpoint) starts over.
+    killed = os.path.join(grid.out_dir, "runs", partial["trained"][0])
+    os.remove(os.path.join(killed, "summary.json"))
+    shutil.rmtree(os.path.join(killed, "checkpoints"))
+    lines = []
+    again = ablate.run_grid(grid, only="grpo", log=lines.append)
+    assert again["trained"] == partial["trained"]
+    assert any("starts over" in line for line in lines)
+    pd.testing.assert_frame_equal(pd.read_csv(again["results"]), expected)
 
 
 def test_reuse_adopts_only_the_same_config(tmp_path):
