@@ -93,6 +93,10 @@ def _setup_jax(cache_dir: str) -> None:
 _PARENT_PID = None  # set in pool workers
 
 
+class GridStopped(Exception):
+    """A signal stopped the run in progress at a checkpoint: the grid stops with it."""
+
+
 def _orphaned() -> bool:
     """A pool worker whose grid process has died (its queued runs must not start)."""
     return _PARENT_PID is not None and os.getppid() != _PARENT_PID
@@ -166,7 +170,12 @@ def _train_all(todo, configs, cache_dir, workers, bar, stamp=None) -> list[str]:
         try:
             for r in todo:
                 bar.set_postfix_str(r.run_id)
-                train_run(configs[r.run_id].to_json(), cache_dir, stamp)
+                summary = train_run(configs[r.run_id].to_json(), cache_dir, stamp)
+                if summary["stopped_early"]:  # the trainer took the signal meant for the grid
+                    raise GridStopped(
+                        f"a signal stopped run {r.run_id} at step {summary['step']} with a "
+                        "checkpoint; the same command resumes the grid"
+                    )
                 trained.append(r.run_id)
                 bar.update()
         finally:
@@ -694,16 +703,20 @@ def main(argv):
     if _RERUN.value:
         report = rerun(_CONFIG.value, _RERUN.value, atol=_RERUN_ATOL.value)
         sys.exit(0 if report["match"] or "inside" in report["verdict"] else 1)
-    run_grid(
-        _CONFIG.value,
-        workers=_WORKERS.value,
-        dry_run=_DRY_RUN.value,
-        plots_only=_PLOTS_ONLY.value,
-        analysis=PowerAnalysis(_POWER_EFFECT.value, _POWER.value, _PILOT.value, _MAX_SEEDS.value),
-        alpha=_ALPHA.value,
-        seeds=_SEEDS.value,
-        only=_ONLY.value,
-    )
+    analysis = PowerAnalysis(_POWER_EFFECT.value, _POWER.value, _PILOT.value, _MAX_SEEDS.value)
+    try:
+        run_grid(
+            _CONFIG.value,
+            workers=_WORKERS.value,
+            dry_run=_DRY_RUN.value,
+            plots_only=_PLOTS_ONLY.value,
+            analysis=analysis,
+            alpha=_ALPHA.value,
+            seeds=_SEEDS.value,
+            only=_ONLY.value,
+        )
+    except GridStopped as e:
+        sys.exit(f"stopped: {e}")
 
 
 if __name__ == "__main__":

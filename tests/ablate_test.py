@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import shutil
+import types
 
 import ml_collections
 import numpy as np
@@ -398,3 +399,22 @@ def test_committed_results_count_as_finished_runs():
     with pytest.raises(ValueError, match="--seeds=3: .* not with --power_effect"):
         analysis = ablate.PowerAnalysis(effect=0.02)
         ablate.run_grid(grid, seeds=3, analysis=analysis, dry_run=True, log=lines.append)
+
+
+def test_a_signal_that_stops_a_run_stops_the_grid(monkeypatch):
+    """In one process the trainer takes the grid's SIGTERM: its run stops at a checkpoint,
+    and the grid must stop there too instead of starting the next run."""
+    ablate = _load_ablate()
+    started = []
+
+    def stopped_run(config_json, cache_dir, stamp):
+        started.append(config_json)
+        return {"stopped_early": True, "step": 7}
+
+    monkeypatch.setattr(ablate, "train_run", stopped_run)
+    todo = [types.SimpleNamespace(run_id=f"run-{i}") for i in range(2)]
+    configs = {r.run_id: ml_collections.ConfigDict({"id": r.run_id}) for r in todo}
+    bar = types.SimpleNamespace(set_postfix_str=lambda _: None, update=lambda: None)
+    with pytest.raises(ablate.GridStopped, match="run-0 at step 7"):
+        ablate._train_all(todo, configs, "", 1, bar)
+    assert len(started) == 1
