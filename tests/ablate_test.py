@@ -192,8 +192,8 @@ def test_reuse_adopts_only_the_same_config(tmp_path):
     (src / "summary.json").write_text("{}")
     (src / "metrics.jsonl").write_text('{"step": 1}\n')
     runs_dir = tmp_path / "b" / "runs"
-    configs = {
-        "same": {**saved, "workdir": str(runs_dir / "same")},  # only the workdir differs
+    configs = {  # neither the workdir nor `restart` changes what a run computes
+        "same": {**saved, "workdir": str(runs_dir / "same"), "restart": True},
         "other_seed": {**saved, "seed": 1},
         "other_lr": {**saved, "optimizer": {"learning_rate": 2e-3}},
     }

@@ -21,8 +21,9 @@ from ebpo_jax import workdir as workdir_lib
 # Copied from the source run; checkpoints and TensorBoard logs stay there.
 FILES = ("summary.json", workdir_lib.METRICS_FILE, workdir_lib.CONFIG_FILE)
 MARKER = "reused_from.txt"
-# Where a run trains, and where it exports its warm start, do not change what it computes.
-_IGNORED = ("workdir", "sft.export_dir")
+# Where a run trains, where it exports its warm start, and whether it started over after
+# a kill before its first checkpoint (ablate sets `restart`) do not change what it computes.
+_IGNORED = ("workdir", "sft.export_dir", "restart")
 
 
 def _finished(folder: str) -> Iterable[str]:
