@@ -109,11 +109,13 @@ def train_run(config_json: str, cache_dir: str, stamp: dict | None = None) -> di
         os._exit(0)
     import ml_collections
 
-    from ebpo_jax.ablation.provenance import provenance
+    from ebpo_jax.ablation.provenance import code_version, provenance
     from ebpo_jax.config import finalize
 
     _setup_jax(cache_dir)
     from ebpo_jax.trainer.loop import train
+
+    code_version()  # the source as imported, before a run that may outlast the checkout
 
     config = finalize(ml_collections.ConfigDict(json.loads(config_json)))
     summary = train(config, log=_quiet)

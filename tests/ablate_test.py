@@ -4,6 +4,8 @@ import functools
 import importlib.util
 import json
 import os
+import pathlib
+import re
 import shutil
 import types
 
@@ -336,6 +338,25 @@ def test_provenance_reads_the_cpu_model(tmp_path):
     prov = provenance.provenance()
     assert set(prov) == set(provenance.PROCESS) and prov["jaxlib"] and prov["machine"]
     assert provenance.cpu_family("AMD EPYC") == "amd" != provenance.cpu_family("Intel(R) Xeon")
+
+
+def test_provenance_names_the_code(tmp_path):
+    from ebpo_jax.ablation import provenance
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    (tmp_path / "notes.txt").write_text("not code")
+    before = provenance.source_sha256(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("still not code")
+    assert provenance.source_sha256(str(tmp_path)) == before
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert provenance.source_sha256(str(tmp_path)) != before
+    code = provenance.code_version()
+    assert len(code["code_sha256"]) == 64
+    repo = pathlib.Path(provenance.__file__).parents[2]
+    if (repo / ".git").exists():  # a checkout: the commit, marked when the package differs
+        assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", code["code"]), code
 
 
 def test_plot_axes_ignore_provenance():

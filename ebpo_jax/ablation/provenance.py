@@ -1,11 +1,16 @@
-"""Where a run's numbers came from: library versions, machine type, CPU model and XLA flags,
-the warm start's SHA-256 and the SHA-256 of the claims file in force when it trained."""
+"""Where a run's numbers came from: library versions, the ebpo_jax code it imported, machine
+type, CPU model and XLA flags, the warm start's SHA-256 and the SHA-256 of the claims file in
+force when it trained."""
 
+import functools
+import hashlib
 import os
 import platform
+import subprocess
 
 # Columns added to every results.csv row (constant per run, not compared by --rerun).
-PROCESS = ("jax", "jaxlib", "machine", "cpu", "xla_flags", "matmul_precision", "backend")
+PROCESS = ("jax", "jaxlib", "code", "code_sha256", "machine", "cpu", "xla_flags")
+PROCESS += ("matmul_precision", "backend")
 FIELDS = PROCESS + ("warm_start_sha256", "claims_sha256")  # the run's, from ablate.train_run
 
 
@@ -32,6 +37,42 @@ def cpu_family(model: str) -> str:
     return "arm" if any(m in low for m in ("neoverse", "arm", "graviton")) else low
 
 
+def _git(package_dir: str, *args: str) -> str:
+    """`git -C package_dir args` stripped ("" when git or the checkout is missing)."""
+    cmd = ["git", "-C", package_dir, *args]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
+
+
+def source_sha256(package_dir: str) -> str:
+    """SHA-256 over the package's .py files (relative path and bytes, in sorted order)."""
+    digest = hashlib.sha256()
+    paths = []
+    for root, dirs, files in os.walk(package_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        paths += [os.path.join(root, f) for f in files if f.endswith(".py")]
+    for path in sorted(paths):
+        digest.update(os.path.relpath(path, package_dir).encode() + b"\0")
+        with open(path, "rb") as f:
+            digest.update(f.read() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.cache
+def code_version() -> dict[str, str]:
+    """The ebpo_jax source this process runs: its git commit ("+dirty" when the package's files
+    differ from it) and the SHA-256 of its .py files. Cached at the first call, because the
+    checkout may move on while a long-lived grid process keeps the modules it imported."""
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = _git(package_dir, "rev-parse", "HEAD")
+    if commit and _git(package_dir, "status", "--porcelain", "--", "."):
+        commit += "+dirty"
+    return {"code": commit, "code_sha256": source_sha256(package_dir)}
+
+
 def provenance() -> dict[str, str]:
     """The PROCESS fields of this process (imports jax; call it where jax is already in use)."""
     import jax
@@ -40,6 +81,7 @@ def provenance() -> dict[str, str]:
     return {
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
+        **code_version(),
         "machine": platform.machine(),
         "cpu": cpu_model(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
