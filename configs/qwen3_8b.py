@@ -156,17 +156,17 @@ def _multiturn(c) -> None:
     """Episodes with the calculator tool: 4 model turns of up to 2048 tokens in the same
     8192-token budget. A continued row keeps its KV pages (sampler.TurnSession): every row of
     a call reserves its whole episode (96 pages of 128 tokens), so a call is 256 prompts x 4
-    (64 rows per data shard, 6144 pages, 54 GiB per chip) and a step 2 calls; the first turn
-    (prefill's pages + the pool + the train state) peaks at 84.4 of 95 GiB per chip on
-    v5p-64; 512 prompts per call would need a 108 GiB pool per chip (docs/pods.md)."""
+    (32 rows per row shard, 3072 pages, 54 GiB per chip on the dense models' dp-attention
+    layout) and a step 2 calls; for Qwen3-8B the first turn (prefill's pages + the pool + the
+    train state) peaks at 78.4 of 95 GiB per chip on v5p-64; 512 prompts per call would need
+    a 108 GiB pool per chip (docs/pods.md). The sampler layout is the preset's
+    SAMPLER_LAYOUT, with every row's episode reserved instead of its kv_pages."""
     c.task.env = "calculator"
     c.rollout.max_turns = 4
     c.rollout.turn_tokens = 2048
     c.rollout.env_workers = 16
     c.sampler.prompts_per_call = 256
     c.sampler.kv_pages = 0  # each row's whole episode, reserved at admission
-    c.sampler.mesh = "data=16,tp=2"  # the layout its report was compiled for
-    c.sampler.dp_attention = False
 
 
 def recipe(preset: str, variant: str | None = None):

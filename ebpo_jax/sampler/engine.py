@@ -146,7 +146,12 @@ def prefill(params, prompt_PT, lengths_P, rng, *, config, spec: SamplerSpec, pla
 
 
 def _copy_prompts(pools, staged, copy: schedule.Copy):
-    """Admitted rows' pages filled from their prompt's pages (one shard, every layer)."""
+    """Admitted rows' pages filled from their prompt's pages (one shard, every layer).
+
+    The layers go one after another: each gathers its rows' prompt pages (as large as the
+    prompts) before writing them, and XLA:TPU otherwise gathered every layer's first and
+    held them all at once, a pool-sized temporary when every row is admitted together.
+    """
 
     def layer(pool_PSCD, kv_QWSCD):
         W = kv_QWSCD.shape[1]
@@ -155,7 +160,12 @@ def _copy_prompts(pools, staged, copy: schedule.Copy):
         src_C1SCD = kv_QWSCD[copy.prompt_C, partial_C][:, None]
         return pages.write_pages(pool_PSCD, src_C1SCD, copy.own_C[:, None])
 
-    return tuple(map(layer, pools, staged))
+    done = []
+    for pool_PSCD, kv_QWSCD in zip(pools, staged):
+        if done:  # this layer's gather waits for the previous layer's writes
+            pool_PSCD, kv_QWSCD, _ = jax.lax.optimization_barrier((pool_PSCD, kv_QWSCD, done[-1]))
+        done.append(layer(pool_PSCD, kv_QWSCD))
+    return tuple(done)
 
 
 def _admit(st, pools, staged, rows, *, plan, page_size):
