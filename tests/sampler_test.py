@@ -389,3 +389,33 @@ def test_dp_attention_sharded_equals_unsharded(params):
     np.testing.assert_array_equal(gen.lengths, static.lengths)
     np.testing.assert_allclose(gen.logprobs, static.logprobs, rtol=0, atol=1e-5)
     assert stats.pages == 7 and stats.slots == 1  # per (data, tp) shard
+
+
+@pytest.mark.parametrize("serial", [False, True])
+def test_prompt_copies_match_a_loop_over_pages(serial):
+    """engine._copy_prompts, layer by layer (serial, as on TPU / GPU) or not, against numpy."""
+    rng = np.random.default_rng(0)
+    P_, Q, W, S, C2, D, C = 24, 3, 4, 2, 2, 3, 4
+    pools = tuple(rng.normal(size=(P_, S, C2, D)).astype(np.float32) for _ in range(2))
+    staged = tuple(rng.normal(size=(Q, W, S, C2, D)).astype(np.float32) for _ in range(2))
+    targets = rng.permutation(P_)[: C * W + C]  # distinct pages: the copy order cannot matter
+    shared_CW = targets[: C * W].reshape(C, W).copy()
+    shared_CW[1] = P_  # candidate 1 shares pages already written: "none"
+    own_C = targets[C * W :].copy()
+    own_C[3] = P_  # candidate 3 not admitted
+    copy = engine.schedule.Copy(
+        jnp.asarray([0, 2, 1, 2]),
+        jnp.asarray(shared_CW),
+        jnp.asarray(own_C),
+        jnp.asarray([1, 3, 9, 0]),
+    )
+    got = jax.jit(lambda p, s: engine._copy_prompts(p, s, copy, serial=serial))(pools, staged)
+    for pool, kv, out in zip(pools, staged, got):
+        want = pool.copy()
+        for c, q in enumerate([0, 2, 1, 2]):
+            for w in range(W):
+                if shared_CW[c, w] < P_:
+                    want[shared_CW[c, w]] = kv[q, w]
+            if own_C[c] < P_:
+                want[own_C[c]] = kv[q, min([1, 3, 9, 0][c], W - 1)]
+        np.testing.assert_array_equal(np.asarray(out), want)

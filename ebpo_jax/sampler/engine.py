@@ -145,12 +145,13 @@ def prefill(params, prompt_PT, lengths_P, rng, *, config, spec: SamplerSpec, pla
     return staged, first_R, logp_R
 
 
-def _copy_prompts(pools, staged, copy: schedule.Copy):
+def _copy_prompts(pools, staged, copy: schedule.Copy, serial: bool = True):
     """Admitted rows' pages filled from their prompt's pages (one shard, every layer).
 
-    The layers go one after another: each gathers its rows' prompt pages (as large as the
-    prompts) before writing them, and XLA:TPU otherwise gathered every layer's first and
-    held them all at once, a pool-sized temporary when every row is admitted together.
+    serial: the layers go one after another. Each gathers its rows' prompt pages (as large
+    as the prompts) before writing them, and XLA:TPU otherwise gathered every layer's first
+    and held them all at once, a pool-sized temporary when every row is admitted together.
+    Off on CPU, where memory is not the limit and the ordering cost time.
     """
 
     def layer(pool_PSCD, kv_QWSCD):
@@ -162,7 +163,7 @@ def _copy_prompts(pools, staged, copy: schedule.Copy):
 
     done = []
     for pool_PSCD, kv_QWSCD in zip(pools, staged):
-        if done:  # this layer's gather waits for the previous layer's writes
+        if serial and done:  # this layer's gather waits for the previous layer's writes
             pool_PSCD, kv_QWSCD, _ = jax.lax.optimization_barrier((pool_PSCD, kv_QWSCD, done[-1]))
         done.append(layer(pool_PSCD, kv_QWSCD))
     return tuple(done)
@@ -173,7 +174,10 @@ def _admit(st, pools, staged, rows, *, plan, page_size):
     admit = functools.partial(schedule.admit, page_size=page_size, reserve=plan.reserve)
     st, copy = jax.vmap(admit)(st, rows)
     admitted = jnp.any(copy.own_C < plan.pages)
-    copy_all = lambda _, p: jax.vmap(_copy_prompts)(p, staged, copy)
+    serial = not layout.on_cpu(plan.lead)
+    copy_all = lambda _, p: jax.vmap(functools.partial(_copy_prompts, serial=serial))(
+        p, staged, copy
+    )
     # A loop of 0 or 1 trips, not lax.cond: XLA:GPU copies a conditional's operands (every
     # pool, at every step), while a loop updates its carry in place.
     pools = jax.lax.fori_loop(0, admitted.astype(jnp.int32), copy_all, pools)
