@@ -403,19 +403,15 @@ def test_prompt_copies_match_a_loop_over_pages(serial):
     shared_CW[1] = P_  # candidate 1 shares pages already written: "none"
     own_C = targets[C * W :].copy()
     own_C[3] = P_  # candidate 3 not admitted
-    copy = engine.schedule.Copy(
-        jnp.asarray([0, 2, 1, 2]),
-        jnp.asarray(shared_CW),
-        jnp.asarray(own_C),
-        jnp.asarray([1, 3, 9, 0]),
-    )
+    prompt_C, partial_C = np.array([0, 2, 1, 2]), np.array([1, 3, 9, 0])  # 9: past the last page
+    copy = engine.schedule.Copy(*map(jnp.asarray, (prompt_C, shared_CW, own_C, partial_C)))
     got = jax.jit(lambda p, s: engine._copy_prompts(p, s, copy, serial=serial))(pools, staged)
     for pool, kv, out in zip(pools, staged, got):
         want = pool.copy()
-        for c, q in enumerate([0, 2, 1, 2]):
+        for c, q in enumerate(prompt_C):
             for w in range(W):
                 if shared_CW[c, w] < P_:
                     want[shared_CW[c, w]] = kv[q, w]
             if own_C[c] < P_:
-                want[own_C[c]] = kv[q, min([1, 3, 9, 0][c], W - 1)]
+                want[own_C[c]] = kv[q, min(partial_C[c], W - 1)]
         np.testing.assert_array_equal(np.asarray(out), want)
