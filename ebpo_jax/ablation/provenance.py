@@ -8,6 +8,8 @@ import os
 import platform
 import subprocess
 
+from ebpo_jax.ablation.registration import git
+
 # Columns added to every results.csv row (constant per run, not compared by --rerun).
 PROCESS = ("jax", "jaxlib", "code", "code_sha256", "machine", "cpu", "xla_flags")
 PROCESS += ("matmul_precision", "backend")
@@ -37,16 +39,6 @@ def cpu_family(model: str) -> str:
     return "arm" if any(m in low for m in ("neoverse", "arm", "graviton")) else low
 
 
-def _git(package_dir: str, *args: str) -> str:
-    """`git -C package_dir args` stripped ("" when git or the checkout is missing)."""
-    cmd = ["git", "-C", package_dir, *args]
-    try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return out.stdout.strip()
-
-
 def source_sha256(package_dir: str) -> str:
     """SHA-256 over the package's .py files (relative path and bytes, in sorted order)."""
     digest = hashlib.sha256()
@@ -67,10 +59,12 @@ def code_version() -> dict[str, str]:
     differ from it) and the SHA-256 of its .py files. Cached at the first call, because the
     checkout may move on while a long-lived grid process keeps the modules it imported."""
     package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = _git(package_dir, "rev-parse", "HEAD")
-    if commit and _git(package_dir, "status", "--porcelain", "--", "."):
-        commit += "+dirty"
-    return {"code": commit, "code_sha256": source_sha256(package_dir)}
+    try:
+        commit = git(package_dir, "rev-parse", "HEAD")
+        dirty = git(package_dir, "status", "--porcelain", "--", ".")
+    except (subprocess.CalledProcessError, FileNotFoundError):  # no git, or not a checkout
+        commit, dirty = "", ""
+    return {"code": commit + ("+dirty" if dirty else ""), "code_sha256": source_sha256(package_dir)}
 
 
 def provenance() -> dict[str, str]:

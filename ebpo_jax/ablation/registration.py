@@ -27,7 +27,8 @@ def file_sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def _git(repo: str, *args: str) -> str:
+def git(repo: str, *args: str) -> str:
+    """`git -C repo args`, stripped; CalledProcessError / FileNotFoundError without it."""
     out = subprocess.run(["git", "-C", repo, *args], capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
@@ -37,9 +38,9 @@ def committed(path: str) -> str:
     uncommitted changes, or is outside a git repository."""
     folder, name = os.path.split(os.path.abspath(path))
     try:
-        tracked = _git(folder, "ls-files", "--error-unmatch", name)
-        dirty = _git(folder, "status", "--porcelain", "--", name)
-        commit = _git(folder, "log", "-1", "--format=%H", "--", name)
+        tracked = git(folder, "ls-files", "--error-unmatch", name)
+        dirty = git(folder, "status", "--porcelain", "--", name)
+        commit = git(folder, "log", "-1", "--format=%H", "--", name)
     except (subprocess.CalledProcessError, FileNotFoundError):
         tracked, dirty, commit = "", "", ""
     if not tracked or dirty or not commit:
@@ -56,7 +57,7 @@ def first_commit_time(repo: str, path: str, text: str = "") -> int | None:
     args = ["log", "--reverse", "--format=%ct"]
     args += ["-S", text] if text else ["--diff-filter=A"]
     try:
-        times = _git(repo, *args, "--", path).split()
+        times = git(repo, *args, "--", path).split()
     except (subprocess.CalledProcessError, FileNotFoundError):
         return None
     return int(times[0]) if times else None
