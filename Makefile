@@ -1,6 +1,6 @@
 # Each target sets up its own virtual environment, so every one works on a fresh clone.
 PY ?= python3
-# `make train`, `make plot` and library use: the package alone (no torch, no libtpu).
+# `make train` and `make plot`: the package with its [train] extra (no torch, no libtpu).
 VENV := .venv
 TRAIN_STAMP := $(VENV)/.installed-train
 # `make test`: a venv of its own, because the [test] extra brings libtpu (jax[tpu], for the
@@ -13,7 +13,7 @@ RUN ?= runs/tiny
 $(TRAIN_STAMP): setup.py
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e .
+	$(VENV)/bin/pip install -q -e '.[train]'
 	touch $(TRAIN_STAMP)
 
 $(TEST_STAMP): setup.py
@@ -32,7 +32,7 @@ install: $(TRAIN_STAMP)
 
 # TPU VMs: the package and libtpu in .venv.
 install-tpu: $(TRAIN_STAMP)
-	$(VENV)/bin/pip install -q -e '.[tpu]'
+	$(VENV)/bin/pip install -q -e '.[train,tpu]'
 
 install-test: $(TEST_STAMP)
 

@@ -17,6 +17,8 @@ from ebpo_jax.advantages import (
     rloo_advantage,
 )
 
+__version__ = "0.2.0"  # setup.py reads it; CHANGELOG.md says what each version changed
+
 __all__ = [
     "EBState",
     "advantages",

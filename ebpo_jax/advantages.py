@@ -12,6 +12,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 
 class Welford(NamedTuple):
@@ -45,6 +46,20 @@ def init_eb_state(num_clusters: int = 1) -> EBState:
 # Input checks (trace time: shapes are static, so these run before compiling).
 
 
+def _check_state(state) -> int:
+    """The EBState's number of clusters K; one line naming the fault otherwise."""
+    leaves = jax.tree.leaves(state)
+    if not isinstance(state, EBState) or len(leaves) != 6:
+        raise TypeError(f"state must be an EBState (init_eb_state), got {type(state).__name__}")
+    shapes = {jnp.shape(x) for x in leaves}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        raise ValueError(f"state's accumulators must all be [K], got shapes {sorted(shapes)}")
+    if not all(jnp.issubdtype(jnp.result_type(x), jnp.floating) for x in leaves):
+        dtypes = sorted({str(jnp.result_type(x)) for x in leaves})
+        raise TypeError(f"state's accumulators must be floating point, got dtypes {dtypes}")
+    return next(iter(shapes))[0]
+
+
 def _check_inputs(rewards, mask, cluster_ids=None, num_clusters=None):
     """Validate ranks/shapes; returns (rewards f32 [P,G], mask bool [P,G])."""
     rewards = jnp.asarray(rewards)
@@ -55,6 +70,8 @@ def _check_inputs(rewards, mask, cluster_ids=None, num_clusters=None):
     if mask is None:
         mask = jnp.ones(rewards.shape, bool)
     mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_ and not jnp.issubdtype(mask.dtype, jnp.integer):
+        raise TypeError(f"mask must be bool (True = valid sample), got dtype {mask.dtype}")
     if mask.shape != rewards.shape:
         raise ValueError(f"mask shape {mask.shape} does not match rewards shape {rewards.shape}")
     if cluster_ids is not None:
@@ -158,7 +175,7 @@ class _Batch(NamedTuple):
 
 
 def _prepare(state: EBState, rewards, mask, cluster_ids) -> _Batch:
-    num_clusters = state.reward.count.shape[0]
+    num_clusters = _check_state(state)
     rewards_PG, mask_PG = _check_inputs(rewards, mask, cluster_ids, num_clusters)
     onehot_PK = _onehot(cluster_ids, rewards_PG.shape[0], num_clusters)
     return _Batch(rewards_PG, mask_PG, onehot_PK, *_row_stats(rewards_PG, mask_PG))
@@ -174,7 +191,14 @@ def _merge_prepared(state: EBState, b: _Batch, forgetting) -> EBState:
     )
 
 
-def merge_batch(state: EBState, rewards, *, mask=None, cluster_ids=None, forgetting=1.0):
+def merge_batch(
+    state: EBState,
+    rewards: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    cluster_ids: ArrayLike | None = None,
+    forgetting: float = 1.0,
+) -> EBState:
     """Merges one batch of rewards into the accumulators; returns the new EBState.
 
     `forgetting` < 1 down-weights the history before the merge (an exponentially
@@ -215,8 +239,14 @@ def _posterior(state: EBState, b: _Batch, eps, mu_glob="all_rewards") -> dict:
 
 
 def eb_diagnostics(
-    rewards, state: EBState, *, mask=None, cluster_ids=None, eps=1e-6, mu_glob="all_rewards"
-):
+    rewards: ArrayLike,
+    state: EBState,
+    *,
+    mask: ArrayLike | None = None,
+    cluster_ids: ArrayLike | None = None,
+    eps: float = 1e-6,
+    mu_glob: str = "all_rewards",
+) -> dict[str, jax.Array]:
     """Posterior quantities from an (already merged) state, for logging.
 
     Returns a dict: `shrinkage` [P], `baseline` [P], `group_mean` [P], `group_size` [P],
@@ -266,17 +296,17 @@ def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize
 
 
 def eb_advantage(
-    rewards,
+    rewards: ArrayLike,
     state: EBState,
     *,
-    mask=None,
-    cluster_ids=None,
+    mask: ArrayLike | None = None,
+    cluster_ids: ArrayLike | None = None,
     eps: float = 1e-6,
     per_batch: bool = False,
     forgetting: float = 1.0,
     normalize: str = "batch",
     mu_glob: str = "all_rewards",
-):
+) -> tuple[jax.Array, EBState]:
     """EBPO advantages `[P, G]` and the updated EBState (see PAPER.md).
 
     The batch is merged into the accumulators first, then each prompt's baseline is
@@ -303,7 +333,9 @@ def _group_baseline(rewards, mask):
     return rewards_PG, mask_PG, mean_P1, std_P1, n_P1
 
 
-def grpo_advantage(rewards, *, mask=None, eps: float = 1e-6):
+def grpo_advantage(
+    rewards: ArrayLike, *, mask: ArrayLike | None = None, eps: float = 1e-6
+) -> jax.Array:
     """GRPO: (r - group mean) / (group unbiased std + eps).
 
     The numerics are verl's (eps 1e-6; a singleton group has mean 0 and std 1, so A = r);
@@ -313,13 +345,13 @@ def grpo_advantage(rewards, *, mask=None, eps: float = 1e-6):
     return jnp.where(m_PG, (r_PG - mean_P1) / (std_P1 + eps), 0.0)
 
 
-def dr_grpo_advantage(rewards, *, mask=None):
+def dr_grpo_advantage(rewards: ArrayLike, *, mask: ArrayLike | None = None) -> jax.Array:
     """Dr. GRPO: r - group mean, no std division."""
     r_PG, m_PG, mean_P1, _, _ = _group_baseline(rewards, mask)
     return jnp.where(m_PG, r_PG - mean_P1, 0.0)
 
 
-def rloo_advantage(rewards, *, mask=None):
+def rloo_advantage(rewards: ArrayLike, *, mask: ArrayLike | None = None) -> jax.Array:
     """RLOO: r minus the mean of the other valid samples of its group."""
     r_PG, m_PG, mean_P1, _, n_P1 = _group_baseline(rewards, mask)
     # r - (sum - r)/(n - 1) == n/(n - 1) * (r - mean); singletons keep A = r.
@@ -327,7 +359,9 @@ def rloo_advantage(rewards, *, mask=None):
     return jnp.where(m_PG, scale_P1 * (r_PG - mean_P1), 0.0)
 
 
-def reinforce_pp_baseline_advantage(rewards, *, mask=None, eps: float = 1e-6):
+def reinforce_pp_baseline_advantage(
+    rewards: ArrayLike, *, mask: ArrayLike | None = None, eps: float = 1e-6
+) -> jax.Array:
     """REINFORCE++ with baseline: r - group mean, then standardised over the batch.
 
     One value per sequence is standardised (every valid sample counts once); verl whitens
@@ -351,7 +385,7 @@ _REGISTRY: dict[str, Callable] = {
 _STATEFUL = {"ebpo"}
 
 
-def register(name: str, *, stateful: bool = False):
+def register(name: str, *, stateful: bool = False) -> Callable[[Callable], Callable]:
     """Decorator adding an estimator to the registry under `name`."""
 
     def wrap(fn):
@@ -374,7 +408,15 @@ def get(name: str) -> Callable:
     return _REGISTRY[name]
 
 
-def estimate(name: str, rewards, state: EBState, *, mask=None, cluster_ids=None, **options):
+def estimate(
+    name: str,
+    rewards: ArrayLike,
+    state: EBState,
+    *,
+    mask: ArrayLike | None = None,
+    cluster_ids: ArrayLike | None = None,
+    **options: float | str | bool | None,
+) -> tuple[jax.Array, EBState, dict[str, jax.Array]]:
     """Uniform trainer entry: (advantages [P,G], new_state, metrics dict of scalars).
 
     Stateless estimators return `state` unchanged; EBPO's metrics are averaged over the

@@ -26,7 +26,9 @@ def _masked_mean(x_BT, mask_BT):
     return jnp.where(mask_BT, x_BT, 0.0).sum() / jnp.maximum(w_BT.sum(), 1.0)
 
 
-def mismatch_metrics(sampler_logp_BT, trainer_logp_BT, mask_BT) -> dict:
+def mismatch_metrics(
+    sampler_logp_BT: jax.Array, trainer_logp_BT: jax.Array, mask_BT: jax.Array
+) -> dict[str, jax.Array]:
     """How far the sampler's log-probs are from the trainer's on the valid tokens.
 
     `mismatch/k3_kl` estimates KL(sampler || trainer) from the sampled tokens
@@ -67,16 +69,16 @@ def _check(mode, level, cap, low, high):
 
 
 def is_correction(
-    trainer_old_logp_BT,
-    sampler_logp_BT,
-    mask_BT,
+    trainer_old_logp_BT: jax.Array,
+    sampler_logp_BT: jax.Array,
+    mask_BT: jax.Array,
     *,
     mode: str = "none",
     level: str = "token",
     cap: float = 2.0,
     low: float = 0.5,
     high: float = 2.0,
-):
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Importance weights for tokens sampled from the sampler: (weights_BT, mask_BT, metrics).
 
     "tis": weight min(pi_trainer / pi_sampler, cap), the mask unchanged. "mis": the mask

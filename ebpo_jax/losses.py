@@ -14,12 +14,13 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def token_logprobs(logits_BTV, targets_BT):
+def token_logprobs(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """log p(target) under softmax(logits), float32 `[B, T]`."""
     logits_BTV = logits_BTV.astype(jnp.float32)
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
@@ -27,13 +28,20 @@ def token_logprobs(logits_BTV, targets_BT):
     return picked_BT - lse_BT
 
 
-def token_entropy(logits_BTV):
+def token_entropy(logits_BTV: jax.Array) -> jax.Array:
     """Entropy of softmax(logits) per position, float32 `[B, T]`."""
     logp_BTV = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
     return -jnp.sum(jnp.exp(logp_BTV) * logp_BTV, axis=-1)
 
 
-def logprobs_from_hidden(hidden_BTD, w_DV, targets_BT, *, chunk_size=None, with_entropy=False):
+def logprobs_from_hidden(
+    hidden_BTD: jax.Array,
+    w_DV: jax.Array,
+    targets_BT: jax.Array,
+    *,
+    chunk_size: int | None = None,
+    with_entropy: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Token log-probs (and entropy) from final hidden states, `chunk_size` positions at a time.
 
     Only a `[B, chunk, V]` slice of logits exists at once, so long sequences with large
@@ -59,7 +67,7 @@ def logprobs_from_hidden(hidden_BTD, w_DV, targets_BT, *, chunk_size=None, with_
     return (unchunk(logp_NBC), unchunk(ent_NBC)) if with_entropy else unchunk(logp_NBC)
 
 
-def kl_penalty(logp_BT, ref_logp_BT, estimator: str = "k3"):
+def kl_penalty(logp_BT: jax.Array, ref_logp_BT: jax.Array, estimator: str = "k3") -> jax.Array:
     """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1/k2/k3)."""
     log_ratio_BT = logp_BT - ref_logp_BT
     if estimator == "k1":
@@ -73,7 +81,14 @@ def kl_penalty(logp_BT, ref_logp_BT, estimator: str = "k3"):
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
-def aggregate(x_BT, mask_BT, mode: str = "token-mean", *, max_tokens=None, denominator=None):
+def aggregate(
+    x_BT: jax.Array,
+    mask_BT: jax.Array,
+    mode: str = "token-mean",
+    *,
+    max_tokens: int | None = None,
+    denominator: ArrayLike | None = None,
+) -> jax.Array:
     """Reduce a per-token quantity to a scalar.
 
     `denominator` overrides the local normaliser (valid tokens for token-mean, non-empty
@@ -259,8 +274,12 @@ DEFAULT_OPTIONS = LossOptions()
 
 
 def policy_loss(
-    terms: TokenTerms, opts: LossOptions = DEFAULT_OPTIONS, *, denominator=None, max_tokens=None
-):
+    terms: TokenTerms,
+    opts: LossOptions = DEFAULT_OPTIONS,
+    *,
+    denominator: ArrayLike | None = None,
+    max_tokens: int | None = None,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The surrogate registered as `opts.name`, plus KL and entropy terms.
 
     `terms.is_weights_BT` (stop-gradient) multiplies each token's policy-gradient term, as

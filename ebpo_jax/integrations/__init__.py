@@ -1,0 +1,1 @@
+"""EBPO inside other RL frameworks: a stateful estimator object and per-framework shims."""
