@@ -159,14 +159,14 @@ def test_micro_summary_says_it_has_no_warm_start():
 
 def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
     setup = pathlib.Path(ROOT, "setup.py").read_text()
-    required = setup[setup.index("install_requires") : setup.index("extras_require")]
-    assert "tpu" not in required and "torch" not in required
-    assert "tensorboard>=" in required  # `tensorboard --logdir` works from the train venv
+    train = setup[setup.index("TRAIN = [") : setup.index("setuptools.setup(")]  # the [train] extra
+    assert "tpu" not in train and "torch" not in train
+    assert "tensorboard>=" in train  # `tensorboard --logdir` works from the train venv
     make = pathlib.Path(ROOT, "Makefile").read_text()
     venvs = dict(re.findall(r"^(\w*VENV) := (\S+)", make, re.MULTILINE))
     assert venvs["VENV"] != venvs["TEST_VENV"]
     installs = re.findall(r"^\t\$\((\w+)\)/bin/pip install -q -e (\S+)$", make, re.MULTILINE)
-    assert ("VENV", ".") in installs and ("TEST_VENV", "'.[test]'") in installs
+    assert ("VENV", "'.[train]'") in installs and ("TEST_VENV", "'.[test]'") in installs
     assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
 
 
