@@ -69,8 +69,9 @@ def test_micro_batches_are_merged_once_per_step():
 def test_a_micro_batch_that_crosses_a_step_is_refused():
     stream = EBPOStream(prompts_per_step=6)
     stream(_batches(1)[0][: P // 2])
-    with pytest.raises(ValueError, match="crossed a step: 8 prompts pending, prompts_per_step=6"):
+    with pytest.raises(ValueError, match="would cross a step: 8 prompts, prompts_per_step=6"):
         stream(_batches(1)[0][: P // 2])
+    assert stream.pending_prompts == P // 2  # the refused micro-batch left nothing behind
     with pytest.raises(ValueError, match="prompts_per_step must be >= 1"):
         EBPOStream(prompts_per_step=0)
 

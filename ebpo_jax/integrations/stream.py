@@ -51,13 +51,13 @@ class EBPOStream:
         if self.prompts_per_step is None:
             self.state = state
             return adv_PG
-        self._pending.append(rewards_PG)
-        seen = self.pending_prompts
+        seen = self.pending_prompts + rewards_PG.shape[0]
         if seen > self.prompts_per_step:
             raise ValueError(
-                f"a micro-batch crossed a step: {seen} prompts pending, "
+                f"a micro-batch would cross a step: {seen} prompts, "
                 f"prompts_per_step={self.prompts_per_step}"
             )
+        self._pending.append(rewards_PG)
         if seen == self.prompts_per_step:
             self.end_step()
         return adv_PG
