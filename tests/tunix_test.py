@@ -33,7 +33,7 @@ def test_ebpo_is_tunix_advantage_estimator_and_a_tiny_grpo_run_uses_it(tmp_path)
     venv = pathlib.Path(os.environ.get("EBPO_JAX_TUNIX_VENV") or _tunix_venv(tmp_path / "venv"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu", XLA_FLAGS="")
     script = [str(venv / "bin" / "python"), str(ROOT / "tests" / "tunix_run.py")]
-    out = run(script, cwd=tmp_path, env=env, timeout=900)
+    out = run(script, cwd=tmp_path, env=env, timeout=2400)  # minutes on a loaded 2-core CPU
     result = json.loads(out.stdout.strip().splitlines()[-1])
     # 20 registry calls equal eb_advantage exactly; the GRPO run trained 4 steps of 2 rollout
     # micro-batches (one state update per step), evaluated twice without touching the state,
