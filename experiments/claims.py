@@ -430,6 +430,7 @@ def main(argv):
             f"# Claims over {_GRIDS.value}'s grids (final held-out pass@1, paired by seed)\n",
             getattr(module, "VERDICT_RULE", RULE),
             *([module.SEED_RULE] if hasattr(module, "SEED_RULE") else []),
+            *([module.RERUN_RULE] if hasattr(module, "RERUN_RULE") else []),
             COLUMNS,
             render(table, compare, name),
             "",
