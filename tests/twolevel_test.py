@@ -49,6 +49,7 @@ def test_floor_with_unequal_seeds_per_warm_start():
     assert out["diff"] == pytest.approx(np.mean([g.mean() for g in groups]))
 
 
+@pytest.mark.slow  # 500 simulated grids: ~9 s on a quiet 2-core machine, minutes loaded
 def test_floored_interval_covers_at_least_95pct():
     """No warm-start effect (tau = 0): the floored interval covers mu at >= 95%."""
     rng = np.random.default_rng(2)
