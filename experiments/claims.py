@@ -43,7 +43,16 @@ COLUMNS = (
     "term's pass@1 read at the smallest final generated-token count among its terms (per "
     "seed, linear between eval steps); `token ratio`: largest over smallest final token "
     "count. With several warm starts (`sft.seed`) the effect is the two-level model's "
-    "(ebpo_jax/ablation/twolevel.py), next to the first warm start's paired interval.\n"
+    "(ebpo_jax/ablation/twolevel.py), next to the first warm start's paired interval.\n\n"
+    "Held columns (issue 49, added after these runs; the registered columns are unchanged): "
+    "`held: effect` is the same interval with its standard error floored at the RL-seed "
+    "noise, sigma sqrt(sum 1/n_w) / W (`*`: the floor binds), and `equal tokens` is "
+    "two-level and floored too across warm starts; `bootstrap over problems x clusters` "
+    "resamples the held-out problems and the warm starts (one warm start: the RL seeds) "
+    "independently (twolevel.bootstrap, 10,000 draws, percentile). `held: verdict` applies "
+    "the verdict rule to the span of the floored and bootstrap intervals, and its Holm to "
+    "the larger of their p-values: a verdict holds only under both. `changed`: where the "
+    "held verdicts differ from the registered ones.\n"
 )
 EFFECT = 0.02  # the smallest difference the seed counts are sized for (ablate.py's pilot)
 PAIR = ("sft.seed", "seed")  # runs pair by warm start and RL seed
@@ -81,11 +90,15 @@ def _select(rows: pd.DataFrame, select: dict | None) -> pd.DataFrame:
     the validation split)."""
     if not select or rows.empty:
         return rows
+    return rows[rows[select["axis"]] == _best_value(rows, select)]
+
+
+def _best_value(rows: pd.DataFrame, select: dict):
+    """The value of select's axis whose final select["by"] has the highest mean over seeds."""
     axis, by = select["axis"], select["by"]
     if by not in rows or rows[by].isna().all():
         raise ValueError(f"select by {by!r}: the rows have no {by} (a validation split?)")
-    best = _finals(rows).groupby(axis)[by].mean().idxmax()
-    return rows[rows[axis] == best]
+    return _finals(rows).groupby(axis)[by].mean().idxmax()
 
 
 def _indexed(rows: pd.DataFrame, column: str) -> pd.Series:
@@ -138,19 +151,89 @@ def _test(d: pd.Series) -> dict:
     return {**out, **{f"one_{k}": one[k] for k in ("diff", "ci_low", "ci_high", "seeds")}}
 
 
-def claims_table(claims, finals_of, alpha: float = 0.05) -> pd.DataFrame:
+def held_test(d: pd.Series) -> dict:
+    """The interval that holds: across >= 2 warm starts the two-level one with its standard
+    error floored at the RL-seed noise (twolevel.floored); else the paired t over seeds."""
+    warm = d.index.get_level_values(0) if d.index.nlevels == 2 else None
+    if warm is None or warm.nunique() < 2:
+        return {**power.paired_test(d.to_numpy(), np.zeros(len(d))), "floored": False}
+    return twolevel.floored(d.to_numpy(), warm)
+
+
+def problem_differences(claim, problems_of, finals_of) -> pd.DataFrame:
+    """Per pairing key (rows) and held-out problem (columns): plus - minus of each problem's
+    pass rate (correct / samples) in the final evaluation; empty without problems.csv.gz."""
+    sel, total = claim.get("select"), None
+    for sign, terms in ((1, claim["plus"]), (-1, claim["minus"])):
+        for part, where in terms:
+            rows = _where(problems_of(part), where)
+            if rows.empty:
+                return pd.DataFrame()
+            rows = rows[rows["set"] == "heldout"]
+            if sel:
+                best = _best_value(_where(finals_of(part), where), sel)
+                rows = _where(rows, {sel["axis"]: best})
+            key = [c for c in PAIR if c in rows]
+            rate = rows.assign(rate=rows.correct / rows.samples)
+            rate = rate.pivot_table(index=key, columns="problem_id", values="rate")
+            total = sign * rate if total is None else total.add(sign * rate)
+    return total.dropna(how="all") if total is not None else pd.DataFrame()
+
+
+def problem_bootstrap(claim, problems_of, finals_of) -> dict:
+    """twolevel.bootstrap of the claim over its clusters (warm starts, else RL seeds) and
+    held-out problems, as `boot_*` columns; empty without per-problem outputs."""
+    d = problem_differences(claim, problems_of, finals_of)
+    if d.empty or len(d) < 2:
+        return {}
+    idx = d.index
+    cluster = idx.get_level_values(0) if idx.nlevels == 2 else idx
+    if idx.nlevels == 2 and cluster.nunique() < 2:
+        cluster = idx.get_level_values(1)  # one warm start: resample its RL seeds
+    out = twolevel.bootstrap(d.to_numpy(), np.asarray(cluster))
+    return {f"boot_{k}": v for k, v in out.items()}
+
+
+def claims_table(claims, finals_of, alpha: float = 0.05, problems_of=None) -> pd.DataFrame:
     """One row per claim: its paired test (across warm starts when its runs have several),
-    the verdicts (ablation.claims) and the equal-token comparison when eval rows hold tokens."""
+    the verdicts (ablation.claims) and the equal-token comparison when eval rows hold tokens;
+    `held_*` the floored interval with its own Holm and verdicts, and with `problems_of`
+    (part -> problems.csv.gz rows) the bootstrap over problems (`boot_*`)."""
     rows = []
     for c in claims:
         d = _difference(c, finals_of)
         test = _test(d) if len(d) else {}
         rows.append({"claim": c["claim"], **power.paired_test([], []), **test})
+        held = held_test(d) if len(d) else {}
+        rows[-1].update({f"held_{k}": held.get(k, np.nan) for k in _HELD})
         rows[-1].update(equal_tokens(c, finals_of))
-    table = ablation.claims(pd.DataFrame(rows), [c["direction"] for c in claims], alpha)
+        if problems_of is not None:
+            rows[-1].update(problem_bootstrap(c, problems_of, finals_of))
+    directions = [c["direction"] for c in claims]
+    table = ablation.claims(pd.DataFrame(rows), directions, alpha)
     missing = table.seeds == 0
     table.loc[missing, ["verdict", "verdict_holm"]] = "not run"
+    held = ablation.claims(_held_with_bootstrap(table), directions, alpha)
+    for k in ("p_holm", "verdict", "verdict_holm"):
+        table[f"held_{k}"] = np.where(missing, "not run", held[k]) if "verdict" in k else held[k]
     return table
+
+
+_HELD = ("diff", "ci_low", "ci_high", "p", "floored")
+
+
+def _held_with_bootstrap(table: pd.DataFrame) -> pd.DataFrame:
+    """What the held verdicts read: the floored interval widened to the problem bootstrap's
+    (the span of both) and the larger of their p-values, so a verdict must survive both."""
+    held = table[[f"held_{k}" for k in _HELD]].rename(columns=lambda k: k[5:])
+    held = held.assign(p=held.p.astype(float))
+    if "boot_diff" not in table:
+        return held
+    has = table.boot_diff.notna()
+    lo, hi = np.fmin(held.ci_low, table.boot_ci_low), np.fmax(held.ci_high, table.boot_ci_high)
+    p = np.fmax(held.p, table.boot_p)
+    return held.assign(ci_low=np.where(has, lo, held.ci_low),
+                       ci_high=np.where(has, hi, held.ci_high), p=np.where(has, p, held.p))  # fmt: skip
 
 
 def _curves(rows: pd.DataFrame) -> dict:
@@ -175,16 +258,20 @@ def equal_tokens(claim, rows_of) -> dict:
             if rows.empty or "generated_tokens" not in rows or "step" not in rows:
                 return {}
             signed.append((sign, _curves(rows)))
-    keys = set.intersection(*(set(c) for _, c in signed))
+    keys = sorted(set.intersection(*(set(c) for _, c in signed)))
     d, ratio = [], []
-    for k in sorted(keys):
+    for k in keys:
         ends = [c[k][0][-1] for _, c in signed]
         budget = min(ends)
         d.append(sum(s * np.interp(budget, *c[k]) for s, c in signed))
         ratio.append(max(ends) / budget if budget > 0 else np.nan)
     test = power.paired_test(d, np.zeros(len(d)))
     out = {f"tok_{k}": test[k] for k in ("diff", "ci_low", "ci_high", "seeds")}
-    return {**out, "token_ratio": float(np.nanmean(ratio)) if ratio else np.nan}
+    out["token_ratio"] = float(np.nanmean(ratio)) if ratio else np.nan
+    if keys and isinstance(keys[0], tuple):  # (warm start, seed): two-level, floored
+        held = held_test(pd.Series(d, index=pd.MultiIndex.from_tuples(keys)))
+        out.update({f"tok_{k}": held[k] for k in ("diff", "ci_low", "ci_high", "p")})
+    return out
 
 
 def seeds_for(table: pd.DataFrame, effect: float, power_: float = 0.8, alpha: float = 0.05):
@@ -274,6 +361,8 @@ def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str =
         )
         out["token ratio"] = table.token_ratio.to_numpy()
     out[f"seeds for {EFFECT:+.2f}"] = [n if n > 0 else "-" for n in seeds_for(table, EFFECT)]
+    if "held_diff" in table:
+        out = pd.concat([out, _held_columns(table)], axis=1)
     if compare is not None:
         other = compare.assign(effect=_effects(compare)).set_index("claim")
         other = other.reindex(table.claim)
@@ -283,11 +372,54 @@ def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str =
     return ablation.to_markdown(out)
 
 
+def _held_columns(table: pd.DataFrame) -> pd.DataFrame:
+    """The held interval (`*`: its standard error floored), its Holm p and verdicts, the
+    problem bootstrap, and what changed against the registered verdicts."""
+    held = _interval(table.held_diff, table.held_ci_low, table.held_ci_high, table.seeds)
+    floored = table.held_floored.fillna(False).astype(bool)
+    out = pd.DataFrame(index=table.index)
+    out["held: effect [95% interval]"] = [h + (" *" if f else "") for h, f in zip(held, floored)]
+    out["held: Holm p"] = table.held_p_holm.to_numpy()
+    out["held: verdict (Holm)"] = [
+        f"{v} ({vh})" for v, vh in zip(table.held_verdict, table.held_verdict_holm)
+    ]
+    if "boot_diff" in table:
+        n = table.boot_problems.fillna(0)
+        out["bootstrap over problems x clusters"] = _interval(
+            table.boot_diff, table.boot_ci_low, table.boot_ci_high, n
+        )
+    out["changed"] = [_change(r) for r in table.itertuples()]
+    return out
+
+
+def _change(row) -> str:
+    """`was -> now` for the interval verdict and the Holm verdict, when the held ones differ."""
+    pairs = (
+        ("", row.verdict, row.held_verdict),
+        ("Holm ", row.verdict_holm, row.held_verdict_holm),
+    )
+    return "; ".join(f"{name}{a} -> {b}" for name, a, b in pairs if a != b) or "-"
+
+
+def problems_loader(module):
+    """part -> its per-problem rows (problems.csv.gz; empty when the part has none)."""
+    cache = {}
+
+    def problems_of(part: str) -> pd.DataFrame:
+        if part not in cache:
+            out_dir = os.path.join(_REPO, module.get_config(part).out_dir)
+            path = os.path.join(out_dir, "problems.csv.gz")
+            cache[part] = pd.read_csv(path) if os.path.exists(path) else pd.DataFrame()
+        return cache[part]
+
+    return problems_of
+
+
 def main(argv):
     del argv
     module = load_module(_GRIDS.value)
     rows_of = results_loader(module)
-    table = claims_table(module.CLAIMS, rows_of)
+    table = claims_table(module.CLAIMS, rows_of, problems_of=problems_loader(module))
     table.insert(1, "registration", registrations(module, module.CLAIMS, rows_of))
     compare, name = None, ""
     if getattr(module, "COMPARE", None):  # a second family's effects, as extra columns
@@ -298,6 +430,7 @@ def main(argv):
             f"# Claims over {_GRIDS.value}'s grids (final held-out pass@1, paired by seed)\n",
             getattr(module, "VERDICT_RULE", RULE),
             *([module.SEED_RULE] if hasattr(module, "SEED_RULE") else []),
+            *([module.RERUN_RULE] if hasattr(module, "RERUN_RULE") else []),
             COLUMNS,
             render(table, compare, name),
             "",

@@ -100,3 +100,54 @@ def test_arithmetic_claims_read_the_committed_grids():
     reasoning = c.load_module("configs/ablations/reasoning.py")
     assert set(table.index) <= {claim["claim"] for claim in reasoning.CLAIMS}
     assert table.loc["EBPO beats GRPO at G=4", "diff"] == pytest.approx(0.026, abs=5e-4)
+
+
+def test_held_columns_floor_bootstrap_and_mark_changes():
+    """Per-problem outputs of two methods x 3 warm starts x 2 seeds x 2 rates: the bootstrap
+    reads each method at its best validation rate, its effect is the final pass@1 effect,
+    and the held verdict reads the floored interval and the bootstrap together."""
+    from ebpo_jax.ablation import twolevel
+
+    c = _claims()
+    rng = np.random.default_rng(5)
+    probs, finals = [], []
+    for w in range(3):
+        for s in range(2):
+            for m, best in (("ebpo", 1e-4), ("grpo", 1e-5)):
+                for lr in (1e-5, 1e-4):
+                    correct = rng.integers(0, 5, 12) + (m == "ebpo") * (rng.uniform() < 0.6)
+                    correct = np.minimum(correct, 4)
+                    cols = {"method": m, "lr": lr, "sft.seed": w, "seed": s}
+                    probs += [{**cols, "set": "heldout", "problem_id": f"p{j}", "samples": 4,
+                               "correct": k} for j, k in enumerate(correct)]  # fmt: skip
+                    probs += [{**cols, "set": "validation", "problem_id": "v0", "samples": 4,
+                               "correct": 0}]  # fmt: skip
+                    finals.append({**cols, "pass@1": correct.mean() / 4,
+                                   "val_pass@1": 0.5 if lr == best else 0.1})  # fmt: skip
+    probs, finals = pd.DataFrame(probs), pd.DataFrame(finals)
+    claim = {"claim": "x", "direction": 1, "plus": [("p", {"method": "ebpo"})],
+             "minus": [("p", {"method": "grpo"})], "select": {"axis": "lr", "by": "val_pass@1"}}  # fmt: skip
+    d = c.problem_differences(claim, lambda p: probs, lambda p: finals)
+    rate = lambda m, lr, w, s: probs[(probs.method == m) & (probs.lr == lr) & (probs["sft.seed"] == w)
+                                     & (probs.seed == s) & (probs.set == "heldout")].correct / 4  # fmt: skip
+    want = rate("ebpo", 1e-4, 2, 1).to_numpy() - rate("grpo", 1e-5, 2, 1).to_numpy()
+    np.testing.assert_allclose(d.loc[(2, 1)][[f"p{j}" for j in range(12)]].to_numpy(), want)
+    assert d.shape == (6, 12)
+    row = c.claims_table([claim], lambda p: finals, problems_of=lambda p: probs).iloc[0]
+    assert row.boot_diff == pytest.approx(row["diff"])  # pass@1 is the mean over problems
+    boot = twolevel.bootstrap(d.to_numpy(), d.index.get_level_values(0))
+    assert (row.boot_ci_low, row.boot_ci_high) == pytest.approx((boot["ci_low"], boot["ci_high"]))
+    floored = twolevel.floored(d.to_numpy().mean(1), d.index.get_level_values(0))
+    assert row.held_ci_low == pytest.approx(floored["ci_low"])
+    lo, hi = min(floored["ci_low"], boot["ci_low"]), max(floored["ci_high"], boot["ci_high"])
+    assert row.held_verdict == power.verdict(lo, hi, 1)
+    text = c.render(c.claims_table([claim], lambda p: finals, problems_of=lambda p: probs))
+    assert "| held: effect [95% interval] |" in text and "bootstrap over problems" in text
+
+
+def test_changed_names_the_verdicts_that_moved():
+    c = _claims()
+    row = pd.Series({"verdict": "reproduced", "held_verdict": "inconclusive",
+                     "verdict_holm": "inconclusive", "held_verdict_holm": "inconclusive"})  # fmt: skip
+    assert c._change(row) == "reproduced -> inconclusive"
+    assert c._change(row.replace("reproduced", "inconclusive")) == "-"

@@ -118,3 +118,21 @@ def test_quadrature_fallback_agrees_with_nct():
     got = power.paired_power(2, 0.03, 0.001, 0.01)
     assert abs(got - _mc_power(2, 0.03, 0.001, alpha=0.01)) < 0.01
     assert power.seeds_needed(0.03, 0.001, power=0.9, alpha=0.01) == 3
+
+
+def test_warm_starts_needed_reaches_power_on_simulated_two_level_data():
+    """Simulated d_ws = mu + u_w + e_ws: at the W it returns, the t over warm-start means
+    rejects ~80% of the time, and at W - 1 less."""
+    effect, tau, sigma, n = 0.015, 0.011, 0.009, 2
+    big_w = power.warm_starts_needed(effect, tau, sigma, n)
+    assert big_w == power.seeds_needed(effect, np.sqrt(tau**2 + sigma**2 / n))
+    assert power.warm_starts_needed(effect, tau, sigma, 8) <= big_w  # more seeds never hurt
+    rng = np.random.default_rng(0)
+
+    def rejects(w):
+        d = effect + rng.normal(0, tau, (20000, w, 1)) + rng.normal(0, sigma, (20000, w, n))
+        m = d.mean(2)
+        t = m.mean(1) / (m.std(1, ddof=1) / np.sqrt(w))
+        return np.mean(np.abs(t) > stats.t.ppf(0.975, w - 1))
+
+    assert 0.79 <= rejects(big_w) <= 0.85 and rejects(big_w - 1) < 0.8

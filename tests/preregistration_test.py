@@ -325,3 +325,46 @@ def test_micro_warm_starts_are_committed_and_reruns_start_from_them(tmp_path):
     report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
     assert report["warm_start_file"].endswith(f"{final.warm_start_sha256.iloc[1]}.npz")
     assert report["match"] and report["verdict"] == "bitwise", report
+
+
+def test_paper_axes_grids_are_fresh_powered_and_name_their_columns():
+    """The issue-49 grids: every claim term matches runs, warm starts are new (none of an
+    earlier grid's, none shared between parts), >= 3 per claim, 4x the held-out problems,
+    the rerun ids exist, and the G axis holds prompts per step fixed."""
+    from ebpo_jax.ablation import expand, power
+    from ebpo_jax.ablation.grid import run_config
+
+    c = _experiment("claims")
+    module = c.load_module("configs/ablations/paper_axes_claims.py")
+    warm = {}
+    for part in ("g_axis", "tuning"):
+        runs = expand(module.get_config(part))
+        warm[part] = {r.value("sft.seed") for r in runs}
+        assert {r.run_id for r in runs} >= set(module.RERUNS[part])
+        over = [dict(r.overrides) for r in runs]
+        assert all(o["task.test_per_cell"] == 80 for o in over)  # 4 x the 20 of robust.py
+        if part == "g_axis":
+            assert {(o["group_size"], o["prompts_per_step"]) for o in over} == {
+                (g, 16) for g in (2, 4, 8, 16)
+            }
+        for claim in [k for k in module.CLAIMS if k["plus"][0][0] == part]:
+            for _, where in claim["plus"] + claim["minus"]:
+                vals = [{"block": r.block, **{a: str(v) for a, v in r.values}} for r in runs]
+                assert any(all(v.get(k) == str(x) for k, x in where.items()) for v in vals)
+    robust = c.load_module("configs/ablations/robust_claims.py")
+    earlier = {r.value("sft.seed") for r in expand(robust.get_config("warm_starts"))}
+    assert not warm["g_axis"] & warm["tuning"] and not (warm["g_axis"] | warm["tuning"]) & earlier
+    assert min(len(w) for w in warm.values()) >= 3 and len(warm["g_axis"]) == 8
+    # The seed rule's count is the power analysis' answer at 2 seeds.
+    assert power.warm_starts_needed(0.015, 0.0107, 0.0094, 2) == 8
+    base = c.load_module("configs/reasoning.py").get_config()
+    tuning = {r.run_id: r for r in expand(module.get_config("tuning"))}
+    cfg = run_config(base, tuning[module.RERUNS["tuning"][1]], "/tmp/x")
+    assert cfg.eval_every == 10 and cfg.dapo.dynamic_sampling and cfg.task.val_per_cell == 20
+    assert module.get_config("tuning").blocks[0]["axes"]["lr"] == [
+        1e-5,
+        2.3e-5,
+        5.5e-5,
+        1.3e-4,
+        3e-4,
+    ]

@@ -34,6 +34,8 @@ METHODS: dict[str, dict[str, Any]] = {
     # baseline), which separates the shrunk baseline from the change of step size.
     "rpp": {"estimator": "reinforce_pp_baseline"},
     "rloo": {"estimator": "rloo"},  # leave-one-out mean baseline
+    # Clip-Cov (Cui et al. 2025; the paper's fourth baseline): GRPO advantages, the clip_cov loss.
+    "clip_cov": {"estimator": "grpo", "loss.name": "clip_cov"},
     # EBPO variants.
     "ebpo_per_batch": {
         "estimator": "ebpo",

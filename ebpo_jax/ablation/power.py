@@ -61,6 +61,17 @@ def seeds_needed(
     return n
 
 
+def warm_starts_needed(
+    effect: float, tau: float, sigma: float, seeds: int, *, power: float = 0.8, alpha: float = 0.05
+) -> int:
+    """Warm starts W a two-level claim needs for `power` at `effect` with `seeds` RL seeds
+    under each: its test is the t over W warm-start means, whose sd is sqrt(tau2 + sigma2 / n)
+    (tau: warm-start sd, sigma: RL-seed sd of the paired differences; twolevel.interval)."""
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    return seeds_needed(effect, math.sqrt(tau**2 + sigma**2 / seeds), power=power, alpha=alpha)
+
+
 def sd_upper(sd: float, n: int, confidence: float = 0.8) -> float:
     """One-sided upper confidence bound of a std estimated from n samples (chi-square)."""
     if n < 2:

@@ -12,6 +12,14 @@ pooled paired t-test over all W x n pairs treats the warm starts as if they were
 and is too narrow whenever tau2 > 0. Unequal n_w keep mu's estimate unbiased (equal weight
 per warm start) and the interval approximate. Variance components come from the one-way
 ANOVA (method of moments).
+
+`floored` keeps that interval from being narrower than RL-seed noise alone allows: Var(mean
+of m_w) = (1 / W^2) sum_w (tau2 + sigma2 / n_w) >= sigma2 sum_w (1 / n_w) / W^2, so with 3-5
+warm starts whose means happen to agree the standard error is raised to that bound (sigma
+from the within-warm-start spread). `bootstrap` resamples warm starts (or, with one, RL
+seeds) and held-out problems independently, the crossed "pigeonhole" bootstrap (Owen 2007),
+so the interval also covers which problems were drawn; written out with numpy (a percentile
+interval over B count vectors) because scipy.stats.bootstrap resamples one axis only.
 """
 
 import math
@@ -49,3 +57,45 @@ def _components(frame: pd.DataFrame, m_w: np.ndarray, n_w: np.ndarray) -> dict:
     n_bar = float(np.mean(n_w))
     tau2 = float(m_w.var(ddof=1) - (sigma2 / n_bar if math.isfinite(sigma2) else 0.0))
     return {"tau": math.sqrt(max(tau2, 0.0)), "sigma": math.sqrt(sigma2) if dof > 0 else math.nan}
+
+
+def floored(d, warm) -> dict:
+    """`interval`, its standard error raised to sigma sqrt(sum 1 / n_w) / W when below it;
+    `se`, `se_floor` and `floored` (whether the floor bound) added."""
+    out = interval(d, warm)
+    if out["warm_starts"] < 2 or not math.isfinite(out["sigma"]):
+        return {**out, "se": math.nan, "se_floor": math.nan, "floored": False}
+    big_w, df = out["warm_starts"], out["warm_starts"] - 1
+    n_w = pd.Series(np.asarray(warm)).value_counts().to_numpy()
+    t_crit = stats.t.ppf(0.975, df)
+    se = (out["ci_high"] - out["ci_low"]) / (2 * t_crit)
+    se_floor = out["sigma"] * math.sqrt(float(np.sum(1.0 / n_w))) / big_w
+    held = max(se, se_floor)
+    p = 2 * stats.t.sf(abs(out["diff"]) / held, df) if held > 0 else float(out["diff"] == 0)
+    out.update(ci_low=out["diff"] - t_crit * held, ci_high=out["diff"] + t_crit * held)
+    return {**out, "p": float(p), "se": se, "se_floor": se_floor, "floored": se_floor > se}
+
+
+def bootstrap(d_kj, cluster_k, *, draws: int = 10_000, seed: int = 0) -> dict:
+    """Percentile 95% interval and two-sided p of the mean difference over clusters and
+    problems: `d_kj` [runs, problems] per-problem differences of each paired run k (nan:
+    missing), `cluster_k` its cluster (warm start, or RL seed with one warm start).
+
+    The effect is the mean over clusters of the mean over their runs of the mean over
+    problems, the two-level estimate; each draw resamples clusters and problems with
+    replacement, independently.
+    """
+    d_kj = np.asarray(d_kj, np.float64)
+    labels, cluster_k = np.unique(np.asarray(cluster_k), return_inverse=True)
+    big_c, big_j = labels.size, d_kj.shape[1]
+    # a_cj: per cluster, the mean over its runs of each problem's difference.
+    a_cj = np.stack([np.nanmean(d_kj[cluster_k == c], axis=0) for c in range(big_c)])
+    rng = np.random.default_rng(seed)
+    n_c = rng.multinomial(big_c, np.full(big_c, 1 / big_c), size=draws)
+    n_j = rng.multinomial(big_j, np.full(big_j, 1 / big_j), size=draws)
+    effects = np.einsum("bc,cj,bj->b", n_c, a_cj, n_j) / (big_c * big_j)
+    lo, hi = np.quantile(effects, [0.025, 0.975])
+    p = min(1.0, 2 * min((effects <= 0).mean(), (effects >= 0).mean()))
+    diff = float(a_cj.mean())
+    return {"diff": diff, "ci_low": float(lo), "ci_high": float(hi), "p": float(p),
+            "clusters": big_c, "problems": big_j}  # fmt: skip
