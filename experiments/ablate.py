@@ -29,6 +29,10 @@ in `<out_dir>/rerun/<run_id>.json` (`<run_id>__on-<family>.json` from another fa
 Every run records the SHA-256 of its warm start and of its grid's `claims_file`, which
 must be committed before the grid trains (ebpo_jax/ablation/registration.py); each run's
 final evaluation per problem goes to `problems.csv.gz`.
+Executors: `--executor=local` (this machine, `--workers` processes) or `--executor=ray
+[--ray_address=auto|ray://host:10001] [--ray_cpus=N --ray_gpus=N | --slice=v5p-64]`: each run
+a Ray task, retried up to `--retries` times from its checkpoint when its task dies
+(ebpo_jax/ablation/ray_executor.py; docs/pods.md, "Grids on a cluster").
 """
 
 import sys
@@ -54,6 +58,19 @@ _SEEDS = flags.DEFINE_integer(
 _ONLY = flags.DEFINE_string(
     "only", "", "Train only the runs whose id matches this regex; the tables keep every run."
 )
+_EXECUTOR = flags.DEFINE_enum(
+    "executor", "local", ["local", "ray"], "Where runs train: this machine's pool, or Ray."
+)
+_RAY_ADDRESS = flags.DEFINE_string(
+    "ray_address", "", "Ray cluster: '' starts one here, 'auto' joins it, or ray://host:10001."
+)
+_RAY_CPUS = flags.DEFINE_float("ray_cpus", 1.0, "CPUs per run's task (--executor=ray).")
+_RAY_GPUS = flags.DEFINE_float("ray_gpus", 0.0, "GPUs per run's task (--executor=ray).")
+_SLICE = flags.DEFINE_string(
+    "slice", "", "TPU slice type per run, e.g. v5p-64: one task per host (--executor=ray)."
+)
+_SLICES = flags.DEFINE_integer("slices", 1, "TPU slices used at once (--executor=ray --slice).")
+_RETRIES = flags.DEFINE_integer("retries", 3, "Retries of a run whose task died (Ray).")
 _RERUN = flags.DEFINE_string("rerun", "", "Retrain this run id and compare with results.csv.")
 _RERUN_ATOL = flags.DEFINE_float("rerun_atol", 0.0, "Tolerance of --rerun (0 = bitwise).")
 
@@ -74,10 +91,11 @@ def main(argv):
     analysis = runner.PowerAnalysis(
         _POWER_EFFECT.value, _POWER.value, _PILOT.value, _MAX_SEEDS.value
     )
+    executor = _executor(LocalPool)
     try:
         runner.run_grid(
             _CONFIG.value,
-            executor=LocalPool(_WORKERS.value),
+            executor=executor,
             dry_run=_DRY_RUN.value,
             plots_only=_PLOTS_ONLY.value,
             analysis=analysis,
@@ -87,6 +105,22 @@ def main(argv):
         )
     except GridStopped as e:
         sys.exit(f"stopped: {e}")
+    finally:
+        executor.close()
+
+
+def _executor(local):
+    """The executor the flags ask for."""
+    if _EXECUTOR.value == "local":
+        names = ("ray_address", "ray_cpus", "ray_gpus", "slice", "slices", "retries")
+        given = [n for n in names if flags.FLAGS[n].present]
+        if given:
+            sys.exit(f"--{given[0]} needs --executor=ray")
+        return local(_WORKERS.value)
+    from ebpo_jax.ablation import ray_executor
+
+    resources = ray_executor.RayResources(_RAY_CPUS.value, _RAY_GPUS.value, _SLICE.value)
+    return ray_executor.RayExecutor(_RAY_ADDRESS.value, resources, _RETRIES.value, _SLICES.value)
 
 
 if __name__ == "__main__":

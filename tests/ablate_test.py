@@ -6,6 +6,8 @@ import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 import types
 
 import ml_collections
@@ -118,6 +120,16 @@ def test_ablate_script_only_parses_flags():
     """experiments/ablate.py is flags and main; the grid logic lives in ebpo_jax.ablation."""
     ablate = load_experiment("ablate")
     assert callable(ablate.main) and not hasattr(ablate, "run_grid")
+
+
+def test_ablate_refuses_ray_flags_without_the_ray_executor():
+    script = os.path.join(REPO, "experiments", "ablate.py")
+    args = ["--config=configs/ablations/micro.py", "--slice=v5p-64", "--dry_run"]
+    out = subprocess.run(
+        [sys.executable, script, *args], check=False, capture_output=True, cwd=REPO
+    )
+    last = out.stderr.decode().splitlines()[-1]
+    assert out.returncode != 0 and "--slice needs --executor=ray" in last
 
 
 def test_micro_grid_end_to_end_and_resume(tmp_path):

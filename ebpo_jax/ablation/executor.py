@@ -73,6 +73,10 @@ class Executor(Protocol):
         """Train every job; a run that keeps failing is in progress.failures, not returned."""
         ...
 
+    def close(self) -> None:
+        """Give back what the executor started (a cluster, processes)."""
+        ...
+
 
 def _quiet(*_):
     pass
@@ -110,7 +114,9 @@ def train_run(config_json: str, cache_dir: str, stamp: dict | None = None) -> di
     summary = train(config, log=_quiet)
     if _orphaned():  # the death signal stopped this run at a checkpoint; take no other
         os._exit(0)
-    if not summary["stopped_early"]:
+    from ebpo_jax import distributed
+
+    if not summary["stopped_early"] and distributed.is_main_process():  # one writer per run
         warm = {"warm_start_sha256": summary.get("base_sha256") or ""}
         summary["provenance"] = {**provenance(), **warm, **(stamp or {})}
         with open(os.path.join(config.workdir, "summary.json"), "w") as f:
@@ -142,6 +148,9 @@ class LocalPool:
         if self.workers <= 1:
             return _train_serial(jobs, cache_dir, stamp, progress)
         return _train_pool(jobs, cache_dir, stamp, progress, self.workers)
+
+    def close(self) -> None:
+        """Nothing to give back: each pool ends with its train()."""
 
 
 def _train_serial(jobs, cache_dir, stamp, progress) -> list[str]:
