@@ -122,7 +122,6 @@ def test_ablate_script_only_parses_flags():
     assert callable(ablate.main) and not hasattr(ablate, "run_grid")
 
 
-@pytest.mark.slow  # a fresh interpreter importing jax: 7 min on the loaded 2-core CPU
 def test_ablate_refuses_ray_flags_without_the_ray_executor():
     script = os.path.join(REPO, "experiments", "ablate.py")
     args = ["--config=configs/ablations/micro.py", "--slice=v5p-64", "--dry_run"]
