@@ -60,6 +60,8 @@ setuptools.setup(
             "qwix>=0.1.8",
             "peft>=0.21.0",
             "accelerate>=1.0",
+            # The Ray executor's tests start a real local cluster.
+            "ray>=2.60.0",
         ],
         "tpu": ["jax[tpu]"],
         "cuda": ["jax[cuda12]"],
@@ -76,5 +78,7 @@ setuptools.setup(
         # EBPO as tunix's "ebpo" advantage estimator (ebpo_jax.integrations.tunix); the version
         # the adapter was checked against. Best in a venv of its own (it pulls tensorflow-datasets).
         "tunix": ["google-tunix==0.1.7"],
+        # Grids and runs on a Ray cluster (ebpo_jax/ablation/ray_executor.py, experiments/launch.py).
+        "ray": ["ray>=2.60.0"],
     },
 )

@@ -1,12 +1,13 @@
 """Ablation grids: expansion, config errors, result tables, and a micro grid end to end."""
 
-import functools
 import importlib.util
 import json
 import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 import types
 
 import ml_collections
@@ -17,7 +18,9 @@ from conftest import load_experiment
 from scipy import stats
 
 from ebpo_jax import ablation
+from ebpo_jax.ablation import executor, runner, tables
 from ebpo_jax.ablation import grid as grid_lib
+from ebpo_jax.ablation import rerun as rerun_lib
 from ebpo_jax.config import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,14 +116,24 @@ def test_summarize_matches_brute_force_t_interval():
     assert diff["diff"].iloc[0] == pytest.approx((fa - fb).mean())
 
 
-@functools.cache  # the module defines absl flags: load it once per process
-def _load_ablate():
-    return load_experiment("ablate")
+def test_ablate_script_only_parses_flags():
+    """experiments/ablate.py is flags and main; the grid logic lives in ebpo_jax.ablation."""
+    ablate = load_experiment("ablate")
+    assert callable(ablate.main) and not hasattr(ablate, "run_grid")
+
+
+def test_ablate_refuses_ray_flags_without_the_ray_executor():
+    script = os.path.join(REPO, "experiments", "ablate.py")
+    args = ["--config=configs/ablations/micro.py", "--slice=v5p-64", "--dry_run"]
+    out = subprocess.run(
+        [sys.executable, script, *args], check=False, capture_output=True, cwd=REPO
+    )
+    last = out.stderr.decode().splitlines()[-1]
+    assert out.returncode != 0 and "--slice needs --executor=ray" in last
 
 
 def test_micro_grid_end_to_end_and_resume(tmp_path):
     """Two micro runs train, results.csv and plots appear; a second call trains nothing."""
-    ablate = _load_ablate()
     grid = grid_lib.load_config_file("configs/ablations/micro.py")
     grid.out_dir = str(tmp_path / "grid")
     grid.blocks = [
@@ -131,7 +144,7 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
             "fixed": {"mesh.devices": 1},  # one of the test process's 8 fake devices
         }
     ]
-    out = ablate.run_grid(grid, log=lambda *_: None)
+    out = runner.run_grid(grid, log=lambda *_: None)
     assert sorted(out["trained"]) == sorted(out["runs"]) and len(out["runs"]) == 2
     evals = pd.read_csv(out["results"])
     assert len(evals) == 4 and sorted(evals.step.unique()) == [0, 2]  # start + final eval
@@ -150,26 +163,26 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     rate = problems.groupby("run_id").correct.sum() / problems.groupby("run_id").samples.sum()
     np.testing.assert_allclose(rate[final.run_id], final["pass@1"], rtol=1e-12)
     assert final.warm_start_sha256.str.len().eq(64).all()  # the initial policy's digest
-    again = ablate.run_grid(grid, log=lambda *_: None)
+    again = runner.run_grid(grid, log=lambda *_: None)
     assert again["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), evals)
     # Another grid with the same runs adopts them instead of training, with the same rows.
     other = ml_collections.ConfigDict(grid.to_dict())
     other.out_dir, other.reuse = str(tmp_path / "other"), [grid.out_dir]
-    adopted = ablate.run_grid(other, log=lambda *_: None)
+    adopted = runner.run_grid(other, log=lambda *_: None)
     assert adopted["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(adopted["results"]), evals)
     # A fresh clone has the committed tables but no runs/: recorded runs stay finished.
     steps = pd.read_csv(out["steps"])
     shutil.rmtree(os.path.join(grid.out_dir, "runs"))
-    recorded = ablate.run_grid(grid, log=lambda *_: None)
+    recorded = runner.run_grid(grid, log=lambda *_: None)
     assert recorded["trained"] == []
     pd.testing.assert_frame_equal(pd.read_csv(recorded["results"]), evals)
     pd.testing.assert_frame_equal(pd.read_csv(recorded["steps"]), steps)
     # Runs recorded short of their last step train again, here only those --only matches;
     # the other keeps its recorded rows.
     evals[evals.step == 0].to_csv(out["results"], index=False)
-    partial = ablate.run_grid(grid, only="grpo", log=lambda *_: None)
+    partial = runner.run_grid(grid, only="grpo", log=lambda *_: None)
     assert partial["trained"] == [r for r in out["runs"] if "grpo" in r]
     expected = evals[(evals.method == "grpo") | (evals.step == 0)].reset_index(drop=True)
     pd.testing.assert_frame_equal(pd.read_csv(partial["results"]), expected)
@@ -178,7 +191,7 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     os.remove(os.path.join(killed, "summary.json"))
     shutil.rmtree(os.path.join(killed, "checkpoints"))
     lines = []
-    again = ablate.run_grid(grid, only="grpo", log=lines.append)
+    again = runner.run_grid(grid, only="grpo", log=lines.append)
     assert again["trained"] == partial["trained"]
     assert any("starts over" in line for line in lines)
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), expected)
@@ -234,7 +247,6 @@ def _pilot_evals(diffs_by_setting, base=0.3):
 
 
 def test_power_analysis_chooses_seeds_from_the_pilot():
-    ablate = _load_ablate()
     grid = _grid(axes={"method": ["grpo", "ebpo"], "group_size": [2, 4], "seed": [0, 1, 2]})
     pilot = ablation.with_seeds(grid, range(4))
     runs = ablation.expand(pilot)
@@ -246,7 +258,7 @@ def test_power_analysis_chooses_seeds_from_the_pilot():
     evals = _pilot_evals(diffs)
     from ebpo_jax.ablation import power
 
-    out = ablate.choose_seeds(
+    out = tables.choose_seeds(
         evals, runs, effect=0.02, power=0.8, alpha=0.05, pilot=4, max_seeds=100, log=lambda *_: None
     )
     want = max(power.seeds_needed(0.02, np.std(d, ddof=1)) for d in diffs.values())
@@ -254,11 +266,11 @@ def test_power_analysis_chooses_seeds_from_the_pilot():
     assert [c["pilot_sd"] for c in out["claims"]] == pytest.approx(
         [np.std(d, ddof=1) for d in diffs.values()]
     )
-    capped = ablate.choose_seeds(
+    capped = tables.choose_seeds(
         evals, runs, effect=0.02, power=0.8, alpha=0.05, pilot=4, max_seeds=5, log=lambda *_: None
     )
     assert capped["seeds"] == 5 and capped["power_at_seeds"] < 0.8
-    table = ablate.comparisons(evals, runs)
+    table = tables.comparisons(evals, runs)
     assert list(table.method) == ["ebpo - grpo"] * 2 and (table.direction == 1).all()
     np.testing.assert_allclose(table.p_holm, power.holm(table.p))
     for g, d in diffs.items():
@@ -267,20 +279,18 @@ def test_power_analysis_chooses_seeds_from_the_pilot():
 
 
 def test_compare_rows_exact_and_with_tolerance():
-    ablate = _load_ablate()
     old = pd.DataFrame({"step": [0, 10], "pass@1": [0.2, 0.3], "reward/mean": [np.nan, 0.25]})
-    assert ablate.compare_rows(old, old.copy())["match"]
+    assert rerun_lib.compare_rows(old, old.copy())["match"]
     new = old.assign(**{"pass@1": [0.2, 0.3 + 1e-6]})
-    assert not ablate.compare_rows(old, new)["match"]
-    assert ablate.compare_rows(old, new, atol=1e-5)["match"]
-    assert not ablate.compare_rows(old, new.assign(**{"reward/mean": [np.nan, np.nan]}))["match"]
-    assert not ablate.compare_rows(old, old.iloc[:1])["match"]
+    assert not rerun_lib.compare_rows(old, new)["match"]
+    assert rerun_lib.compare_rows(old, new, atol=1e-5)["match"]
+    assert not rerun_lib.compare_rows(old, new.assign(**{"reward/mean": [np.nan, np.nan]}))["match"]
+    assert not rerun_lib.compare_rows(old, old.iloc[:1])["match"]
 
 
 @pytest.mark.slow
 def test_power_pilot_then_rerun_micro(tmp_path):
     """A 2-seed pilot picks the seed count, the grid trains it, a rerun matches bitwise."""
-    ablate = _load_ablate()
     grid = grid_lib.load_config_file("configs/ablations/micro.py")
     grid.out_dir = str(tmp_path / "grid")
     grid.blocks = [
@@ -291,8 +301,8 @@ def test_power_pilot_then_rerun_micro(tmp_path):
             "fixed": {"mesh.devices": 1},
         }
     ]
-    analysis = ablate.PowerAnalysis(effect=0.5, pilot_seeds=2, max_seeds=3)
-    out = ablate.run_grid(grid, analysis=analysis, log=lambda *_: None)
+    analysis = runner.PowerAnalysis(effect=0.5, pilot_seeds=2, max_seeds=3)
+    out = runner.run_grid(grid, analysis=analysis, log=lambda *_: None)
     assert out["power"]["seeds"] in (2, 3) and len(out["runs"]) == 2 * out["power"]["seeds"]
     assert os.path.exists(os.path.join(grid.out_dir, "power.json"))
     evals = pd.read_csv(out["results"])
@@ -300,7 +310,7 @@ def test_power_pilot_then_rerun_micro(tmp_path):
     with open(out["summary"]) as f:
         text = f.read()
     assert "ebpo - grpo" in text and "verdict_holm" in text
-    report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
+    report = rerun_lib.rerun(grid, out["runs"][1], log=lambda *_: None)
     assert report["match"], report
     with open(os.path.join(grid.out_dir, "rerun", out["runs"][1] + ".json")) as f:
         assert json.load(f)["match"]
@@ -397,7 +407,6 @@ def test_only_finished_runs_are_collected(tmp_path):
 def test_committed_results_count_as_finished_runs():
     """A fresh clone (no runs/) sees the committed reasoning group-size runs as done; --seeds
     lists more seeds to train."""
-    ablate = _load_ablate()
     spec = importlib.util.spec_from_file_location(
         "reasoning_grid", os.path.join(REPO, "configs", "ablations", "reasoning.py")
     )
@@ -409,33 +418,32 @@ def test_committed_results_count_as_finished_runs():
         {**b, "fixed": {**b.get("fixed", {}), "mesh.devices": 1}} for b in grid.blocks
     ]
     lines = []
-    out = ablate.run_grid(grid, seeds=6, dry_run=True, log=lines.append)
+    out = runner.run_grid(grid, seeds=6, dry_run=True, log=lines.append)
     assert len(out["runs"]) == 6 * (15 + 2)  # 5 methods x 3 G + the dapo block's 2, 6 seeds
     done = {line.split()[1] for line in lines if line.strip().startswith("done")}
     assert {r for r in out["runs"] if int(r.rsplit("-", 1)[1]) < 4} <= done
     with pytest.raises(ValueError, match="--only='nope': matches none of the grid's 102"):
-        ablate.run_grid(grid, seeds=6, only="nope", log=lines.append)
+        runner.run_grid(grid, seeds=6, only="nope", log=lines.append)
     with pytest.raises(ValueError, match=r"--only='\(': not a regex"):
-        ablate.run_grid(grid, seeds=6, only="(", log=lines.append)
+        runner.run_grid(grid, seeds=6, only="(", log=lines.append)
     with pytest.raises(ValueError, match="--seeds=3: .* not with --power_effect"):
-        analysis = ablate.PowerAnalysis(effect=0.02)
-        ablate.run_grid(grid, seeds=3, analysis=analysis, dry_run=True, log=lines.append)
+        analysis = runner.PowerAnalysis(effect=0.02)
+        runner.run_grid(grid, seeds=3, analysis=analysis, dry_run=True, log=lines.append)
 
 
 def test_a_signal_that_stops_a_run_stops_the_grid(monkeypatch):
     """In one process the trainer takes the grid's SIGTERM: its run stops at a checkpoint,
     and the grid must stop there too instead of starting the next run."""
-    ablate = _load_ablate()
     started = []
 
     def stopped_run(config_json, cache_dir, stamp):
         started.append(config_json)
         return {"stopped_early": True, "step": 7}
 
-    monkeypatch.setattr(ablate, "train_run", stopped_run)
-    todo = [types.SimpleNamespace(run_id=f"run-{i}") for i in range(2)]
-    configs = {r.run_id: ml_collections.ConfigDict({"id": r.run_id}) for r in todo}
+    monkeypatch.setattr(executor, "train_run", stopped_run)
+    jobs = [executor.Job(f"run-{i}", json.dumps({"id": i})) for i in range(2)]
     bar = types.SimpleNamespace(set_postfix_str=lambda _: None, update=lambda: None)
-    with pytest.raises(ablate.GridStopped, match="run-0 at step 7"):
-        ablate._train_all(todo, configs, "", 1, bar)
+    progress = executor.Progress(bar, total=2, done=0, log=lambda *_: None)
+    with pytest.raises(executor.GridStopped, match="run-0 at step 7"):
+        executor.LocalPool(1).train(jobs, "", {}, progress)
     assert len(started) == 1

@@ -12,7 +12,8 @@ import pytest
 from conftest import load_experiment
 from scipy import stats
 
-from ebpo_jax.ablation import registration, reproduce, twolevel
+from ebpo_jax.ablation import registration, reproduce, runner, twolevel
+from ebpo_jax.ablation import rerun as rerun_lib
 from ebpo_jax.ablation.results import paired_by_problem
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,12 +80,11 @@ def test_claims_file_must_be_committed_and_status_reads_hashes(tmp_path):
     _git(tmp_path, "commit", "-qm", "claims")
     assert len(registration.committed(str(path))) == 40
     sha = registration.file_sha256(str(path))
-    ablate = _experiment("ablate")
     grid = {"name": "g", "claims_file": str(path)}
-    assert ablate.claims_stamp(_Cfg(grid)) == {"claims_sha256": sha}
+    assert runner.claims_stamp(_Cfg(grid)) == {"claims_sha256": sha}
     path.write_text("CLAIMS = ['changed']\n")
     with pytest.raises(ValueError, match="not committed"):
-        ablate.claims_stamp(_Cfg(grid))
+        runner.claims_stamp(_Cfg(grid))
     assert registration.status([sha, sha], sha) == registration.PRE
     assert registration.status([sha, "other"], sha) == registration.POST_CHANGED
     assert registration.status([sha, float("nan")], sha) == registration.PARTIAL
@@ -277,7 +277,6 @@ def test_micro_run_with_a_validation_split_records_both(tmp_path):
     both sets, and each set's per-problem rate is its recorded pass@1."""
     from ebpo_jax.ablation import grid as grid_lib
 
-    ablate = _experiment("ablate")
     grid = grid_lib.load_config_file("configs/ablations/micro.py")
     grid.out_dir = str(tmp_path / "grid")
     grid.blocks = [
@@ -288,7 +287,7 @@ def test_micro_run_with_a_validation_split_records_both(tmp_path):
             "fixed": {"mesh.devices": 1, "task": {"val_per_cell": 3}},
         }
     ]
-    out = ablate.run_grid(grid, log=lambda *_: None)
+    out = runner.run_grid(grid, log=lambda *_: None)
     final = pd.read_csv(out["results"]).iloc[-1]
     problems = pd.read_csv(out["problems"])
     rate = problems.groupby("set").correct.sum() / problems.groupby("set").samples.sum()
@@ -304,7 +303,6 @@ def test_micro_warm_starts_are_committed_and_reruns_start_from_them(tmp_path):
     a rerun starts from the committed file and matches bitwise on this machine."""
     from ebpo_jax.ablation import grid as grid_lib
 
-    ablate = _experiment("ablate")
     grid = grid_lib.load_config_file("configs/ablations/micro.py")
     grid.out_dir = str(tmp_path / "grid")
     grid.commit_warm_starts = True
@@ -316,13 +314,13 @@ def test_micro_warm_starts_are_committed_and_reruns_start_from_them(tmp_path):
             "fixed": {"mesh.devices": 1},
         }
     ]
-    out = ablate.run_grid(grid, log=lambda *_: None)
+    out = runner.run_grid(grid, log=lambda *_: None)
     final = pd.read_csv(out["results"]).groupby("run_id").tail(1)
     hashes = sorted(final.warm_start_sha256)
     assert len(set(hashes)) == 2
     files = sorted(os.listdir(os.path.join(grid.out_dir, "warm_starts")))
     assert files == [f"{h}.npz" for h in hashes]
-    report = ablate.rerun(grid, out["runs"][1], log=lambda *_: None)
+    report = rerun_lib.rerun(grid, out["runs"][1], log=lambda *_: None)
     assert report["warm_start_file"].endswith(f"{final.warm_start_sha256.iloc[1]}.npz")
     assert report["match"] and report["verdict"] == "bitwise", report
 

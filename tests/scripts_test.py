@@ -27,6 +27,7 @@ SCRIPT_TESTS = {
     "benchmarks/sampler_bench.py": "scripts_test",
     "benchmarks/train_bench.py": "scripts_test",
     "experiments/ablate.py": "ablate_test",
+    "experiments/launch.py": "ray_executor_test",
     "experiments/aot_compile.py": "aot_test",
     "experiments/claims.py": "claims_test",
     "experiments/cluster_topics.py": "scripts_test",

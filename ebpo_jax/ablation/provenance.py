@@ -13,7 +13,7 @@ from ebpo_jax.ablation.registration import git
 # Columns added to every results.csv row (constant per run, not compared by --rerun).
 PROCESS = ("jax", "jaxlib", "code", "code_sha256", "machine", "cpu", "xla_flags")
 PROCESS += ("matmul_precision", "backend")
-FIELDS = PROCESS + ("warm_start_sha256", "claims_sha256")  # the run's, from ablate.train_run
+FIELDS = PROCESS + ("warm_start_sha256", "claims_sha256")  # the run's, from executor.train_run
 
 
 def cpu_model(path: str = "/proc/cpuinfo") -> str:

@@ -22,7 +22,7 @@ from ebpo_jax import workdir as workdir_lib
 FILES = ("summary.json", workdir_lib.METRICS_FILE, workdir_lib.CONFIG_FILE)
 MARKER = "reused_from.txt"
 # Where a run trains, where it exports its warm start, and whether it started over after
-# a kill before its first checkpoint (ablate sets `restart`) do not change what it computes.
+# a kill before its first checkpoint (the grid sets `restart`) do not change what it computes.
 _IGNORED = ("workdir", "sft.export_dir", "restart")
 
 
