@@ -164,6 +164,24 @@ def test_a_micro_run_traces_its_window_times_its_phases_and_a_failed_async_save_
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
+def test_a_failed_reward_worker_is_one_error_line_and_exit_1(monkeypatch, capsys):
+    import sys
+
+    from ebpo_jax import cli
+    from ebpo_jax.workers import WorkerError
+
+    def main(_):
+        raise WorkerError("reward 'math' failed on 3 items, first: item 0: ValueError: boom")
+
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as e:
+        cli.run(main)
+    assert e.value.code == 1
+    assert capsys.readouterr().err == (
+        "error: reward 'math' failed on 3 items, first: item 0: ValueError: boom\n"
+    )
+
+
 # ---------------------------------------------------------------- two processes (slow)
 
 _ONE_LINE_S = 40  # slack over the deadline on a loaded 2-core CPU
@@ -209,6 +227,7 @@ def test_a_stopped_peer_ends_the_other_process_with_one_line_within_the_deadline
         procs[1].send_signal(signal.SIGCONT)  # it finds its own deadline past, or its peer gone
         rc1, out1 = _exit_within(procs[1], timeout + _ONE_LINE_S)
         assert rc1 != 0, out1[-3000:]
+        print(f"p0 exit {rc} after {waited:.1f} s: {_errors(out)}; p1 exit {rc1}: {_errors(out1)}")
     finally:
         for p in procs:
             p.kill()
@@ -238,7 +257,7 @@ def test_a_pod_without_a_shared_workdir_exits_with_one_line_instead_of_hanging(t
     timeout = 30
     flags = (f"--config.step_timeout_s={timeout}", "--config.total_steps=8")
     flags += ("--config.checkpoint_every=4", "--config.eval_every=8")
-    procs = start_trainers(workdir, *flags, wrap=wrap)
+    procs, t0 = start_trainers(workdir, *flags, wrap=wrap), time.monotonic()
     try:
         results = [_exit_within(p, 600) for p in procs]  # hung today: killed after 15 min
     finally:
@@ -248,3 +267,5 @@ def test_a_pod_without_a_shared_workdir_exits_with_one_line_instead_of_hanging(t
     for rc, out in results:
         assert rc != 0, out[-3000:]
         assert len(_errors(out)) == 1, out[-3000:]
+        print(f"exit {rc} after {time.monotonic() - t0:.0f} s: {_errors(out)}")
+

@@ -372,8 +372,8 @@ def _loop(spec: RunSpec, task: Task, runner, state, ckpt, out: _Log, stop_after,
             out.samples(step, task.tokenizer, runner.last_rollout)
             extra = out.extra(task, runner.view)  # the position counts every batch drawn
             saved = {**runner.view.checkpoint_tree(state), **runner.checkpoint_entries()}
-            # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             ckpt.check()  # a failed asynchronous save ends the run now, not in a log
+            # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
                 with timer("checkpoint"):
                     out.writer.flush()  # rows durable before the checkpoint that covers them
