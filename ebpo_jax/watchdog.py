@@ -99,9 +99,9 @@ class Watchdog:
         """No phase runs (nothing to watch) until the next `enter`."""
         self._phase, self._deadline = None, float("inf")
 
-    def step_done(self, step: int, seconds: float) -> None:
-        """The call that ran step `step` (and K - 1 more) took `seconds` of wall time."""
-        self.step = step
+    def step_done(self, done: int, seconds: float) -> None:
+        """`done` steps are complete; the runner's call that ended them took `seconds`."""
+        self.step = done
         self.step_times.append(seconds)
 
     def attach(self, timer: PhaseTimer) -> None:
@@ -126,10 +126,10 @@ class Watchdog:
 
     def fire(self, phase: str) -> None:
         """Dump every thread's stack to the workdir and stderr, print the error line, exit."""
-        where = f"step {self.step + 1}" if self.step is not None else "the first step"
+        where = f"after step {self.step}" if self.step is not None else "in the first step"
         dumped = self._dump()
         line = (
-            f"error: no progress for {self.deadline_s():.0f} s in phase {phase} at {where} "
+            f"error: no progress for {self.deadline_s():.0f} s in phase {phase} {where} "
             f"(run.step_timeout_s={self.fixed or 0:g}"
             f"{'' if self.fixed else ', auto'}): a hung collective, a stopped or dead peer "
             f"process, or a stuck save; every thread's stack: {dumped}"

@@ -67,5 +67,11 @@ def test_the_pods_page_installs_with_the_constraints_and_a_python_they_admit():
     with open(os.path.join(ROOT, "docs", "pods.md")) as f:
         text = f.read()
     assert "-c constraints.txt" in text or "make install-tpu" in text
-    versions = re.findall(r"uv (?:python install|venv --python) (\d+\.\d+)", text)
+    versions = re.findall(r"uv (?:python install|python find) (\d+\.\d+)", text)
     assert versions and all(SpecifierSet(_python_requires()).contains(v) for v in versions)
+    pins, named = _pins(), 0
+    for name, version in re.findall(r"([a-z][\w-]*) (\d+\.\d+\.\d+(?:\.\d+)?)\b", text):
+        if name in pins:  # a version the page names is the pinned one
+            assert version == pins[name], f"docs/pods.md says {name} {version}, pinned {pins[name]}"
+            named += 1
+    assert named >= 4

@@ -364,7 +364,7 @@ def _loop(spec: RunSpec, task: Task, runner, state, ckpt, out: _Log, stop_after,
             state, m, times = runner(state, step, next_batches)
             dt = (time.perf_counter() - t0) / spec.run.steps_per_jit
             trace.after(step + spec.run.steps_per_jit)
-            watch.step_done(step, dt * spec.run.steps_per_jit)
+            watch.step_done(step + spec.run.steps_per_jit, dt * spec.run.steps_per_jit)
             watch.enter("evaluate")  # and the metrics rows
             times = {**times, **timer.take()}
             rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
