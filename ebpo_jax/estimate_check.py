@@ -98,16 +98,19 @@ def _used(spec) -> dict[str, str]:
     """Which estimate term is this config's own: the static or slot sampler, padded update."""
     sampler = spec.rollout.sampler
     decode = "decode_s_before" if not sampler.slots else "decode_s_after"
-    update = "update_s_after_packed" if spec.update.loss.tokens_per_microbatch else "update_s_before"
+    packed = spec.update.loss.tokens_per_microbatch
+    update = "update_s_after_packed" if packed else "update_s_before"
     return {"rollout": decode, "update": update}
 
 
 def report(measured: dict[str, float], est: dict, spec, chip: ChipSpec) -> str:
     """The table: each phase's measured median beside the estimate's terms for it."""
     used = _used(spec)
+    how = ("float32 matmul", "read", ", measured now") if chip.generation == "cpu" else (
+        "bf16 peak", "HBM", " (the chip's sheet)")
     lines = [
-        f"chip: {chip.generation}: {chip.peak_flops / 1e9:.1f} GFLOP/s (float32 matmul), "
-        f"{chip.hbm_bandwidth / 1e9:.1f} GB/s (read)" + (", measured now" if chip.generation == "cpu" else ""),
+        f"chip: {chip.generation}: {chip.peak_flops / 1e9:.1f} GFLOP/s ({how[0]}), "
+        f"{chip.hbm_bandwidth / 1e9:.1f} GB/s ({how[1]}){how[2]}",
         f"{'phase':<16}{'measured s':>12}  estimate (s; * = this config's sampler / update)",
     ]
     for phase, terms in _TERMS:
