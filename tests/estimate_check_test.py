@@ -80,7 +80,7 @@ def test_the_report_puts_micros_measured_phases_beside_its_estimate():
     assert np.isfinite(ec.as_json({"step": 0.5}, est, chip)["estimate_s"]["update_s_before"])
 
 
-@pytest.mark.slow  # ~1-2 min on a loaded 2-core CPU: trains micro for 4 steps
+@pytest.mark.slow  # 220 s on a heavily loaded 2-core CPU: trains micro for 4 steps
 def test_estimate_check_prints_measured_beside_estimated_for_micro():
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     cmd = [sys.executable, "experiments/estimate_check.py", "--steps=4"]
