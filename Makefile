@@ -9,17 +9,22 @@ TEST_VENV := .venv-test
 TEST_STAMP := $(TEST_VENV)/.installed-test
 # The run `make plot` draws (RUN=<workdir> for another one).
 RUN ?= runs/tiny
+# The exact versions the suite passes with: every install below is constrained to them.
+CONSTRAINTS := constraints.txt
 
-$(TRAIN_STAMP): setup.py
+$(TRAIN_STAMP): setup.py $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[train]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[train]'
 	touch $(TRAIN_STAMP)
 
-$(TEST_STAMP): setup.py
+# CI (.ci/run runs `make test`): the constrained install must resolve and be consistent;
+# tests/pins_test.py then checks the venv against the pins.
+$(TEST_STAMP): setup.py $(CONSTRAINTS)
 	test -d $(TEST_VENV) || $(PY) -m venv $(TEST_VENV)
 	$(TEST_VENV)/bin/pip install -q --upgrade pip
-	$(TEST_VENV)/bin/pip install -q -e '.[test]'
+	$(TEST_VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(TEST_VENV)/bin/pip check
 	touch $(TEST_STAMP)
 
 # Two pytest workers (pytest-xdist), one test file each: XLA compiles on one thread, so a
@@ -32,7 +37,7 @@ install: $(TRAIN_STAMP)
 
 # TPU VMs: the package and libtpu in .venv.
 install-tpu: $(TRAIN_STAMP)
-	$(VENV)/bin/pip install -q -e '.[train,tpu]'
+	$(VENV)/bin/pip install -q -c $(CONSTRAINTS) -e '.[train,tpu]'
 
 install-test: $(TEST_STAMP)
 

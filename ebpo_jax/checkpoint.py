@@ -281,6 +281,12 @@ class Checkpointer:
         """Steps of all complete checkpoints, ascending."""
         return sorted(self._manager.all_steps())
 
+    def check(self) -> None:
+        """CheckpointError (one line) if an asynchronous save has failed; never waits for one
+        in progress (orbax keeps a failed save's error until someone waits for it)."""
+        if not self._manager.is_saving_in_progress():
+            self.wait()
+
     def wait(self) -> None:
         """Block until any asynchronous save has been committed (with its manifest).
 

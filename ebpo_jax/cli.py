@@ -133,11 +133,12 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     from ebpo_jax.checkpoint import CheckpointError
     from ebpo_jax.metrics import MetricsError
     from ebpo_jax.workdir import WorkdirError
+    from ebpo_jax.workers import WorkerError  # a reward or environment worker pool failed
 
     # Raised only once the trainer is imported: no import of it (and of jax) here.
     loop = sys.modules.get("ebpo_jax.trainer.loop")
     stopped = (loop.NonFiniteError,) if loop is not None else ()
-    return (WorkdirError, MetricsError, CheckpointError, OSError, *stopped)
+    return (WorkdirError, MetricsError, CheckpointError, OSError, WorkerError, *stopped)
 
 
 def _define_cache_flags(flags) -> None:

@@ -26,6 +26,15 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+def phase_summary(metrics: Mapping[str, Any]) -> str:
+    """The step's `phase/<name>_s` times as "rollout 1.20s reward 0.10s" ("" if none)."""
+    return " ".join(
+        f"{k[len('phase/') : -len('_s')]} {format_value(v, '.2f')}s"
+        for k, v in metrics.items()
+        if k.startswith("phase/") and k.endswith("_s")
+    )
+
+
 class TextProgress:
     """One line per `every` steps or `every_s` seconds, whichever comes first."""
 
@@ -68,6 +77,8 @@ class TextProgress:
         if self._pass is not None:
             parts.append(f"pass@1 {100 * self._pass[0]:.1f}% (step {self._pass[1]})")
         parts.append(f"{format_value(metrics.get('perf/tokens_per_s'), '.0f')} tok/s")
+        if phases := phase_summary(metrics):
+            parts.append(phases)
         timed = done - self._first - 1  # steps since the compiled one
         if timed > 0 and done < self.total:
             eta = (now - self._t_first) / timed * (self.total - done)

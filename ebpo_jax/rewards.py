@@ -38,7 +38,7 @@ from functools import partial
 
 import numpy as np
 
-from ebpo_jax.workers import LoadError, PoolOwner, WorkerPool
+from ebpo_jax.workers import LoadError, PoolOwner, WorkerError, WorkerPool
 
 RewardFn = Callable[[str, str], float]
 
@@ -417,11 +417,11 @@ class RewardPool(PoolOwner):
         try:
             outcomes = self._workers.map(partial(_score, fn), items, timeout_s=timeout_s)
         except LoadError as e:
-            raise RuntimeError(f"reward workers cannot load {fn!r} ({e})") from None
+            raise WorkerError(f"reward workers cannot load {fn!r} ({e})") from None
         self.num_timeouts += sum(o.cut for o in outcomes)
         errors = [f"item {i}: {o.error}" for i, o in enumerate(outcomes) if o.error and not o.cut]
         if errors:  # raised only once every worker is idle again, so the pool stays usable
-            raise RuntimeError(f"reward {fn!r} failed on {len(errors)} items, first: {errors[0]}")
+            raise WorkerError(f"reward {fn!r} failed on {len(errors)} items, first: {errors[0]}")
         return np.array([0.0 if o.error else o.value for o in outcomes], np.float32)
 
 

@@ -92,6 +92,16 @@ def one_of(*choices: str, lazy: str = "") -> Check:
     return check
 
 
+def lazy_check(path: str) -> Check:
+    """The check `module:function`, imported when it runs."""
+
+    def check(name, v):
+        module, attr = path.split(":")
+        return getattr(importlib.import_module(module), attr)(name, v)
+
+    return check
+
+
 class Pairs(Mapping):
     """A frozen, hashable mapping (sorted (name, value) pairs): free-form options in a spec."""
 
@@ -496,6 +506,16 @@ class Run:
     )
     max_nonfinite_steps: int = setting(
         5, "stop after this many non-finite steps in a row", at_least(1)
+    )
+    step_timeout_s: float = setting(
+        0.0,
+        "seconds a step's phase may run before the run dumps its stacks and exits 1; "
+        "0 = auto (ebpo_jax.watchdog: 3600 s while 3 steps compile, then from their times)",
+        nonneg,
+    )
+    profile_steps: str = setting(
+        "", "'a:b': a jax.profiler trace of steps a..b-1 into the workdir ('' = none)",
+        lazy_check("ebpo_jax.tracing:check_steps"),
     )
     log_every: int = setting(10, "without a terminal: a progress line every N steps", at_least(1))
     log_every_s: float = setting(30.0, "... and at most this many seconds apart", positive)

@@ -35,6 +35,8 @@ HARMLESS_FIELDS = (
     "log_every_s",
     "log_samples_every",
     "max_nonfinite_steps",
+    "step_timeout_s",
+    "profile_steps",
     "sft.cache_dir",
     "data.reward_workers",
     "wandb.",  # every wandb.* field

@@ -42,7 +42,11 @@ class Outcome(NamedTuple):
     cut: bool = False  # the call timed out or its worker died (and was replaced)
 
 
-class LoadError(RuntimeError):
+class WorkerError(RuntimeError):
+    """Worker processes failed in a way that ends the run (the CLI's one `error:` line)."""
+
+
+class LoadError(WorkerError):
     """Workers could not unpickle the task (e.g. its class lives in `__main__`)."""
 
 
@@ -173,7 +177,7 @@ class WorkerPool:
                     w.ready = w.conn.recv() == "ready"
                 except EOFError:
                     w.process.join(5)
-                    raise RuntimeError(
+                    raise WorkerError(
                         f"{self.name} exited during start-up (exit code {w.process.exitcode})"
                     ) from None
 

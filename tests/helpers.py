@@ -86,3 +86,39 @@ def compile_tiny_decode(mesh, attention: str, dp_attention: bool = False):
     with jax.default_matmul_precision("default"):
         _, decode, plan = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
     return decode, plan.pages * aot.page_bytes_per_chip(mc, 16, tp=aot.pool_tp(mesh, spec))
+
+
+def start_trainers(workdir, *flags, processes: int = 2, wrap=None) -> list:
+    """experiments/train.py (micro) as `processes` processes of one run (4 CPU devices each,
+    gloo); `wrap(i, cmd)` may prefix process i's command. Popens, output in stdout."""
+    import socket
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    procs = []
+    for i in range(processes):
+        env = dict(
+            os.environ,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS="--xla_force_host_platform_device_count=4",
+            JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # CPU cross-process collectives
+            JAX_COORDINATOR_ADDRESS=addr,
+            JAX_NUM_PROCESSES=str(processes),
+            JAX_PROCESS_ID=str(i),
+        )
+        cmd = [
+            sys.executable,
+            os.path.join(root, "experiments", "train.py"),
+            "--config=configs/micro.py",
+            f"--config.workdir={workdir}",
+            "--config.mesh.shape=(-1,)",
+            *flags,
+        ]
+        cmd = wrap(i, cmd) if wrap is not None else cmd
+        out = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(subprocess.Popen(cmd, cwd=root, env=env, **out))
+    return procs

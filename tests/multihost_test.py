@@ -3,48 +3,14 @@ both exit 0, process 0 alone writes metrics, and a second run resumes from the c
 
 import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import start_trainers
 
 
 def _launch(workdir, *flags):
     """Runs train.py as two processes; returns their (returncode, output)."""
-    addr = f"127.0.0.1:{_free_port()}"
-    procs = []
-    for i in range(2):
-        env = dict(
-            os.environ,
-            JAX_PLATFORMS="cpu",
-            XLA_FLAGS="--xla_force_host_platform_device_count=4",
-            JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo",  # CPU cross-process collectives
-            JAX_COORDINATOR_ADDRESS=addr,
-            JAX_NUM_PROCESSES="2",
-            JAX_PROCESS_ID=str(i),
-        )
-        cmd = [
-            sys.executable,
-            os.path.join(ROOT, "experiments", "train.py"),
-            "--config=configs/micro.py",
-            f"--config.workdir={workdir}",
-            "--config.mesh.shape=(-1,)",
-            *flags,
-        ]
-        procs.append(
-            subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        )
+    procs = start_trainers(workdir, *flags)
     try:
         outs = [p.communicate(timeout=400)[0] for p in procs]
     finally:

@@ -32,6 +32,7 @@ SCRIPT_TESTS = {
     "experiments/claims.py": "claims_test",
     "experiments/cluster_topics.py": "scripts_test",
     "experiments/convert_hf.py": "hf_test",
+    "experiments/estimate_check.py": "estimate_check_test",
     "experiments/estimate_difficulty.py": "scripts_test",
     "experiments/eval.py": "first_hour_test",  # --help; its --workdir path: run_eval_test
     "experiments/gpu_check.py": "scripts_test",

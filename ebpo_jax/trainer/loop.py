@@ -14,6 +14,8 @@ from jax.experimental import multihost_utils
 from ebpo_jax import distributed
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax import progress as progress_lib
+from ebpo_jax import tracing
+from ebpo_jax import watchdog as watchdog_lib
 from ebpo_jax import workdir as workdir_lib
 from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
 from ebpo_jax.config import ConfigError
@@ -299,6 +301,8 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
         checksums=distributed.is_main_process(),
     )
     out = None
+    watch = watchdog_lib.Watchdog(spec.run.step_timeout_s, spec.workdir, jax.process_index())
+    watch.start()
     try:  # a save in flight is always committed (or named as failed), whatever happens
         runner = make_runner(spec, task, optimizer, sh)
         model = spec.task.model
@@ -312,13 +316,17 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
         out = _Log(spec, first, extra, policy, state, task.evaluate, log)
         if first < spec.run.total_steps:
             out.bar.compiling()
-        step, stopped = _loop(spec, task, runner, state, ckpt, out, stop_after)
+        step, stopped = _loop(spec, task, runner, state, ckpt, out, stop_after, watch)
         if step == first:  # nothing left to train: `state` is the run's last one (not donated)
             out.final_eval(step, lambda: runner.policy(state))
     finally:
         if out is not None:
             out.close()
-        ckpt.close()
+        watch.enter("checkpoint")  # the last save's commit waits on every process
+        try:
+            ckpt.close()
+        finally:
+            watch.stop()
     return {
         "pass@1_start": out.start,
         "pass@1_end": out.now,
@@ -333,38 +341,54 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     }
 
 
-def _loop(spec: RunSpec, task: Task, runner, state, ckpt, out: _Log, stop_after):
-    """Steps until total_steps or a stop; returns (step reached, stopped early)."""
+def _loop(spec: RunSpec, task: Task, runner, state, ckpt, out: _Log, stop_after, watch):
+    """Steps until total_steps or a stop; returns (step reached, stopped early).
+
+    `watch` (a watchdog.Watchdog) hears each phase; the runner's phase times and the
+    previous step's checkpoint time go into each step's row (`phase/<name>_s`).
+    """
     step = first = int(state.step)
     stopped = False
     log = out.bar.write
+    timer, trace = runner.timer, tracing.StepTrace(spec.run.profile_steps, spec.workdir)
+    watch.attach(timer)
 
     def next_batches():
         batches = task.source.next_batches(spec.run.steps_per_jit)
         return put(batches, runner.sh.batches(batches))
 
-    with PreemptionGuard() as guard:
+    with PreemptionGuard() as guard, trace:
         while step < spec.run.total_steps:
+            trace.before(step, spec.run.steps_per_jit)
             t0 = time.perf_counter()
             state, m, times = runner(state, step, next_batches)
             dt = (time.perf_counter() - t0) / spec.run.steps_per_jit
+            trace.after(step + spec.run.steps_per_jit)
+            watch.step_done(step + spec.run.steps_per_jit, dt * spec.run.steps_per_jit)
+            watch.enter("evaluate")  # and the metrics rows
+            times = {**times, **timer.take()}
             rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
             step += len(rows)
             out.samples(step, task.tokenizer, runner.last_rollout)
             extra = out.extra(task, runner.view)  # the position counts every batch drawn
             saved = {**runner.view.checkpoint_tree(state), **runner.checkpoint_entries()}
+            ckpt.check()  # a failed asynchronous save ends the run now, not in a log
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:
-                out.writer.flush()  # rows durable before the checkpoint that covers them
-                ckpt.save(step, saved, extra)
+                with timer("checkpoint"):
+                    out.writer.flush()  # rows durable before the checkpoint that covers them
+                    ckpt.save(step, saved, extra)
             _check_finite(spec, rows, step, ckpt)
+            watch.enter("collective")  # every process's stop flag
             requested = _any_process(guard.requested)
             stopped = requested or (stop_after is not None and step - first >= stop_after)
             if stopped:
+                watch.enter("checkpoint")
                 out.writer.flush()
                 ckpt.save(step, saved, extra, force=True)
                 why = f"signal {guard.signum or '(another process)'}" if requested else None
                 why = why or f"stop_after={stop_after}"
                 log(f"{why}: saved step {step} to {ckpt.directory}; exiting")
                 break
+    watch.idle()
     return step, stopped

@@ -16,6 +16,7 @@ from ebpo_jax.config import ConfigError
 from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.step import Pieces, first
+from ebpo_jax.watchdog import PhaseTimer
 
 INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update consumes
 
@@ -38,10 +39,12 @@ class Pipeline:
         self.total_steps = total_steps
         self.inflight = None  # rollout t on the trainer mesh, or None: none sampled yet
         self.last_rollout = None
+        self.timer = PhaseTimer()  # rollout_update (overlapped) and reward
 
     def __call__(self, state: TrainState, step: int, next_batches):
         if self.inflight is None:  # step 0 (or a checkpoint without one): no overlap
-            self.inflight = self.first_rollout(state, next_batches())
+            with self.timer("rollout"):
+                self.inflight = self.first_rollout(state, next_batches())
         batches = next_batches() if step + 1 < self.total_steps else None
         state, m, times, self.inflight = self.overlapped(state, self.inflight, batches)
         return state, m, times
@@ -64,11 +67,13 @@ class Pipeline:
             nxt = pieces.rollout_from(state, first(batches), 2)
         t_update = time.perf_counter()
         self.last_rollout = rollout
-        state, m = pieces.run_update(state, rollout)
-        r_ready, u_ready = _ready_times(nxt, m)
+        with self.timer("rollout_update"):
+            state, m = pieces.run_update(state, rollout)
+            r_ready, u_ready = _ready_times(nxt, m)
         t_finish = time.perf_counter()
         if nxt is not None:  # the move to the trainer's devices and the host reward
-            nxt = pieces.finish(nxt)
+            with self.timer("reward"):
+                nxt = pieces.finish(nxt)
         sample_s = (r_ready - t0) + (time.perf_counter() - t_finish) if nxt is not None else 0.0
         m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
         times = {

@@ -8,7 +8,8 @@
 A runner is `runner(state, step, next_batches) -> (state, metrics [K]-stacked, phase times)`
 (`next_batches()` gives the next [K]-stacked prompt batches, placed), with `policy(state)`
 (the sampler's weights), `view` (trainer/policy.py), `sh` (the Shardings), `update` (the
-jitted update: aot.py compiles it), `last_rollout` (K == 1: the rollout the latest update
+jitted update: aot.py compiles it), `timer` (a watchdog.PhaseTimer: its phases' wall times,
+and which phase runs), `last_rollout` (K == 1: the rollout the latest update
 consumed) and its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved,
 directory)` (abstract targets of the entries it restores) and `restored(tree)` (takes them
 back).
@@ -25,6 +26,7 @@ from ebpo_jax.trainer import pipeline
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.step import Pieces, first, multi_step
+from ebpo_jax.watchdog import PhaseTimer
 
 
 class _Runner:
@@ -34,6 +36,7 @@ class _Runner:
         self.pieces, self.sh, self.update = pieces, pieces.sh, pieces.update
         self.policy, self.view = pieces.policy, pieces.view
         self.last_rollout = None
+        self.timer = PhaseTimer()
 
     def checkpoint_entries(self) -> dict:
         return {}
@@ -59,23 +62,32 @@ class ScanRunner(_Runner):
         )
 
     def __call__(self, state: TrainState, step: int, next_batches):
-        with jax.set_mesh(self.sh.mesh):
+        with self.timer("scan_step"), jax.set_mesh(self.sh.mesh):  # phases inseparable
             state, m = self.multi(state, next_batches())
-        state, m = jax.block_until_ready((state, m))
+            state, m = jax.block_until_ready((state, m))
         return state, m, {"perf/sample_time_s": np.nan, "perf/update_time_s": np.nan}
 
 
 class HostRunner(_Runner):
-    """K == 1: rollout (sampler mesh) -> host reward -> update (trainer mesh), timed."""
+    """K == 1: rollout (sampler mesh) -> host reward -> update (trainer mesh), each phase
+    timed (the weight move, rollout, reward and update; prefill and decode are one program)."""
 
     def __call__(self, state: TrainState, step: int, next_batches):
-        pieces = self.pieces
+        pieces, phase = self.pieces, self.timer
         t0 = time.perf_counter()
-        ro = pieces.finish(pieces.rollout_from(state, first(next_batches()), 1))
+        with phase("weight_move"):  # the sampler's copy: LoRA merge, cast, move to its mesh
+            weights = jax.block_until_ready(pieces.sampler_weights(pieces.policy(state)))
+        with phase("rollout"):
+            batch = first(next_batches())
+            ro = pieces.to_trainer(pieces.rollout_from(state, batch, 1, weights))
+        if pieces.host_reward is not None:  # a jittable reward runs inside the rollout
+            with phase("reward"):
+                ro = pieces.score(ro)
         t1 = time.perf_counter()
         self.last_rollout = ro
-        state, m = pieces.run_update(state, ro)
-        m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
+        with phase("update"):
+            state, m = pieces.run_update(state, ro)
+            m = jax.block_until_ready(jax.tree.map(lambda x: x[None], m))
         times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": time.perf_counter() - t1}
         if pieces.episodes is not None:
             times.update(pieces.episodes.last_metrics)

@@ -89,14 +89,22 @@ class Pieces:
         self.policy = self.view.sampler_fn()
         self.scan_body = functools.partial(train_step, rollout, update, self.view.sampled)
 
-    def sample(self, params, batch, key):
-        """Dispatch a rollout on the sampler mesh (asynchronous: nothing waits for it)."""
+    def sampler_weights(self, params):
+        """The sampler's copy of `params`: cast, and moved to its mesh (dispatched, not waited)."""
         sh = self.sh
         if self.cast is not None:  # on the trainer's devices: half the bytes to move
             with jax.set_mesh(sh.mesh):
                 params = self.cast(params)
         if sh.sampler_mesh is not sh.mesh:  # weights move device to device, not via the host
             params = jax.device_put(params, sh.sampler_params)
+        return params
+
+    def sample(self, params, batch, key, *, moved: bool = False):
+        """Dispatch a rollout on the sampler mesh (asynchronous: nothing waits for it);
+        `moved`: `params` are already the sampler's (sampler_weights)."""
+        sh = self.sh
+        params = params if moved else self.sampler_weights(params)
+        if sh.sampler_mesh is not sh.mesh:
             batch = jax.device_put(batch, sh.batches(batch, axis=0, on_sampler=True))
             key = jax.device_put(key, jax.sharding.NamedSharding(sh.sampler_mesh, _REPLICATED))
         with jax.set_mesh(sh.sampler_mesh):
@@ -104,15 +112,25 @@ class Pieces:
 
     def finish(self, ro):
         """A sampler-mesh rollout on the trainer mesh, ready, its host reward filled in."""
-        ro = jax.block_until_ready(jax.device_put(ro, self.sh.rollout))
+        return self.score(self.to_trainer(ro))
+
+    def to_trainer(self, ro):
+        """A sampler-mesh rollout on the trainer mesh, ready."""
+        return jax.block_until_ready(jax.device_put(ro, self.sh.rollout))
+
+    def score(self, ro):
+        """`ro` with its host reward filled in (as it is without one)."""
         if self.host_reward is not None:
             rewards_PG = np.asarray(self.host_reward(distributed.to_host(ro)), np.float32)
             ro = ro._replace(rewards=put(rewards_PG, self.sh.rollout.rewards))
         return ro
 
-    def rollout_from(self, state: TrainState, batch, stream: int):
-        """Dispatch a rollout of `batch` with state's policy, key fold_in(rng, stream)."""
+    def rollout_from(self, state: TrainState, batch, stream: int, weights=None):
+        """Dispatch a rollout of `batch` with state's policy, key fold_in(rng, stream);
+        `weights`: that policy's sampler_weights, if already made."""
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), stream)
+        if weights is not None:
+            return self.sample(weights, batch, key, moved=True)
         return self.sample(self.policy(state), batch, key)
 
     def run_update(self, state: TrainState, ro):
