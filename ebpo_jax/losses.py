@@ -145,7 +145,7 @@ _REGISTRY: dict[str, Callable[..., Surrogate]] = {}
 _DRAWS: set[str] = set()  # surrogates that pick tokens at random (need TokenTerms.noise_BT)
 
 
-def register(name: str, *, draws: bool = False):
+def register(name: str, *, draws: bool = False) -> Callable[[Callable], Callable]:
     """Decorator adding a surrogate to the registry under `name`.
 
     A surrogate is `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high,
@@ -206,7 +206,12 @@ def _seq_log_ratio(logp_BT, old_logp_BT, mask_BT):
 
 
 @register("ppo")
-def ppo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
+def ppo(
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
+    *,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
+    **_: object,
+) -> Surrogate:
     """PPO: token ratio pi/pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher)."""
     del mask_BT
     ratio_BT = jnp.exp(_token_log_ratio(logp_BT, old_logp_BT))
@@ -215,7 +220,12 @@ def ppo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip
 
 
 @register("gspo")
-def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
+def gspo(
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
+    *,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
+    **_: object,
+) -> Surrogate:
     """GSPO (Zheng et al. 2025): the sequence ratio s_i (geometric mean of the token ratios)
     clipped per sequence, its term repeated on every token of the sequence.
 
@@ -231,7 +241,12 @@ def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_cli
 
 
 @register("gspo_token")
-def gspo_token(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
+def gspo_token(
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
+    *,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
+    **_: object,
+) -> Surrogate:
     """GSPO-token: per-token ratio sg[s_i] * pi / sg[pi], so each token carries its own
     advantage; with one advantage per sequence it equals `gspo` in value and gradient.
 
@@ -245,7 +260,12 @@ def gspo_token(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, du
 
 
 @register("cispo")
-def cispo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
+def cispo(
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
+    *,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
+    **_: object,
+) -> Surrogate:
     """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi.
 
     Clipped tokens keep their gradient (PPO drops it). The weight is already at most
@@ -283,8 +303,12 @@ def _first(k, score_BT, eligible_BT):
 
 @register("clip_cov", draws=True)
 def clip_cov(
-    logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, cov, noise_BT
-):
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
+    *,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
+    cov: CovOptions,
+    noise_BT: jax.Array | None,
+) -> Surrogate:
     """Clip-Cov (Cui et al. 2025, verl's `clip_cov`): PPO's clipped term, with the gradient of
     max(1, floor(clip_ratio * n)) tokens dropped, drawn uniformly (by `noise_BT`) among the
     tokens PPO did not clip whose Cov lies in (clip_lb, clip_ub).
@@ -308,7 +332,12 @@ def clip_cov(
 
 
 @register("kl_cov")
-def kl_cov(logp_BT, old_logp_BT, adv_BT, mask_BT, *, cov, **_):
+def kl_cov(
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
+    *,
+    cov: CovOptions,
+    **_: object,
+) -> Surrogate:
     """KL-Cov (Cui et al. 2025, verl's `kl_cov`): the unclipped term -A * ratio, plus
     kl_coef * |log pi - log pi_old| on the max(1, floor(kl_ratio * n)) valid tokens of
     largest Cov.
