@@ -31,7 +31,7 @@ def free_port() -> int:
 
 @dataclass
 class Fault:
-    """`times` requests whose "METHOD path?query" matches `pattern` get `kind`:
+    """`times` requests whose "METHOD path?query object-name" matches `pattern` get `kind`:
     "503" (a Service Unavailable reply), "drop" (the connection closed mid-request, nothing
     forwarded) or "delay" (forwarded after `delay_s`). times=-1: every matching request."""
 
@@ -120,24 +120,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(r.status, data, headers)
 
     def _handle(self) -> None:
-        line = f"{self.command} {self.path}"
+        body = self._body()
+        url = urllib.parse.urlparse(self.path)
+        query = dict(urllib.parse.parse_qsl(url.query))
+        target = _object_name(url.path, query, body)
+        line = f"{self.command} {self.path} {target[1] if target else ''}"
+        self.proxy.log.append(line)
         fault = self.proxy.take_fault(line)
-        if fault is not None and fault.kind == "drop":
-            self.rfile.read(min(int(self.headers.get("Content-Length") or 0), 16))
+        if fault is not None and fault.kind == "drop":  # the upload never reaches the store
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
             return
-        body = self._body()
-        self.proxy.log.append(line)
         if fault is not None and fault.kind == "503":
             err = json.dumps({"error": {"code": 503, "message": "injected"}}).encode()
             self._reply(503, err, [("Content-Type", "application/json")])
             return
         if fault is not None and fault.kind == "delay":
             time.sleep(fault.delay_s)
-        url = urllib.parse.urlparse(self.path)
-        query = dict(urllib.parse.parse_qsl(url.query))
-        target = _object_name(url.path, query, body)
         conditional = {"ifGenerationMatch", "ifGenerationNotMatch"} & set(query)
         media_read = self.command == "GET" and query.get("alt") == "media"
         if target is None or not (conditional or media_read):

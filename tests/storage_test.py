@@ -227,3 +227,61 @@ def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path
         jax.tree.map(np.testing.assert_array_equal, a, load_params(f"gs://runs/t/{run}"))
     names = storage.listdir("gs://runs/t/killed")
     assert {"checkpoints", "config.json", "metrics", "tb"} <= set(names), names
+
+
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """gcsfs's retries without their backoff sleeps (its 6 tries take ~30 s otherwise)."""
+    import types
+
+    import gcsfs.retry
+
+    async def no_wait(_seconds):
+        return None
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(sleep=no_wait))
+
+
+def test_transient_storage_faults_are_retried_and_the_save_is_exact(gcs, fast_retries):
+    directory = "gs://runs/f1/checkpoints"
+    tree = {"w": np.arange(1000, dtype=np.float32)}
+    gcs.proxy.faults[:] = [
+        gcs_emulator.Fault(r"^POST /upload", "503", times=3),  # arrays, metadata, manifest
+        gcs_emulator.Fault(r"^POST /upload.*commit_success", "drop", times=1),
+        gcs_emulator.Fault(r"^GET ", "503", times=2),
+    ]
+    try:
+        with Checkpointer(directory) as ckpt:
+            ckpt.save(1, tree, {"pos": 1})
+            ckpt.wait()
+            step, restored, _ = ckpt.restore_intact(tree)
+    finally:
+        hits = [f.hits for f in gcs.proxy.faults]
+        gcs.proxy.faults.clear()
+    assert hits == [3, 1, 2]
+    assert step == 1
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+
+
+def test_a_persistent_fault_fails_the_save_by_name_and_keeps_the_previous_step(
+    gcs, fast_retries
+):
+    from ebpo_jax.checkpoint import CheckpointError
+
+    directory = "gs://runs/f2/checkpoints"
+    tree = {"w": np.arange(10, dtype=np.float32)}
+    with Checkpointer(directory, async_save=False) as ckpt:
+        ckpt.save(1, tree)
+        gcs.proxy.faults[:] = [gcs_emulator.Fault(r"^POST /upload.*2/commit_success", times=-1)]
+        try:
+            with pytest.raises(CheckpointError, match=f"step 2 to {directory} failed"):
+                ckpt.save(2, jax.tree.map(lambda x: x + 1, tree))
+        finally:
+            gcs.proxy.faults.clear()
+    assert list_steps(directory) == [1]  # the half-written step 2 is not a checkpoint
+    with Checkpointer(directory, async_save=False) as ckpt:
+        assert ckpt.latest_step() == 1
+        ckpt.save(2, jax.tree.map(lambda x: x + 1, tree))  # the next try writes it whole
+        step, restored, _ = ckpt.restore_intact(tree)
+    assert step == 2
+    np.testing.assert_array_equal(restored["w"], tree["w"] + 1)
