@@ -10,6 +10,7 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from typing import Any, Self
@@ -103,6 +104,45 @@ def _check_writable_remote(workdir: str) -> None:
 
 def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+def check_shared(workdir: str) -> None:
+    """Every process of a multi-process run sees the same workdir; WorkdirError otherwise.
+
+    Orbax has each host write its shards into the one checkpoint folder, so a local workdir
+    that hosts do not share (a pod's boot disks) gives checkpoints nobody can restore.
+    Process 0 writes a marker, every process looks for it. A gs:// workdir is shared by
+    construction. A collective: call it on every process, before anything else is written.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1 or storage.is_remote(workdir):
+        return
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(31))))
+    marker = os.path.join(workdir, f".shared-probe-{nonce}")
+    failed = None
+    if jax.process_index() == 0:
+        try:  # a failure still meets the others at the barriers below, then is raised
+            os.makedirs(workdir, exist_ok=True)
+            storage.write_text(marker, "written by process 0\n")
+        except OSError as e:
+            failed = _oserror(f"workdir {workdir} is not writable", e)
+    multihost_utils.sync_global_devices("ebpo_jax:shared_probe_written")
+    seen = multihost_utils.process_allgather(np.int32(os.path.exists(marker)))
+    multihost_utils.sync_global_devices("ebpo_jax:shared_probe_read")
+    blind = [i for i, s in enumerate(np.asarray(seen).reshape(-1)) if not s]
+    if failed is not None or 0 in blind:
+        raise failed or WorkdirError(f"workdir {workdir}: process 0 could not write to it")
+    if jax.process_index() == 0:
+        storage.remove(marker)
+    if blind:
+        raise WorkdirError(
+            f"workdir {workdir} is not shared by the {jax.process_count()} processes (process "
+            f"{', '.join(map(str, blind))} cannot see what process 0 writes there): use a "
+            "gs:// workdir (--config.workdir=gs://bucket/run) or a filesystem every host mounts"
+        )
 
 
 def checkpoint_bytes(tree: Any) -> int:

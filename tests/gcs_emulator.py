@@ -18,6 +18,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 BUCKET = "runs"
@@ -208,3 +209,24 @@ def start() -> Gcs:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return Gcs(process, server, proxy, f"http://127.0.0.1:{server.server_address[1]}")
+
+
+@contextmanager
+def running():
+    """A started emulator with this process's clients pointed at it (variables restored after)."""
+    import gcsfs
+
+    server = start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client keeps its endpoint
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        gcsfs.GCSFileSystem.clear_instance_cache()

@@ -27,20 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def gcs():
     """The emulator and proxy, with this process's clients pointed at them."""
-    import gcsfs
-
-    server = gcs_emulator.start()
-    saved = {k: os.environ.get(k) for k in server.env}
-    os.environ.update(server.env)
-    gcsfs.GCSFileSystem.clear_instance_cache()  # a cached client keeps its endpoint
-    yield server
-    server.stop()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    gcsfs.GCSFileSystem.clear_instance_cache()
+    with gcs_emulator.running() as server:
+        yield server
 
 
 def test_gs_paths_stay_remote_and_files_round_trip(gcs):
@@ -191,6 +179,17 @@ def _wait_for(path, proc, timeout=300):
 
 
 @pytest.mark.slow  # 280 s on the loaded 2-core machine: four micro runs and a subprocess
+def _train_subprocess(cwd, workdir):
+    """experiments/train.py on the micro config for 400 steps, as a user starts it."""
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py")]
+    cmd += ["--config=" + os.path.join(ROOT, "configs", "micro.py"), "--config.mesh.devices=1"]
+    cmd += [f"--config.workdir={workdir}", "--config.total_steps=400"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
 def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path):
     from ebpo_jax.checkpoint import load_params
     from ebpo_jax.trainer import loop
@@ -203,18 +202,20 @@ def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path
     # kill -9 once step 2 is committed, from a working directory that must stay empty.
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py")]
-    cmd += ["--config=" + os.path.join(ROOT, "configs", "micro.py"), "--config.mesh.devices=1"]
-    cmd += ["--config.workdir=gs://runs/t/killed", "--config.total_steps=400"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=ROOT)
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    killed_proc = _train_subprocess(cwd, "gs://runs/t/killed")
     try:
-        _wait_for("gs://runs/t/killed/checkpoints/2/commit_success.txt", proc)
+        _wait_for("gs://runs/t/killed/checkpoints/2/commit_success.txt", killed_proc)
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.communicate()
+        killed_proc.send_signal(signal.SIGKILL)
+        killed_proc.communicate()
+    # SIGTERM (a preemption notice): the step in progress is saved and committed, exit 0.
+    termed = _train_subprocess(cwd, "gs://runs/t/termed")
+    _wait_for("gs://runs/t/termed/checkpoints/2/commit_success.txt", termed)
+    termed.send_signal(signal.SIGTERM)
+    out = termed.communicate(timeout=300)[0]
+    assert termed.returncode == 0, out[-3000:]
+    saved = int(out.split("saved step ")[1].split()[0])
+    assert storage.exists(f"gs://runs/t/termed/checkpoints/{saved}/commit_success.txt")
     assert os.listdir(cwd) == []
     killed = loop.train(_micro("gs://runs/t/killed", total_steps=6), log=quiet)
     assert killed["resumed_from"] >= 2 and killed["step"] == 6
@@ -227,6 +228,15 @@ def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path
         jax.tree.map(np.testing.assert_array_equal, a, load_params(f"gs://runs/t/{run}"))
     names = storage.listdir("gs://runs/t/killed")
     assert {"checkpoints", "config.json", "metrics", "tb"} <= set(names), names
+    # Reading the run from elsewhere: the plot and a checkpoint's evaluation, both on gs://.
+    from conftest import load_experiment
+    from ebpo_jax.trainer import run_eval
+
+    assert load_experiment("plot_run").main(["gs://runs/t/more"]) == 0
+    assert storage.read_bytes("gs://runs/t/more/curves.png")[:4] == b"\x89PNG"
+    results, out = run_eval.evaluate_run("gs://runs/t/more", k=2)
+    assert out == "gs://runs/t/more/eval_step6.json" and storage.exists(out)
+    assert json.loads(storage.read_text(out))["results"].keys() == results.keys()
 
 
 @pytest.fixture
