@@ -9,12 +9,15 @@ exponential backoff; tensorstore for orbax's arrays; google-cloud-storage for th
 """
 
 import hashlib
+import logging
 import os
 from collections.abc import Iterator
 
-# The emulator cannot answer gcsfs's gRPC bucket-type probe, which then waits 60 s per call.
+# The emulator cannot answer gcsfs's gRPC bucket-type probe, which then waits 60 s per call
+# and warns on every new client that it fell back (it has no credentials to probe with).
 if os.environ.get("STORAGE_EMULATOR_HOST"):
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    logging.getLogger("gcsfs").setLevel(logging.ERROR)
 
 import fsspec
 from etils import epath

@@ -162,6 +162,20 @@ def test_hf_path_on_gs_gives_the_same_logits_and_tokenizer(gcs, tmp_path):
     ).input_ids
 
 
+def test_data_files_on_gs_load_as_local_ones(gcs, tmp_path):
+    from data_test import ROWS
+
+    from ebpo_jax import data
+
+    text = "".join(json.dumps(r) + "\n" for r in ROWS["gsm8k"][0] * 3)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "train.jsonl").write_text(text)
+    storage.write_text("gs://runs/d/train.jsonl", text)
+    local, remote = (data.load_records(p, "gsm8k") for p in (str(tmp_path / "d"), "gs://runs/d"))
+    assert [(r.prompt, r.answer) for r in remote] == [(r.prompt, r.answer) for r in local]
+    assert remote[0].id.startswith("gs://runs/d/train.jsonl")
+
+
 _micro = micro_config
 
 
