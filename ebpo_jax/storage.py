@@ -152,6 +152,15 @@ def move(src: str, dst: str) -> None:
     fs.rm(str(src), recursive=True)
 
 
+def upload(local: str, remote: str) -> None:
+    """Copy a local file or folder to `remote` (a gs:// path, or another local one)."""
+    if os.path.isdir(local):
+        for rel in walk_files(local):
+            write_bytes(join(remote, rel), read_bytes(os.path.join(local, rel)))
+    else:
+        write_bytes(remote, read_bytes(local))
+
+
 def walk_files(top: str) -> Iterator[str]:
     """Every file under `top`, relative to it with / separators, in no set order."""
     if not is_remote(top):

@@ -69,7 +69,7 @@ def _hosts(tmp_path, workdir, *flags, mount="/mnt"):
     return procs
 
 
-def _finish(procs, timeout=400):
+def _finish(procs, timeout=900):
     try:
         return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:

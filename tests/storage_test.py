@@ -160,6 +160,15 @@ def test_hf_path_on_gs_gives_the_same_logits_and_tokenizer(gcs, tmp_path):
     assert tok_local("what is one plus two").input_ids == tok_remote(
         "what is one plus two"
     ).input_ids
+    # convert_hf.py with both ends on gs://: HF folder -> .npz -> HF folder.
+    from conftest import load_experiment
+
+    convert_hf = load_experiment("convert_hf")
+    convert_hf.on_storage(convert_hf.convert, remote, "gs://runs/hf/q.npz")
+    convert_hf.on_storage(convert_hf.convert, "gs://runs/hf/q.npz", "gs://runs/hf/back")
+    mc, params = models.from_hf("gs://runs/hf/back", dtype="float32")
+    again = np.asarray(jax.jit(models.forward, static_argnums=0)(mc, params, tokens))
+    np.testing.assert_array_equal(again, outs[0])
 
 
 def test_data_files_on_gs_load_as_local_ones(gcs, tmp_path):
