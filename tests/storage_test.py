@@ -201,7 +201,6 @@ def _wait_for(path, proc, timeout=300):
         time.sleep(0.2)
 
 
-@pytest.mark.slow  # 280 s on the loaded 2-core machine: four micro runs and a subprocess
 def _train_subprocess(cwd, workdir):
     """experiments/train.py on the micro config for 400 steps, as a user starts it."""
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "train.py")]
@@ -213,6 +212,7 @@ def _train_subprocess(cwd, workdir):
     )
 
 
+@pytest.mark.slow  # 280 s before plot/eval/SIGTERM were added, on the loaded 2-core machine
 def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path):
     from ebpo_jax.checkpoint import load_params
     from ebpo_jax.trainer import loop
