@@ -87,6 +87,8 @@ def main():
                 f" (x{remote[0] / local[0]:.1f}); restore local {local[1]:.2f} s, gs "
                 f"{remote[1]:.2f} s (x{remote[1] / local[1]:.1f})"
             )
+        if not args.steps:  # --steps=0: the checkpoint timings only
+            return
         none = _step_times(os.path.join(tmp, "steps_none"), args.steps, 10**6)
         gs = _step_times("gs://runs/bench/steps_async", args.steps, 4)
         print(

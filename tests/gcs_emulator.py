@@ -49,6 +49,9 @@ class Proxy:
     faults: list[Fault] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     log: list[str] = field(default_factory=list)
+    # The emulator serves one request at a time with a listen backlog of 5: more connections
+    # at once are refused. Hold the proxy's to the emulator to a few.
+    upstream_slots: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(4))
 
     def take_fault(self, line: str) -> Fault | None:
         with self.lock:
@@ -105,18 +108,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         quoted = urllib.parse.quote(name, safe="")
         url = f"http://127.0.0.1:{self.proxy.upstream}/storage/v1/b/{bucket}/o/{quoted}"
         try:
-            with urllib.request.urlopen(url) as r:
+            with self.proxy.upstream_slots, urllib.request.urlopen(url) as r:
                 return int(json.load(r)["generation"])
         except urllib.error.HTTPError:
             return 0
 
     def _forward(self, body: bytes, extra_headers=()) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.proxy.upstream, timeout=60)
         headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "connection")}
-        conn.request(self.command, self.path, body=body or None, headers=headers)
-        r = conn.getresponse()
-        data = r.read()
-        conn.close()
+        with self.proxy.upstream_slots:
+            conn = http.client.HTTPConnection("127.0.0.1", self.proxy.upstream, timeout=60)
+            conn.request(self.command, self.path, body=body or None, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+            conn.close()
         headers = r.getheaders() + (list(extra_headers) if r.status == 200 else [])
         self._reply(r.status, data, headers)
 
@@ -205,7 +209,8 @@ def start() -> Gcs:
     _wait_up(f"http://127.0.0.1:{port}", process)
     proxy = Proxy(upstream=port)
     handler = type("Handler", (_Handler,), {"proxy": proxy})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server_class = type("Server", (http.server.ThreadingHTTPServer,), {"request_queue_size": 256})
+    server = server_class(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return Gcs(process, server, proxy, f"http://127.0.0.1:{server.server_address[1]}")
