@@ -212,7 +212,7 @@ def _train_subprocess(cwd, workdir):
     )
 
 
-@pytest.mark.slow  # 1164 s on the 2-core machine at load ~20 (280 s at a lighter load, before plot/eval/SIGTERM)
+@pytest.mark.slow  # 1164 s on the 2-core machine at load ~20 (280 s at a lighter load)
 def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path):
     from ebpo_jax.checkpoint import load_params
     from ebpo_jax.trainer import loop
