@@ -62,8 +62,15 @@ setuptools.setup(
             "accelerate>=1.0",
             # The Ray executor's tests start a real local cluster.
             "ray>=2.60.0",
+            # gs:// run state, tested against an in-memory emulator on loopback.
+            "gcsfs>=2024.2",
+            "google-cloud-storage>=2.14",
+            "gcp-storage-emulator>=2024.8",
         ],
-        "tpu": ["jax[tpu]"],
+        # Run state on gs:// (ebpo_jax.storage): gcsfs for epath, the client for the lock.
+        "gcs": ["gcsfs>=2024.2", "google-cloud-storage>=2.14"],
+        # Pods keep their run state on gs://: the TPU install brings the gcs extra.
+        "tpu": ["jax[tpu]", "gcsfs>=2024.2", "google-cloud-storage>=2.14"],
         "cuda": ["jax[cuda12]"],
         # Weights & Biases logging (config wandb.project); imported only when asked for.
         "wandb": ["wandb>=0.19"],

@@ -11,14 +11,16 @@ committed step carries its manifest, also the newest one after a kill -9. It is 
 before restoring. `restore_intact` walks back from the newest step past unreadable or corrupt
 ones (naming each), moving them to `<directory>.corrupt/` so a later save of the same step
 can happen.
+
+On `gs://` (no rename) orbax writes in place and commits a step by writing
+`commit_success.txt` last; `_ManifestedCommitFile` writes the manifest just before it, and
+`list_steps` counts only steps with that file.
 """
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
 import threading
 import time
@@ -27,9 +29,12 @@ from typing import Any, Self
 
 import orbax.checkpoint as ocp
 
+from ebpo_jax import storage
+
 MANIFEST = "ebpo_manifest.json"
 # Rewritten by orbax's commit itself (commit time, commit marker): not hashed.
-_UNHASHED = (MANIFEST, "_CHECKPOINT_METADATA", "commit_success.txt")
+COMMIT_FILE = "commit_success.txt"  # orbax's commit marker on object storage
+_UNHASHED = (MANIFEST, "_CHECKPOINT_METADATA", COMMIT_FILE)
 
 
 class _NoItemMetadataWarning(logging.Filter):
@@ -64,40 +69,25 @@ def _one_line(e: BaseException) -> str:
 def _step_files(step_dir: str) -> list[str]:
     """Every file under a step folder, relative to it, sorted (the manifest and orbax's
     commit records excepted)."""
-    out = []
-    for root, _, files in os.walk(step_dir):
-        for name in files:
-            rel = os.path.relpath(os.path.join(root, name), step_dir)
-            if rel not in _UNHASHED:
-                out.append(rel)
-    return sorted(out)
+    return sorted(rel for rel in storage.walk_files(step_dir) if rel not in _UNHASHED)
 
 
 def list_steps(directory: str) -> list[int]:
-    """Steps with a committed folder in `directory` (no orbax manager; [] if none), ascending."""
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(
-        int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))
-    )
+    """Steps with a committed folder in `directory` (no orbax manager; [] if none), ascending.
 
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    On `gs://` a step is committed once its `commit_success.txt` exists.
+    """
+    steps = [int(n) for n in storage.listdir(directory) if n.isdigit()]
+    if storage.is_remote(directory):
+        committed = lambda s: storage.exists(storage.join(directory, str(s), COMMIT_FILE))
+        return sorted(s for s in steps if committed(s))
+    return sorted(s for s in steps if os.path.isdir(os.path.join(directory, str(s))))
 
 
 def write_manifest(step_dir: str) -> None:
     """Record the SHA-256 of every file of a committed step (atomically: tmp + rename)."""
-    digests = {rel: _sha256(os.path.join(step_dir, rel)) for rel in _step_files(step_dir)}
-    tmp = os.path.join(step_dir, MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({"sha256": digests}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(step_dir, MANIFEST))
+    digests = {rel: storage.sha256(storage.join(step_dir, rel)) for rel in _step_files(step_dir)}
+    storage.write_text(storage.join(step_dir, MANIFEST), json.dumps({"sha256": digests}))
 
 
 class _ManifestedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -114,21 +104,37 @@ class _ManifestedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
         await super().finalize()
 
 
+class _ManifestedCommitFile(ocp.path.atomicity.CommitFileTemporaryPath):
+    """Orbax's commit-file commit (object storage), with the manifest written just before
+    the commit marker: a step without the marker is not committed, manifest or not."""
+
+    async def finalize(self):
+        final = self.get_final()
+        if final.name.isdigit():
+            await asyncio.to_thread(write_manifest, os.fspath(final))
+        await super().finalize()
+
+
+def _temporary_path_class(directory: str):
+    """How a step is committed: a rename of a temporary folder, or a commit file on gs://."""
+    return _ManifestedCommitFile if storage.is_remote(directory) else _ManifestedRename
+
+
 def verify_manifest(step_dir: str) -> str | None:
     """None if every file matches the manifest, else what is wrong (a missing one too)."""
-    path = os.path.join(step_dir, MANIFEST)
-    if not os.path.exists(path):
+    path = storage.join(step_dir, MANIFEST)
+    if not storage.exists(path):
         return f"no {MANIFEST} (every committed step has one)"
     try:
-        with open(path) as f:
-            digests = json.load(f)["sha256"]
+        digests = json.loads(storage.read_text(path))["sha256"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable {MANIFEST} ({type(e).__name__})"
+    present = set(storage.walk_files(step_dir))
     for rel, digest in digests.items():
-        file = os.path.join(step_dir, rel)
-        if not os.path.isfile(file):
+        file = storage.join(step_dir, rel)
+        if rel not in present:
             return f"file {rel} is missing"
-        if _sha256(file) != digest:
+        if storage.sha256(file) != digest:
             return f"file {rel} fails its SHA-256 check"
     return None
 
@@ -161,7 +167,7 @@ class Checkpointer:
             save_interval_steps=save_every,
             create=True,
             enable_async_checkpointing=async_save,
-            temporary_path_class=_ManifestedRename,
+            temporary_path_class=_temporary_path_class(self.directory),
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         _hide_item_metadata_warning()
@@ -210,7 +216,7 @@ class Checkpointer:
             state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
         )
         if self.checksums:
-            fault = verify_manifest(os.path.join(self.directory, str(step)))
+            fault = verify_manifest(storage.join(self.directory, str(step)))
             if fault is not None:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory}: {fault}")
         restored = self._manager.restore(step, args=args)
@@ -250,9 +256,8 @@ class Checkpointer:
     def _quarantine(self, step: int) -> str:
         """Move a corrupt step out of the managed folder; returns where it went."""
         dest_dir = self.directory.rstrip("/") + ".corrupt"
-        os.makedirs(dest_dir, exist_ok=True)
-        dest = os.path.join(dest_dir, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.move(os.path.join(self.directory, str(step)), dest)
+        dest = storage.join(dest_dir, f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+        storage.move(storage.join(self.directory, str(step)), dest)
         self._manager.reload()
         return dest
 

@@ -6,6 +6,13 @@ caller's thread, not its `SummaryWriter`: that one hands events to a writer thre
 bounded queue, and when the thread dies (disk full) the next `put` blocks the training loop
 forever. Here a failed TensorBoard or W&B write prints one warning and turns that sink off;
 a failed metrics.jsonl write raises MetricsError, one line naming the file.
+
+On object storage (a `gs://` workdir) nothing can be appended to: rows go to one object per
+checkpoint interval, `metrics/<first step>.jsonl` (and `samples/...`), written whole at each
+checkpoint (before it is saved) and refreshed every `LIVE_EVERY_S` seconds while it is open;
+`read_metrics` merges them in step order. A kill -9 loses only rows after the last
+checkpoint, which the resume recomputes. The cost: one object per checkpoint interval, the
+open one rewritten every 30 s, and a read that lists and fetches every object.
 """
 
 import json
@@ -49,11 +56,22 @@ METRIC_NAMES = (
 METRICS_FILE = "metrics.jsonl"
 PER_PROBLEM_FILE = "eval_problems.csv.gz"  # the final evaluation per problem (evaluator)
 SAMPLES_FILE = "samples.jsonl"
+LIVE_EVERY_S = 30.0  # object storage: how often the open segment is rewritten for readers
 WANDB_ID_FILE = "wandb_run_id"
 
 
 class MetricsError(RuntimeError):
     """A metrics file cannot be read or written; the message names the file (and line)."""
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+def _is_remote(path: str) -> bool:
+    from ebpo_jax import storage  # late: `import ebpo_jax.metrics` stays light
+
+    return storage.is_remote(path)
 
 
 def _warn(message: str) -> None:
@@ -82,16 +100,41 @@ def to_python(name: str, value: Any) -> Any:
     return x if math.isfinite(x) else None
 
 
+def _segments_dir(path: str) -> str:
+    """Where the segments of a .jsonl file live on object storage: metrics.jsonl -> metrics/."""
+    return path.removesuffix(".jsonl")
+
+
+def _segment_names(path: str) -> list[str]:
+    from ebpo_jax import storage
+
+    return [n for n in storage.listdir(_segments_dir(path)) if n.endswith(".jsonl")]
+
+
 def read_jsonl(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[str, Any]]:
     """The JSON objects of a .jsonl file; [] if it does not exist.
 
     A torn last line (a crash mid-write) is dropped with one warning; any other bad line is
-    a MetricsError naming the file and line.
+    a MetricsError naming the file and line. On `gs://` the file is its segments, merged.
     """
+    from ebpo_jax import storage
+
+    if storage.is_remote(path):
+        folder = _segments_dir(path)
+        records = []
+        for name in _segment_names(path):
+            seg = storage.join(folder, name)
+            records += _parse_jsonl(seg, storage.read_bytes(seg), log)
+        return records
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
-        lines = f.read().split(b"\n")
+        return _parse_jsonl(path, f.read(), log)
+
+
+def _parse_jsonl(path: str, data: bytes, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The records of a .jsonl file's bytes (see read_jsonl)."""
+    lines = data.split(b"\n")
     records = []
     last = max((i for i, ln in enumerate(lines) if ln.strip()), default=-1)
     for i, raw in enumerate(lines):
@@ -114,9 +157,21 @@ def read_jsonl(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[st
 
 def read_metrics(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl file (a workdir or the file itself); see read_jsonl."""
-    if os.path.isdir(path):
+    from ebpo_jax import storage
+
+    if (not path.endswith(".jsonl")) if storage.is_remote(path) else os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     return read_jsonl(path, log=log)
+
+
+def has_metrics(workdir: str) -> bool:
+    """Whether the workdir holds metrics rows (a file with bytes, or segments on gs://)."""
+    from ebpo_jax import storage
+
+    path = os.path.join(workdir, METRICS_FILE)
+    if storage.is_remote(path):
+        return bool(_segment_names(path))
+    return os.path.exists(path) and os.path.getsize(path) > 0
 
 
 GAP_KEY = "metrics_gap"  # a row {"step": s, "metrics_gap": [[a, b], ...]}: rows a..b were lost
@@ -150,16 +205,72 @@ def _rewrite_jsonl(path: str, records: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+class _Segments:
+    """A .jsonl "file" on object storage: one object per flush interval (see the module doc).
+
+    Opening keeps the rows of steps < `start_step`: segments of later steps are deleted and
+    one that straddles it is rewritten (each a whole-object write, so a kill -9 in between
+    leaves rows a later open drops again).
+    """
+
+    def __init__(self, path: str, start_step: int, log: Callable[[str], None]):
+        from ebpo_jax import storage
+
+        self.name, self._folder, self._storage = path, _segments_dir(path), storage
+        self.kept: list[dict] = []
+        for seg in _segment_names(path):
+            seg_path = storage.join(self._folder, seg)
+            rows = _parse_jsonl(seg_path, storage.read_bytes(seg_path), log)
+            keep = [r for r in rows if r.get("step", -1) < start_step]
+            if not keep:
+                storage.remove(seg_path)
+            elif len(keep) < len(rows):
+                storage.write_text(seg_path, "".join(json.dumps(r) + "\n" for r in keep))
+            self.kept += keep
+        self._rows: list[dict] = []
+        self._seg = ""
+        self._written_at = time.monotonic()
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        if not self._rows:  # named once, by its first step then its start time: never reused
+            first, now_ms = record.get("step", 0), time.time_ns() // 1_000_000
+            self._seg = self._storage.join(self._folder, f"{first:012d}-{now_ms:013d}.jsonl")
+        self._rows.append(dict(record))
+        if time.monotonic() - self._written_at > LIVE_EVERY_S:
+            self._put()
+
+    def _put(self) -> None:
+        if self._rows:
+            self._storage.write_text(self._seg, "".join(json.dumps(r) + "\n" for r in self._rows))
+        self._written_at = time.monotonic()
+
+    def flush(self) -> None:
+        """Write the open segment and start the next one."""
+        self._put()
+        self._rows = []
+
+    def close(self) -> None:
+        self.flush()
+
+
 class _TensorBoard:
-    """Scalars and text as TensorBoard events, written synchronously (see the module doc)."""
+    """Scalars and text as TensorBoard events, written synchronously (see the module doc).
+
+    On `gs://` tensorboardX uploads the whole events file at each flush, so flushes happen
+    every LIVE_EVERY_S and at `roll()` (each checkpoint), which starts a new file: an upload
+    never exceeds one checkpoint interval of events.
+    """
 
     def __init__(self, logdir: str, purge_step: int | None):
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-        os.makedirs(logdir, exist_ok=True)
-        self._Event = Event
-        self._writer = EventsWriter(os.path.join(logdir, "events"))
+        self._remote, self._logdir, self._files = _is_remote(logdir), logdir, 0
+        if not self._remote:
+            os.makedirs(logdir, exist_ok=True)
+        self._Event, self._EventsWriter = Event, EventsWriter
+        self._writer = self._new_writer()
+        self._flushed_at = time.monotonic()
         if purge_step:  # TensorBoard hides events of steps >= purge_step from a prior run
             self._writer.write_event(Event(step=purge_step, file_version="brain.Event:2"))
             self._writer.write_event(
@@ -175,7 +286,7 @@ class _TensorBoard:
         for tag, value in values.items():
             summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
             self._writer.write_event(self._Event(wall_time=time.time(), step=step, summary=summary))
-        self._writer.flush()
+        self._flush()
 
     def text(self, step: int, tag: str, text: str) -> None:
         from tensorboardX import summary
@@ -183,7 +294,24 @@ class _TensorBoard:
         self._writer.write_event(
             self._Event(wall_time=time.time(), step=step, summary=summary.text(tag, text))
         )
-        self._writer.flush()
+        self._flush()
+
+    def _new_writer(self):
+        self._files += 1  # two files opened within one second must not share a name
+        return self._EventsWriter(
+            os.path.join(self._logdir, "events"), filename_suffix=f".{os.getpid()}.{self._files}"
+        )
+
+    def _flush(self) -> None:
+        if not self._remote or time.monotonic() - self._flushed_at > LIVE_EVERY_S:
+            self._writer.flush()
+            self._flushed_at = time.monotonic()
+
+    def roll(self) -> None:
+        """Make the events durable; on gs://, continue in a new file."""
+        if self._remote:
+            self._writer.close()
+            self._writer = self._new_writer()
 
     def close(self) -> None:
         self._writer.close()
@@ -195,14 +323,14 @@ class _WandB:
     def __init__(self, workdir: str, options: Mapping[str, Any], run_config: Mapping | None):
         import wandb  # optional dependency: pip install 'ebpo-jax[wandb]'
 
+        from ebpo_jax import storage
+
         id_path = os.path.join(workdir, WANDB_ID_FILE)
-        if os.path.exists(id_path):
-            with open(id_path) as f:
-                run_id = f.read().strip()
+        if storage.exists(id_path):
+            run_id = storage.read_text(id_path).strip()
         else:
             run_id = secrets.token_hex(4)  # wandb run ids: [a-z0-9]
-            with open(id_path, "w") as f:
-                f.write(run_id + "\n")
+            storage.write_text(id_path, run_id + "\n")
         # WANDB_MODE in the environment wins, as wandb's own tools expect.
         mode = os.environ.get("WANDB_MODE") or options.get("mode") or "online"
         self._wandb = wandb
@@ -211,7 +339,7 @@ class _WandB:
             entity=options.get("entity") or None,
             name=options.get("name") or os.path.basename(os.path.abspath(workdir)),
             mode=mode,
-            dir=workdir,
+            dir=None if storage.is_remote(workdir) else workdir,  # wandb's files are local
             id=run_id,
             resume="allow",
             config=dict(run_config or {}),
@@ -253,6 +381,33 @@ class MetricsWriter:
         self._log = log
         self.path = os.path.join(workdir, METRICS_FILE)
         self.samples_path = os.path.join(workdir, SAMPLES_FILE)
+        self._samples = None
+        if _is_remote(workdir):
+            self._open_segments(start_step, log)
+        else:
+            self._open_local(workdir, start_step, log)
+        self._tb = self._wandb = None
+        if tensorboard:
+            self._tb = self._guard(
+                "TensorBoard",
+                _TensorBoard,
+                os.path.join(workdir, "tb"),
+                start_step if start_step > 0 else None,
+            )
+        if wandb and wandb.get("project") and wandb.get("mode") != "disabled":
+            self._wandb = _WandB(workdir, wandb, run_config)
+
+    def _open_segments(self, start_step: int, log: Callable[[str], None]) -> None:
+        """Object storage: the kept rows, and segment writers (see `_Segments`)."""
+        try:
+            self._file = _Segments(self.path, start_step, log)
+            self._samples = _Segments(self.samples_path, start_step, log)
+        except Exception as e:  # noqa: BLE001  any storage client error, named once
+            raise MetricsError(f"cannot write {self.path}: {_one_line(e)}") from None
+        self._kept = self._file.kept
+
+    def _open_local(self, workdir: str, start_step: int, log: Callable[[str], None]) -> None:
+        """A local folder: keep the rows of steps < start_step, then append."""
         try:
             os.makedirs(workdir, exist_ok=True)
             for path in (self.path, self.samples_path):
@@ -264,17 +419,6 @@ class MetricsWriter:
             self._file = open(self.path, "a")  # noqa: SIM115  (closed in close())
         except OSError as e:
             raise MetricsError(f"cannot write {self.path}: {e.strerror or e}") from None
-        self._samples = None
-        self._tb = self._wandb = None
-        if tensorboard:
-            self._tb = self._guard(
-                "TensorBoard",
-                _TensorBoard,
-                os.path.join(workdir, "tb"),
-                start_step if start_step > 0 else None,
-            )
-        if wandb and wandb.get("project") and wandb.get("mode") != "disabled":
-            self._wandb = _WandB(workdir, wandb, run_config)
 
     def _guard(self, sink: str, fn, *args):
         """fn(*args); on failure one warning and None (the caller turns that sink off)."""
@@ -287,10 +431,15 @@ class MetricsWriter:
 
     def _append(self, file, path: str, record: Mapping[str, Any]) -> None:
         try:
+            if isinstance(file, _Segments):
+                file.append(record)
+                return
             file.write(json.dumps(record) + "\n")
             file.flush()
         except OSError as e:
             raise MetricsError(f"cannot write {path}: {e.strerror or e}") from None
+        except Exception as e:  # noqa: BLE001  a storage client error (gs://)
+            raise MetricsError(f"cannot write {path}: {_one_line(e)}") from None
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Record the metrics of `step`; returns the JSON object written."""
@@ -378,9 +527,14 @@ class MetricsWriter:
             if f is not None:
                 try:
                     f.flush()
-                    os.fsync(f.fileno())
+                    if not isinstance(f, _Segments):
+                        os.fsync(f.fileno())
                 except OSError as e:
                     raise MetricsError(f"cannot write {f.name}: {e.strerror or e}") from None
+                except Exception as e:  # noqa: BLE001  a storage client error (gs://)
+                    raise MetricsError(f"cannot write {f.name}: {_one_line(e)}") from None
+        if self._tb not in (None, True) and self._guard("TensorBoard", self._tb.roll) is None:
+            self._tb = None
 
     def close(self) -> None:
         for f in (self._file, self._samples):
@@ -389,6 +543,8 @@ class MetricsWriter:
                     f.close()
                 except OSError as e:
                     self._log(f"closing {f.name} failed: {e.strerror or e}")
+                except Exception as e:  # noqa: BLE001  a storage client error (gs://)
+                    self._log(f"closing {f.name} failed: {_one_line(e)}")
         for sink, obj in (("TensorBoard", self._tb), ("W&B", self._wandb)):
             if obj is not None and obj is not True:
                 self._guard(sink, obj.close)

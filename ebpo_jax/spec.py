@@ -11,11 +11,10 @@ the ConfigDict.
 
 import dataclasses
 import json
-import os
 from typing import Any
 
 from ebpo_jax import config as config_lib
-from ebpo_jax import schema, spec_checks
+from ebpo_jax import schema, spec_checks, storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +216,7 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
     c = config_lib.validate(config, num_devices)
     rollout, ev = rollout_spec(c), EvalSpec(run=c.run, max_new_tokens=c.sampler.max_new_tokens)
     return RunSpec(
-        workdir=os.path.abspath(c.run.workdir),  # a relative one (runs/tiny) is the cwd's
+        workdir=storage.absolute(c.run.workdir),  # a relative one is the cwd's; gs:// as given
         run=c.run,
         with_ref=c.loss.kl_coef > 0,
         rollout=rollout,

@@ -58,10 +58,11 @@ def model_max_positions(c: Config) -> int | None:
     """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
     m = c.model
     if m.hf_path:
+        from ebpo_jax import storage  # late: gs:// clients only when a path needs them
+
         path = os.path.join(m.hf_path, "config.json")
         try:
-            with open(path, encoding="utf-8") as f:
-                value = json.load(f).get("max_position_embeddings")
+            value = json.loads(storage.read_text(path)).get("max_position_embeddings")
         except (OSError, ValueError, AttributeError):
             return None  # models.hf names the broken file when the task is built
         return m.overrides.get("max_position_embeddings", value)
@@ -208,9 +209,11 @@ def _data_and_model(c: Config) -> None:
 
     d, m = c.data, c.model
     if m.hf_path:
+        from ebpo_jax import storage
+
         need(
-            os.path.isfile(os.path.join(m.hf_path, "config.json")),
-            f"model.hf_path={m.hf_path!r} is not a local HF checkpoint folder (no config.json)",
+            storage.isfile(os.path.join(m.hf_path, "config.json")),
+            f"model.hf_path={m.hf_path!r} is not an HF checkpoint folder (no config.json)",
         )
     if m.tokenizer_path:
         need(

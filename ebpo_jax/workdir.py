@@ -10,10 +10,12 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
+from ebpo_jax import storage
 from ebpo_jax.checkpoint import list_steps
 
 LOCK_FILE = ".lock"
@@ -56,8 +58,12 @@ def check_writable(workdir: str, *, min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
     """The workdir and its checkpoints folder can be created and written, with free space.
 
     A probe file is written and removed in each. `min_free_bytes` should cover a
-    checkpoint or two (see `checkpoint_bytes`).
+    checkpoint or two (see `checkpoint_bytes`). On `gs://` a probe object is written and
+    removed (a bucket has no free-space figure).
     """
+    if storage.is_remote(workdir):
+        _check_writable_remote(workdir)
+        return
     try:
         os.makedirs(workdir, exist_ok=True)
     except OSError as e:
@@ -81,6 +87,63 @@ def check_writable(workdir: str, *, min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
         raise WorkdirError(
             f"workdir {workdir} has {free / 2**20:.0f} MiB free, the run needs at least "
             f"{min_free_bytes / 2**20:.0f} MiB (checkpoints)"
+        )
+
+
+def _check_writable_remote(workdir: str) -> None:
+    """A probe object can be written to and removed from the `gs://` workdir."""
+    probe = storage.join(workdir, f".write-probe-{os.getpid()}")
+    try:
+        storage.require(workdir)
+    except ImportError as e:
+        raise WorkdirError(str(e)) from None
+    try:
+        storage.write_text(probe, "ok")
+        storage.remove(probe)
+    except Exception as e:  # noqa: BLE001  any client error: no bucket, no permission, ...
+        raise WorkdirError(f"workdir {workdir} is not writable: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(f"{type(e).__name__}: {e}".split())[:300]
+
+
+def check_shared(workdir: str) -> None:
+    """Every process of a multi-process run sees the same workdir; WorkdirError otherwise.
+
+    Orbax has each host write its shards into the one checkpoint folder, so a local workdir
+    that hosts do not share (a pod's boot disks) gives checkpoints nobody can restore.
+    Process 0 writes a marker, every process looks for it. A gs:// workdir is shared by
+    construction. A collective: call it on every process, before anything else is written.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1 or storage.is_remote(workdir):
+        return
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(31))))
+    marker = os.path.join(workdir, f".shared-probe-{nonce}")
+    failed = None
+    if jax.process_index() == 0:
+        try:  # a failure still meets the others at the barriers below, then is raised
+            os.makedirs(workdir, exist_ok=True)
+            storage.write_text(marker, "written by process 0\n")
+        except OSError as e:
+            failed = _oserror(f"workdir {workdir} is not writable", e)
+    multihost_utils.sync_global_devices("ebpo_jax:shared_probe_written")
+    seen = multihost_utils.process_allgather(np.int32(os.path.exists(marker)))
+    multihost_utils.sync_global_devices("ebpo_jax:shared_probe_read")
+    blind = [i for i, s in enumerate(np.asarray(seen).reshape(-1)) if not s]
+    if failed is not None or 0 in blind:
+        raise failed or WorkdirError(f"workdir {workdir}: process 0 could not write to it")
+    if jax.process_index() == 0:
+        storage.remove(marker)
+    if blind:
+        raise WorkdirError(
+            f"workdir {workdir} is not shared by the {jax.process_count()} processes (process "
+            f"{', '.join(map(str, blind))} cannot see what process 0 writes there): use a "
+            "gs:// workdir (--config.workdir=gs://bucket/run) or a filesystem every host mounts"
         )
 
 
@@ -158,6 +221,42 @@ class WorkdirLock:
         self.release()
 
 
+class _RemoteLock:
+    """`ObjectLock` (gs://) with WorkdirLock's interface and errors."""
+
+    def __init__(self, workdir: str):
+        from ebpo_jax.object_lock import ObjectLock
+
+        self.workdir = workdir
+        self.path = storage.join(workdir, LOCK_FILE)
+        self._lock = ObjectLock(self.path)
+
+    def acquire(self) -> Self:
+        from ebpo_jax.object_lock import LockHeld
+
+        try:
+            self._lock.acquire()
+        except LockHeld as e:
+            raise WorkdirError(str(e)) from None
+        except Exception as e:  # noqa: BLE001  a storage fault: one line naming the lock
+            raise WorkdirError(f"cannot take the lock {self.path}: {_one_line(e)}") from None
+        return self
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> Self:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_for(workdir: str):
+    """The workdir's lock: `flock` on a local folder, a leased lock object on `gs://`."""
+    return _RemoteLock(workdir) if storage.is_remote(workdir) else WorkdirLock(workdir)
+
+
 def check_workdir(workdir: str, *, restart: bool) -> str:
     """ "fresh", "resume" or "restart"; WorkdirError for metrics without any checkpoint.
 
@@ -165,12 +264,12 @@ def check_workdir(workdir: str, *, restart: bool) -> str:
     or never written) would silently start over and rewrite those metrics: refused unless
     `restart` (config field `restart=True`).
     """
-    steps = list_steps(os.path.join(workdir, CHECKPOINTS))
+    from ebpo_jax.metrics import has_metrics  # late: metrics imports nothing of ours
+
+    steps = list_steps(storage.join(workdir, CHECKPOINTS))
     if steps:
         return "resume"
-    metrics = os.path.join(workdir, METRICS_FILE)
-    has_metrics = os.path.exists(metrics) and os.path.getsize(metrics) > 0
-    if not has_metrics:
+    if not has_metrics(workdir):
         return "fresh"
     if not restart:
         raise WorkdirError(
@@ -210,9 +309,9 @@ def config_diff(
 
 def _next_history_path(workdir: str) -> str:
     n = 1
-    while os.path.exists(os.path.join(workdir, f"config.{n}.json")):
+    while storage.exists(storage.join(workdir, f"config.{n}.json")):
         n += 1
-    return os.path.join(workdir, f"config.{n}.json")
+    return storage.join(workdir, f"config.{n}.json")
 
 
 def reconcile_config(
@@ -230,13 +329,13 @@ def reconcile_config(
     config differs, it is kept as `config.<n>.json` first. Returns the changed fields.
     `write=False` only checks (nothing is written until every resume check has passed).
     """
-    path = os.path.join(workdir, CONFIG_FILE)
+    path = storage.join(workdir, CONFIG_FILE)
     new = json.loads(json.dumps(dict(config)))
     changed: list[str] = []
-    if os.path.exists(path):
+    existed = storage.exists(path)
+    if existed:
         try:
-            with open(path, encoding="utf-8") as f:
-                old = json.load(f)
+            old = json.loads(storage.read_text(path))
         except (OSError, ValueError) as e:
             raise WorkdirError(f"{path} is unreadable ({e}): fix or remove it") from None
         from ebpo_jax.config import default_config  # late: the schema imports the losses
@@ -260,12 +359,9 @@ def reconcile_config(
         if not write:
             return changed
         if changed:
-            os.replace(path, _next_history_path(workdir))
-    if write and (changed or not os.path.exists(path)):
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(new, f, indent=2)
-        os.replace(tmp, path)
+            storage.move(path, _next_history_path(workdir))
+    if write and (changed or not existed):
+        storage.write_text(path, json.dumps(new, indent=2))
     return changed
 
 
@@ -291,7 +387,7 @@ def prepare_workdir(
     """
     workdir, restart, cfg = _saved_config(spec)
     check_writable(workdir, min_free_bytes=min_free_bytes)
-    lock = WorkdirLock(workdir).acquire()
+    lock = lock_for(workdir).acquire()
     try:
         state = check_workdir(workdir, restart=restart)
         reconcile_config(workdir, cfg, resuming=state == "resume", log=log, write=write_config)

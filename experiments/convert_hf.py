@@ -5,6 +5,7 @@
   python experiments/convert_hf.py --src=/ckpt/Qwen3-8B --lora_run=/runs/lora --dst=/out/merged \
       --peft_dst=/out/adapter
 A source folder with config.json is read as HF; anything else as our params (orbax dir or .npz).
+Any path may be gs://: inputs are copied to this host first, outputs written here then uploaded.
 With --lora_run, --src is the run's HF base: --dst gets the merged model as an HF folder
 (tokenizer copied from --src), --peft_dst the adapters in PEFT's format.
 """
@@ -13,6 +14,7 @@ import dataclasses
 import json
 import os
 import shutil
+import tempfile
 
 from absl import flags
 
@@ -167,15 +169,34 @@ def _write_hf(config, params, dst, *, dtype, max_shard_gb, tokenizer_from):
                 shutil.copy(os.path.join(tokenizer_from, name), dst)
 
 
+def on_storage(fn, src, dst, **kw):
+    """fn(src, dst, **kw) on local paths: gs:// inputs (src, tokenizer_from) copied to this
+    host, a gs:// `dst` written to a temporary folder and uploaded after."""
+    from ebpo_jax import storage
+
+    cache = os.path.expanduser("~/.cache/ebpo_jax/hf")
+    src = storage.local_copy(src, cache)
+    if kw.get("tokenizer_from"):
+        kw["tokenizer_from"] = storage.local_copy(kw["tokenizer_from"], cache)
+    if not storage.is_remote(dst):
+        return fn(src, dst, **kw)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = os.path.join(tmp, os.path.basename(dst))
+        config = fn(src, local, **kw)
+        storage.upload(local, dst)
+    return config
+
+
 def main(argv):
     del argv
     if _LORA_RUN.value:
-        config = export_lora(
-            _SRC.value, _LORA_RUN.value, _DST.value, _PEFT_DST.value,
-            dtype=_DTYPE.value, max_shard_gb=_SHARD_GB.value,
-        )  # fmt: skip
+        merge = lambda src, dst, **kw: export_lora(src, _LORA_RUN.value, dst, _PEFT_DST.value, **kw)
+        config = on_storage(
+            merge, _SRC.value, _DST.value, dtype=_DTYPE.value, max_shard_gb=_SHARD_GB.value
+        )
     else:
-        config = convert(
+        config = on_storage(
+            convert,
             _SRC.value,
             _DST.value,
             dtype=_DTYPE.value,

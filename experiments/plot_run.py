@@ -6,6 +6,7 @@ of zero advantages against the step; prints the PNG's path. Works while the run 
 """
 
 import argparse
+import io
 import os
 import sys
 
@@ -15,6 +16,7 @@ matplotlib.use("Agg")  # a file, no display (pods, CI, ssh)
 import matplotlib.pyplot as plt
 
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax import storage
 
 PANELS = (
     ("reward/mean", "training reward (mean)"),
@@ -45,8 +47,10 @@ def plot(rows: list[dict], out: str, title: str) -> str:
         if not steps:
             ax.text(0.5, 0.5, f"no {name} yet", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(title, fontsize=10)
-    fig.savefig(out, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=110, format="png")
     plt.close(fig)
+    storage.write_bytes(out, buf.getvalue())  # a local file or a gs:// object
     return out
 
 
@@ -56,7 +60,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
     args = parser.parse_args(argv)
     path = os.path.join(args.workdir, metrics_lib.METRICS_FILE)
-    if not os.path.isfile(path):
+    if not (metrics_lib.has_metrics(args.workdir) or os.path.isfile(path)):
         print(f"error: {path} does not exist (not a run's workdir?)", file=sys.stderr)
         return 2
     rows = metrics_lib.read_metrics(path)
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
         print(f"error: {path} has no rows yet", file=sys.stderr)
         return 2
     out = args.out or os.path.join(args.workdir, "curves.png")
-    title = f"{os.path.abspath(args.workdir)}: steps 0-{rows[-1]['step']}"
+    title = f"{storage.absolute(args.workdir)}: steps 0-{rows[-1]['step']}"
     print(plot(rows, out, title))
     return 0
 

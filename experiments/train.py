@@ -16,7 +16,10 @@ def main(argv):
     from ebpo_jax import distributed
 
     distributed.initialize()  # pods: every worker runs this command; no-op on one host
-    cli.divert_logs(os.path.join(_CONFIG.value.workdir, "orbax.log"))
+    from ebpo_jax import storage
+
+    log_dir = storage.host_local(_CONFIG.value.workdir)  # gs://: a local file on each host
+    cli.divert_logs(os.path.join(log_dir, "orbax.log"))
     from ebpo_jax.trainer.loop import train  # after flag parsing, so --help stays fast
 
     s = train(_CONFIG.value)

@@ -14,9 +14,8 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import flip_a_byte, save_tiny_tokenizer
+from helpers import flip_a_byte, micro_config, save_tiny_tokenizer
 
-from configs import micro
 from ebpo_jax import cli
 from ebpo_jax.checkpoint import MANIFEST, Checkpointer, list_steps
 from ebpo_jax.config import ConfigError, default_config
@@ -46,12 +45,7 @@ def _nonfinite(tree) -> int:
     return sum(int((~np.isfinite(x)).sum()) for x in leaves if x.dtype.kind == "f")
 
 
-def _micro(workdir, **fields):
-    c = micro.get_config()
-    c.unlock()
-    c.workdir, c.mesh.devices = str(workdir), 1
-    c.update_from_flattened_dict(fields)
-    return c
+_micro = micro_config
 
 
 # 1. A step whose update makes the params or Adam moments non-finite is skipped; 3. metrics

@@ -44,6 +44,17 @@ def save_tiny_tokenizer(path, extra_words: Sequence[str] = ()) -> str:
     return str(path)
 
 
+def micro_config(workdir, **fields):
+    """configs/micro.py on one device with `workdir` and dotted `fields` overridden."""
+    from configs import micro
+
+    c = micro.get_config()
+    c.unlock()
+    c.workdir, c.mesh.devices = str(workdir), 1
+    c.update_from_flattened_dict(fields)
+    return c
+
+
 def flip_a_byte(step_dir) -> str:
     """Flip one bit in the middle of a checkpoint step's biggest array file; returns its path."""
     state = os.path.join(step_dir, "state")

@@ -61,12 +61,14 @@ def validate_data_config(c) -> None:
         get_reward(c.reward)
     except (ValueError, TypeError) as e:
         raise DataError(f"data.reward: {e}") from None
-    if c.path and not os.path.exists(c.path):
+    from ebpo_jax import storage  # data may sit on gs://
+
+    if c.path and not storage.exists(c.path):
         raise DataError(f"data.path={c.path!r}: no such file or folder")
     if c.eval_schema not in SCHEMAS:
         raise DataError(f"data.eval_schema={c.eval_schema!r} unknown; known: {sorted(SCHEMAS)}")
     for _, path in eval_sets(c):
-        if not os.path.exists(path):
+        if not storage.exists(path):
             raise DataError(f"data.eval_path entry {path!r}: no such file or folder")
 
 

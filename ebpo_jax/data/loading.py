@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from ebpo_jax import storage
 from ebpo_jax.data.schemas import DataError, Record, Schema, get_schema, to_record
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -26,10 +27,10 @@ FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 def _files(source: str) -> list[str]:
     """The data files of a file or directory path, in sorted order."""
-    if os.path.isdir(source):
+    if storage.isdir(source):  # a local folder or a gs:// prefix
         found = sorted(
             os.path.join(source, f)
-            for f in os.listdir(source)
+            for f in storage.listdir(source)
             if os.path.splitext(f)[1].lower() in FORMATS
         )
         if not found:
@@ -54,8 +55,7 @@ def _decode(path: str, data: bytes) -> str:
 
 def _json_rows(path: str, field: str | None) -> list[Mapping[str, Any]]:
     """Rows of a JSON array / object (`field`: its key holding the rows) or JSON Lines file."""
-    with open(path, "rb") as f:
-        text = _decode(path, f.read())
+    text = _decode(path, storage.read_bytes(path))
     if not text.strip():
         raise DataError(f"{path}: empty file")
     head = text.lstrip()[:1]
@@ -132,7 +132,7 @@ def load_records(
     and for a row without its prompt or answer.
     """
     schema = get_schema(schema)
-    if os.path.exists(source):
+    if storage.exists(source):
         sources = [(path, _rows_of_file(path, field)) for path in _files(source)]
     elif hub:
         import datasets

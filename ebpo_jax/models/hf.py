@@ -13,7 +13,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ebpo_jax import sharding
+from ebpo_jax import sharding, storage
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.model import abstract_params
 
@@ -329,12 +329,25 @@ class _Reader:
         return self._open(file).get_tensor(name).astype(np_dtype, copy=False)
 
 
+def staged(path: str) -> str:
+    """A local folder with the checkpoint at `path`: itself, or a `gs://` one copied to
+    ~/.cache/ebpo_jax/hf on this host.
+
+    Every host copies the whole folder rather than one host reading and broadcasting: the
+    loader reads every tensor on every host anyway (then keeps its shards), object storage
+    serves all hosts in parallel at full bandwidth, and no host waits on another.
+    """
+    return storage.local_copy(path, os.path.expanduser("~/.cache/ebpo_jax/hf"))
+
+
 def from_hf(path: str, dtype=None, *, mesh=None, rules=None) -> tuple[ModelConfig, object]:
     """Loads a local HF Llama-3/Qwen3 checkpoint folder; params in `dtype` (default: the file's).
 
     With `mesh`, each parameter goes straight to its sharding (ebpo_jax.sharding rules), so no
-    device ever holds the whole model.
+    device ever holds the whole model. A `gs://` folder is copied to this host first
+    (`staged`).
     """
+    path = staged(path)
     config_file = os.path.join(path, "config.json")
     if not os.path.exists(config_file):
         raise FileNotFoundError(f"{config_file} not found")
@@ -445,6 +458,7 @@ def param_count(config: ModelConfig) -> int:
 
 def load_tokenizer(path: str):
     """The checkpoint folder's tokenizer, through transformers.AutoTokenizer (local files only)."""
+    path = staged(path)
     import transformers
 
     if not os.path.isdir(path):

@@ -81,6 +81,7 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     t_start = time.time()
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
     get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
+    workdir_lib.check_shared(spec.workdir)  # multi-host: a local workdir every host sees
     lock = workdir_lib.prepare_workdir(spec, log=log, write_config=False) if main else None
     task = None
     try:

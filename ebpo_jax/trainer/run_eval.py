@@ -12,7 +12,7 @@ import os
 import jax
 import ml_collections
 
-from ebpo_jax import evaluation
+from ebpo_jax import evaluation, storage
 from ebpo_jax.checkpoint import Checkpointer, list_steps
 from ebpo_jax.config import ConfigError, default_config, finalize
 from ebpo_jax.sharding import make_mesh
@@ -24,11 +24,10 @@ from ebpo_jax.trainer.task import build_task
 def run_config(workdir: str, k: int | None = None) -> ml_collections.ConfigDict:
     """The run's config.json, with k samples per held-out problem if given."""
     path = os.path.join(workdir, "config.json")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         raise ConfigError(f"{path} does not exist: --workdir must be a training run's folder")
     config = default_config()  # fields added since the run was saved keep their defaults
-    with open(path) as f:
-        config.update(json.load(f))
+    config.update(json.loads(storage.read_text(path)))
     if config.model.lora.rank == 0:
         config.sft.steps = 0  # the checkpoint replaces the initial policy: no warm start to redo
     if k is not None:
@@ -67,7 +66,7 @@ def checkpoint_params(workdir: str, step: int | None, base_params, model_config)
 
 def evaluate_run(workdir: str, *, step: int | None = None, k: int | None = None, out=None):
     """({set: {metric: {value, lo, hi}}}, the JSON path written) for `workdir`'s checkpoint."""
-    workdir = os.path.abspath(workdir)  # orbax reads absolute paths only
+    workdir = storage.absolute(workdir)  # orbax reads absolute paths only (or gs://)
     config = run_config(workdir, k)
     spec = resolve(config, jax.device_count())
     task = build_task(spec.task, mesh=make_mesh(spec.mesh), log=lambda *_: None)
@@ -87,6 +86,5 @@ def evaluate_run(workdir: str, *, step: int | None = None, k: int | None = None,
     for name, s_PK in scores.items():
         print(f"{name}: {s_PK.shape[0]} problems x {s_PK.shape[1]} samples (step {step})")
     out = out or os.path.join(workdir, f"eval_step{step}.json")
-    with open(out, "w") as f:
-        json.dump({"step": step, "results": results}, f, indent=2)
+    storage.write_text(out, json.dumps({"step": step, "results": results}, indent=2))
     return results, out

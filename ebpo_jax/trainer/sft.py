@@ -6,6 +6,7 @@ the same start)."""
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ebpo_jax import losses, models, tasks
+from ebpo_jax import losses, models, storage, tasks
 from ebpo_jax.spec import TaskSpec
 
 # sft fields that do not change what SFT trains (the seed enters as init_seed).
@@ -72,15 +73,13 @@ def cache_path(spec: TaskSpec, model_config, num_problems: int, data_key: str = 
 
 
 def _save(path, params):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    leaves = jax.tree.leaves(params)
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, *[np.asarray(x) for x in leaves])
-    os.replace(tmp, path)  # atomic: a killed run never leaves a half-written cache
+    buf = io.BytesIO()
+    np.savez(buf, *[np.asarray(x) for x in jax.tree.leaves(params)])
+    storage.write_bytes(path, buf.getvalue())  # atomic: never a half-written cache
 
 
 def _load(path, like):
-    with np.load(path) as f:
+    with np.load(io.BytesIO(storage.read_bytes(path))) as f:
         leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
     treedef = jax.tree.structure(like)
     if len(leaves) != treedef.num_leaves:
@@ -131,7 +130,7 @@ def export(params, folder: str) -> str:
 
 def load_file(path: str, like):
     """A committed warm start; a file named by a digest must hash to it."""
-    if not os.path.exists(path):
+    if not storage.exists(path):
         raise FileNotFoundError(f"sft.params_file={path!r}: no such file")
     params = _load(path, like)
     stem = os.path.basename(path).removesuffix(".npz")
@@ -167,7 +166,7 @@ def warm_start(
     if spec.sft.steps == 0:
         return params
     path = cache_path(spec, model_config, len(problems), data_key(family))
-    if os.path.exists(path):
+    if storage.exists(path):
         log(f"SFT warm start: loaded cached params from {path}")
         return _load(path, params)
     sft = spec.sft
