@@ -71,7 +71,7 @@ class HostRunner(_Runner):
     def __call__(self, state: TrainState, step: int, next_batches):
         pieces = self.pieces
         t0 = time.perf_counter()
-        ro = pieces.finish(pieces.rollout_from(state, first(next_batches()), 1))
+        ro = pieces.scored(state, first(next_batches()), 1)
         t1 = time.perf_counter()
         self.last_rollout = ro
         state, m = pieces.run_update(state, ro)
@@ -79,6 +79,8 @@ class HostRunner(_Runner):
         times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": time.perf_counter() - t1}
         if pieces.episodes is not None:
             times.update(pieces.episodes.last_metrics)
+        if pieces.refill is not None:
+            times.update(pieces.refill.last_metrics)
         return state, m, times
 
 
