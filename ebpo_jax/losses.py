@@ -3,9 +3,10 @@
 All functions are pure. Logits may be bf16; softmax math runs in float32, never in
 float64, and targets are gathered by index (no one-hot of the vocabulary).
 
-Surrogates (`ppo`, `gspo`, `gspo_token`, `cispo`, or your own via `@register(name)`) map
-per-token log-probs to a per-token policy-gradient term; `policy_loss` picks one by name and
-adds IS weights, aggregation, KL and entropy (`TokenTerms`, `LossOptions`), so any advantage estimator fits any surrogate.
+Surrogates (`ppo`, `gspo`, `gspo_token`, `cispo`, `clip_cov`, `kl_cov`, or your own via
+`@register(name)`) map per-token log-probs to a per-token policy-gradient term; `policy_loss`
+picks one by name and adds IS weights, aggregation, KL and entropy (`TokenTerms`,
+`LossOptions`), so any advantage estimator fits any surrogate.
 """
 
 import dataclasses
@@ -111,23 +112,44 @@ class Surrogate(NamedTuple):
     pg_BT: jax.Array  # float32 [B, T], minimised; aggregated by policy_loss
     clipped_low_BT: jax.Array  # bool [B, T], token-averaged into actor/clip_frac_low
     clipped_high_BT: jax.Array  # bool [B, T], token-averaged into actor/clip_frac_high
+    selected_BT: jax.Array | None = None  # bool: Clip-/KL-Cov's chosen tokens (actor/cov_frac)
+
+
+@dataclasses.dataclass(frozen=True)
+class CovOptions:
+    """Clip-Cov / KL-Cov knobs (Cui et al. 2025), with verl's `policy_loss.*` defaults."""
+
+    clip_ratio: float = 2e-4  # Clip-Cov: share of the tokens whose gradient is dropped
+    clip_lb: float = 1.0  # Clip-Cov: candidates have clip_lb < Cov < clip_ub
+    clip_ub: float = 5.0
+    kl_ratio: float = 2e-4  # KL-Cov: share of the tokens (largest Cov) that get the penalty
+    kl_coef: float = 0.1  # KL-Cov: weight of |log pi - log pi_old| on those tokens
 
 
 _REGISTRY: dict[str, Callable[..., Surrogate]] = {}
+_DRAWS: set[str] = set()  # surrogates that pick tokens at random (need TokenTerms.noise_BT)
 
 
-def register(name: str):
+def register(name: str, *, draws: bool = False):
     """Decorator adding a surrogate to the registry under `name`.
 
     A surrogate is `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high,
-    dual_clip) -> Surrogate`; `dual_clip` is None when off.
+    dual_clip, cov, noise_BT) -> Surrogate`; `dual_clip` is None when off, `cov` a
+    CovOptions, `noise_BT` uniform [0, 1) draws (None unless `draws`: the surrogate samples).
     """
 
     def wrap(fn):
         _REGISTRY[name] = fn
+        if draws:
+            _DRAWS.add(name)
         return fn
 
     return wrap
+
+
+def draws(name: str) -> bool:
+    """Whether surrogate `name` picks tokens at random (its TokenTerms need noise_BT)."""
+    return name in _DRAWS
 
 
 def names() -> tuple[str, ...]:
@@ -169,7 +191,7 @@ def _seq_log_ratio(logp_BT, old_logp_BT, mask_BT):
 
 
 @register("ppo")
-def ppo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+def ppo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
     """PPO: token ratio pi/pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher)."""
     del mask_BT
     ratio_BT = jnp.exp(_token_log_ratio(logp_BT, old_logp_BT))
@@ -178,7 +200,7 @@ def ppo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip
 
 
 @register("gspo")
-def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
     """GSPO (Zheng et al. 2025): the sequence ratio s_i (geometric mean of the token ratios)
     clipped per sequence, its term repeated on every token of the sequence.
 
@@ -194,7 +216,7 @@ def gspo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_cli
 
 
 @register("gspo_token")
-def gspo_token(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+def gspo_token(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
     """GSPO-token: per-token ratio sg[s_i] * pi / sg[pi], so each token carries its own
     advantage; with one advantage per sequence it equals `gspo` in value and gradient.
 
@@ -208,7 +230,7 @@ def gspo_token(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, du
 
 
 @register("cispo")
-def cispo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None):
+def cispo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, **_):
     """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi.
 
     Clipped tokens keep their gradient (PPO drops it). The weight is already at most
@@ -223,6 +245,72 @@ def cispo(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_cl
     )
 
 
+def _token_cov(logp_BT, adv_BT, mask_BT):
+    """Cov(y_i) = (A_i - mean A) (log pi_i - mean log pi) over the valid tokens (stop-gradient)."""
+    logp_BT = jax.lax.stop_gradient(logp_BT)
+    n = jnp.maximum(mask_BT.sum(), 1)
+    mean = lambda x_BT: jnp.where(mask_BT, x_BT, 0.0).sum() / n
+    return (adv_BT - mean(adv_BT)) * (logp_BT - mean(logp_BT))
+
+
+def _count(share: float, mask_BT) -> jax.Array:
+    """max(floor(share * valid tokens), 1), as verl sizes the Clip-/KL-Cov token sets."""
+    return jnp.maximum(jnp.floor(share * mask_BT.sum().astype(jnp.float32)), 1.0)
+
+
+def _first(k, score_BT, eligible_BT):
+    """bool [B, T]: the k eligible tokens with the smallest scores (ties: the earlier token)."""
+    flat = jnp.where(eligible_BT, score_BT, jnp.inf).reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    rank = jnp.zeros(flat.shape, jnp.int32).at[order].set(jnp.arange(flat.size, dtype=jnp.int32))
+    return eligible_BT & (rank.reshape(score_BT.shape) < k)
+
+
+@register("clip_cov", draws=True)
+def clip_cov(
+    logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high, dual_clip=None, cov, noise_BT
+):
+    """Clip-Cov (Cui et al. 2025, verl's `clip_cov`): PPO's clipped term, with the gradient of
+    max(1, floor(clip_ratio * n)) tokens dropped, drawn uniformly (by `noise_BT`) among the
+    tokens PPO did not clip whose Cov lies in (clip_lb, clip_ub).
+
+    Cov and n are over this call's valid tokens (verl: per micro-batch). verl's version has no
+    dual clip: leave it off to match.
+    """
+    if noise_BT is None:
+        raise ValueError(
+            "loss clip_cov draws tokens at random: pass TokenTerms.noise_BT (uniform [0, 1))"
+        )
+    ratio_BT = jnp.exp(_token_log_ratio(logp_BT, old_logp_BT))
+    clipped_BT = (-adv_BT * jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)) > (
+        -adv_BT * ratio_BT
+    )
+    cov_BT = _token_cov(logp_BT, adv_BT, mask_BT)
+    eligible_BT = mask_BT & ~clipped_BT & (cov_BT > cov.clip_lb) & (cov_BT < cov.clip_ub)
+    drop_BT = _first(_count(cov.clip_ratio, mask_BT), noise_BT, eligible_BT)
+    pg_BT = jnp.where(drop_BT, 0.0, _clipped_pg(ratio_BT, adv_BT, clip_low, clip_high, dual_clip))
+    return Surrogate(pg_BT, *_ppo_clip_flags(ratio_BT, adv_BT, clip_low, clip_high), drop_BT)
+
+
+@register("kl_cov")
+def kl_cov(logp_BT, old_logp_BT, adv_BT, mask_BT, *, cov, **_):
+    """KL-Cov (Cui et al. 2025, verl's `kl_cov`): the unclipped term -A * ratio, plus
+    kl_coef * |log pi - log pi_old| on the max(1, floor(kl_ratio * n)) valid tokens of
+    largest Cov.
+
+    No ratio clip (the penalty replaces it), so `clip_low`, `clip_high` and `dual_clip` are
+    unused and the clip fractions are 0.
+    """
+    log_ratio_BT = _token_log_ratio(logp_BT, old_logp_BT)
+    cov_BT = _token_cov(logp_BT, adv_BT, mask_BT)
+    pick_BT = _first(_count(cov.kl_ratio, mask_BT), -cov_BT, mask_BT)
+    pg_BT = -adv_BT * jnp.exp(log_ratio_BT) + jnp.where(
+        pick_BT, cov.kl_coef * jnp.abs(log_ratio_BT), 0.0
+    )
+    never_BT = jnp.zeros(logp_BT.shape, bool)
+    return Surrogate(pg_BT, never_BT, never_BT, pick_BT)
+
+
 class TokenTerms(NamedTuple):
     """The per-token arrays of a policy loss ([B, T]; `adv_B` one per sequence or [B, T])."""
 
@@ -233,6 +321,7 @@ class TokenTerms(NamedTuple):
     ref_logp_BT: jax.Array | None = None  # the KL reference's (None: no KL term)
     entropy_BT: jax.Array | None = None  # None: no entropy term or metric
     is_weights_BT: jax.Array | None = None  # importance weights (stop-gradient), or None
+    noise_BT: jax.Array | None = None  # uniform [0, 1) draws, for a surrogate that samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,6 +336,7 @@ class LossOptions:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    cov: CovOptions = CovOptions()  # clip_cov / kl_cov only
 
     def __post_init__(self):
         if self.agg not in AGG_MODES:
@@ -285,6 +375,8 @@ def policy_loss(
         clip_low=opts.clip_low,
         clip_high=opts.clip_high,
         dual_clip=opts.dual_clip if opts.dual_clip else None,
+        cov=opts.cov,
+        noise_BT=terms.noise_BT,
     )
     pg_BT = out.pg_BT
     if terms.is_weights_BT is not None:
@@ -295,6 +387,8 @@ def policy_loss(
         "actor/clip_frac_low": token_mean(out.clipped_low_BT),
         "actor/clip_frac_high": token_mean(out.clipped_high_BT),
     }
+    if out.selected_BT is not None:
+        metrics["actor/cov_frac"] = token_mean(out.selected_BT)
     loss = pg_loss
     if terms.ref_logp_BT is not None:
         kl = reduce(kl_penalty(logp_BT, terms.ref_logp_BT, opts.kl_estimator))

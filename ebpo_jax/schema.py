@@ -339,12 +339,16 @@ class Optimizer:
     b2: float = setting(0.999, "Adam beta2", in_range(0, 1, closed=False))
 
 
+_share = must(lambda v: 0 < v <= 1, "in (0, 1]")
+
+
 @dataclasses.dataclass(frozen=True)
 class Loss:
     """The policy loss and the PPO update; also the options object losses.policy_loss reads."""
 
     name: str = setting(
-        "ppo", "a name in ebpo_jax.losses' registry: ppo | gspo | gspo_token | cispo"
+        "ppo",
+        "a name in ebpo_jax.losses' registry: ppo | gspo | gspo_token | cispo | clip_cov | kl_cov",
     )
     ppo_epochs: int = setting(1, "passes over each rollout", at_least(1))
     num_minibatches: int = setting(1, "per PPO epoch; splits the P prompts", at_least(1))
@@ -385,6 +389,15 @@ class Loss:
         0, ">0: packed update, rows of pack_row_len tokens; 0 = padded rows", nonneg
     )
     pack_row_len: int = setting(0, "0 = prompt width + sampler.max_new_tokens", nonneg)
+    clip_cov_ratio: float = setting(
+        2e-4, "clip_cov: share of tokens whose gradient is dropped (verl's)", _share
+    )
+    clip_cov_lb: float = setting(1.0, "clip_cov: candidates have clip_cov_lb < Cov")
+    clip_cov_ub: float = setting(5.0, "clip_cov: candidates have Cov < clip_cov_ub")
+    kl_cov_ratio: float = setting(
+        2e-4, "kl_cov: share of tokens (largest Cov) with the |log-ratio| penalty", _share
+    )
+    kl_cov_coef: float = setting(0.1, "kl_cov: the penalty's weight (verl's ppo_kl_coef)", nonneg)
 
 
 @dataclasses.dataclass(frozen=True)

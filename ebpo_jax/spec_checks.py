@@ -172,6 +172,10 @@ def _loss_choice(c: Config) -> None:
         f"loss.is_correction={loss.is_correction!r} needs loss.recompute_old_logprobs=True "
         "(without it the old log-probs are the sampler's and every weight is 1)",
     )
+    need(
+        loss.clip_cov_lb < loss.clip_cov_ub,
+        f"loss.clip_cov_lb={loss.clip_cov_lb} must be below loss.clip_cov_ub={loss.clip_cov_ub}",
+    )
 
 
 def _packing(c: Config) -> None:

@@ -290,7 +290,7 @@ def test_gspo_token_equals_gspo_for_sequence_advantages(surrogate_batch):
         np.testing.assert_allclose(a[1], b[1], rtol=1e-5, atol=1e-8)
 
 
-@pytest.mark.parametrize("name", BUILTIN)
+@pytest.mark.parametrize("name", [*BUILTIN, "clip_cov", "kl_cov"])
 def test_huge_log_ratios_give_finite_loss_and_gradients(name):
     # exp(100) overflows float32; unclamped, A = 0 gives 0 * inf = NaN.
     logp = jnp.array([[-0.5, -1.0, -2.0], [-0.1, -0.2, -0.3]])
@@ -298,7 +298,8 @@ def test_huge_log_ratios_give_finite_loss_and_gradients(name):
     mask = jnp.ones((2, 3), bool)
     for adv in (jnp.array([0.0, 0.0]), jnp.array([1.0, -1.0]), jnp.array([-1.0, 1.0])):
         (loss, metrics), grad = jax.value_and_grad(
-            lambda lp, a=adv: _policy_loss(lp, old, a, mask, name=name), has_aux=True
+            lambda lp, a=adv: _policy_loss(lp, old, a, mask, name=name, noise_BT=0.5 * mask),
+            has_aux=True,
         )(logp)
         assert np.isfinite(loss) and np.isfinite(grad).all(), (name, adv)
         assert all(np.isfinite(v) for v in metrics.values())
@@ -319,8 +320,9 @@ def test_any_estimator_with_any_loss_is_finite():
         est: jax.jit(lambda r, e=est: advantages.estimate(e, r, state)[0])(rewards).reshape(-1)
         for est in advantages.names()
     }
+    noise = jax.random.uniform(jax.random.key(0), logp.shape)
     for name in losses.names():
-        fn = lambda lp, a, n=name: _policy_loss(lp, old, a, mask, name=n)[0]
+        fn = lambda lp, a, n=name: _policy_loss(lp, old, a, mask, name=n, noise_BT=noise)[0]
         value_and_grad = jax.jit(jax.value_and_grad(fn))
         for est, adv_B in adv.items():
             loss, grad = value_and_grad(logp, adv_B)
@@ -345,7 +347,7 @@ def test_register_your_own_surrogate(surrogate_batch):
         np.testing.assert_allclose(grad, c * -a, rtol=1e-5, atol=1e-8)
     finally:
         losses._REGISTRY.pop("reinforce_test")
-    with pytest.raises(KeyError, match="known: cispo, gspo, gspo_token, ppo"):
+    with pytest.raises(KeyError, match="known: cispo, clip_cov, gspo, gspo_token, kl_cov, ppo"):
         _policy_loss(logp, old, adv, mask, name="grpo")
 
 
@@ -359,4 +361,152 @@ def test_config_validates_loss_name_and_dual_clip():
         config.validate(c)
     c.loss.name, c.loss.dual_clip = "cispo", 0.5
     with pytest.raises(config.ConfigError, match="loss.dual_clip=0.5"):
+        config.validate(c)
+
+
+# ---------------------------------------------------------------------------
+# Clip-Cov and KL-Cov (Cui et al. 2025) against float64 references from the paper's definitions.
+
+
+def _np_cov(logp, adv, mask):
+    """Cov(y_i) = (log pi_i - mean log pi)(A_i - mean A), means over the valid tokens."""
+    lp, a = np.float64(logp), np.float64(adv)
+    return (lp - lp[mask].mean()) * (a - a[mask].mean())
+
+
+def _np_clip_cov(logp, old, adv, mask, noise, cl, ch, ratio_share, lb, ub):
+    """Float64 Clip-Cov loss (token-mean) and d/d logp; the dropped tokens.
+
+    PPO's term on every valid token, except floor(r N) (at least 1) drawn without replacement
+    among the tokens PPO left unclipped with lb < Cov < ub; the draw takes them in the order of
+    `noise` (uniform), as a random permutation of the candidates would.
+    """
+    lp, a = np.float64(logp), np.float64(adv)
+    ratio = np.exp(lp - old)
+    pg, live = _np_clipped(ratio, a, cl, ch, None)
+    clipped = -a * np.clip(ratio, 1 - cl, 1 + ch) > -a * ratio
+    cov = _np_cov(logp, adv, mask)
+    cand = [i for i in zip(*np.nonzero(mask & ~clipped & (cov > lb) & (cov < ub)))]
+    k = max(int(ratio_share * mask.sum()), 1)
+    drop = np.zeros(mask.shape, bool)
+    for i in sorted(cand, key=lambda i: noise[i])[:k]:
+        drop[i] = True
+    c = mask / mask.sum()
+    keep = ~drop
+    return (c * pg * keep).sum(), c * -a * ratio * live * keep, drop
+
+
+def _np_kl_cov(logp, old, adv, mask, ratio_share, coef):
+    """Float64 KL-Cov loss (token-mean) and d/d logp: -A r on every token, plus
+    coef |log pi - log pi_old| on the floor(k N) (at least 1) tokens of largest Cov."""
+    lp, a = np.float64(logp), np.float64(adv)
+    ratio, d = np.exp(lp - old), lp - old
+    cov = np.where(mask, _np_cov(logp, adv, mask), -np.inf)
+    k = max(int(ratio_share * mask.sum()), 1)
+    pick = np.zeros(mask.shape, bool)
+    pick.flat[np.argsort(-cov, axis=None, kind="stable")[:k]] = True
+    c = mask / mask.sum()
+    loss = (c * (-a * ratio + pick * coef * np.abs(d))).sum()
+    return loss, c * (-a * ratio + pick * coef * np.sign(d)), pick
+
+
+@pytest.fixture
+def cov_batch():
+    # Wide advantages and log-probs, so Cov spans (1, 5) for a good share of the tokens.
+    rng = np.random.default_rng(13)
+    B, T = 8, 9
+    mask = np.arange(T)[None] < rng.integers(2, T + 1, (B, 1))
+    logp = np.log(rng.uniform(0.01, 1.0, (B, T)))
+    old = logp + rng.normal(0, 0.25, (B, T))
+    adv = rng.normal(0, 2.0, (B, T))
+    f32 = lambda x: np.asarray(x, np.float32)
+    return f32(logp), f32(old), f32(adv), mask
+
+
+def _cov_opts(**kw):
+    return losses.CovOptions(**kw)
+
+
+@pytest.mark.parametrize("share", [2e-4, 0.05, 0.2, 1.0])
+def test_clip_cov_matches_float64_under_a_fixed_key(cov_batch, share):
+    logp, old, adv, mask = cov_batch
+    noise = np.asarray(jax.random.uniform(jax.random.key(5), logp.shape))
+    cov = _cov_opts(clip_ratio=share)
+    (loss, metrics), grad = jax.value_and_grad(
+        lambda lp: _policy_loss(lp, old, adv, mask, name="clip_cov", noise_BT=noise, cov=cov),
+        has_aux=True,
+    )(jnp.asarray(logp))
+    want, want_grad, drop = _np_clip_cov(logp, old, adv, mask, noise, 0.2, 0.2, share, 1.0, 5.0)
+    np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["actor/cov_frac"], drop.sum() / mask.sum(), rtol=1e-6)
+    if share < 0.1:  # enough candidates: exactly max(floor(r N), 1) dropped
+        assert drop.sum() == max(int(share * mask.sum()), 1)
+    # Without the drop it is PPO.
+    ppo = _policy_loss(logp, old, adv, mask, name="ppo")[0]
+    assert drop.any() and not np.isclose(loss, ppo)
+
+
+def test_clip_cov_batch_reaches_every_branch(cov_batch):
+    # Guards the test above: PPO clips some tokens, and some unclipped ones lie outside (1, 5).
+    logp, old, adv, mask = cov_batch
+    ratio = np.exp(np.float64(logp) - old)
+    clipped = -adv * np.clip(ratio, 0.8, 1.2) > -adv * ratio
+    cov = _np_cov(logp, adv, mask)
+    inside = mask & ~clipped & (cov > 1) & (cov < 5)
+    assert (mask & clipped).any() and inside.sum() >= 5
+    assert (mask & ~clipped & (cov > 5)).any() and (mask & ~clipped & (cov < 1)).any()
+    assert (mask & clipped & (cov > 1) & (cov < 5)).any()  # excluded although in the band
+
+
+def test_clip_cov_draws_uniformly_among_the_candidates(cov_batch):
+    """Over many keys each candidate is dropped k / n_candidates of the time, no other ever."""
+    logp, old, adv, mask = cov_batch
+    cov = _cov_opts(clip_ratio=0.05)
+    _, _, drop0 = _np_clip_cov(logp, old, adv, mask, np.zeros(logp.shape), 0.2, 0.2, 1.0, 1, 5)
+    k, n = max(int(0.05 * mask.sum()), 1), drop0.sum()  # drop0: every candidate
+    keys = jax.random.split(jax.random.key(0), 2000)
+
+    @jax.jit
+    @jax.vmap
+    def dropped(key):
+        noise = jax.random.uniform(key, logp.shape)
+        fn = lambda lp: _policy_loss(lp, old, adv, mask, name="clip_cov", noise_BT=noise, cov=cov)
+        return jax.grad(lambda lp: fn(lp)[0])(jnp.asarray(logp)) == 0
+
+    freq = np.asarray(dropped(keys)).mean(0)
+    ppo_grad = jax.grad(lambda lp: _policy_loss(lp, old, adv, mask, name="ppo")[0])(logp)
+    live = mask & (np.asarray(ppo_grad) != 0)  # tokens whose zero gradient means "dropped"
+    assert set(zip(*np.nonzero(live & (freq > 0)))) <= set(zip(*np.nonzero(drop0)))
+    p = k / n
+    np.testing.assert_allclose(freq[drop0], p, atol=4 * np.sqrt(p * (1 - p) / len(keys)))
+
+
+@pytest.mark.parametrize("share,coef", [(2e-4, 0.1), (0.1, 1.0), (0.5, 0.3)])
+def test_kl_cov_matches_float64(cov_batch, share, coef):
+    logp, old, adv, mask = cov_batch
+    cov = _cov_opts(kl_ratio=share, kl_coef=coef)
+    (loss, metrics), grad = jax.value_and_grad(
+        lambda lp: _policy_loss(lp, old, adv, mask, name="kl_cov", cov=cov), has_aux=True
+    )(jnp.asarray(logp))
+    want, want_grad, pick = _np_kl_cov(logp, old, adv, mask, share, coef)
+    np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, want_grad, rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(metrics["actor/cov_frac"], pick.sum() / mask.sum(), rtol=1e-6)
+    assert metrics["actor/clip_frac_low"] == 0 and metrics["actor/clip_frac_high"] == 0
+
+
+def test_clip_cov_needs_noise_and_config_checks_its_knobs(cov_batch):
+    from ebpo_jax import config
+
+    logp, old, adv, mask = cov_batch
+    with pytest.raises(ValueError, match="clip_cov draws tokens at random: pass TokenTerms"):
+        _policy_loss(logp, old, adv, mask, name="clip_cov")
+    assert losses.draws("clip_cov") and not losses.draws("kl_cov") and not losses.draws("ppo")
+    c = config.default_config()
+    c.loss.name, c.loss.clip_cov_lb, c.loss.clip_cov_ub = "clip_cov", 5.0, 1.0
+    with pytest.raises(config.ConfigError, match="loss.clip_cov_lb=5.0 must be below"):
+        config.validate(c)
+    c.loss.clip_cov_lb, c.loss.kl_cov_ratio = 1.0, 0.0
+    with pytest.raises(config.ConfigError, match=r"loss.kl_cov_ratio=0.0 must be in \(0, 1\]"):
         config.validate(c)

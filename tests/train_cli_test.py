@@ -95,3 +95,13 @@ def test_sigterm_saves_and_resumes(tmp_path):
     assert f"resumed from step {saved}" in again.stdout + again.stderr
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(saved + 3))
+
+
+@pytest.mark.slow  # one more micro run (~50 s on the loaded 2-core machine)
+def test_micro_run_with_clip_cov(tmp_path):
+    flags = ("--config.loss.name=clip_cov", "--config.loss.clip_cov_lb=-1e9")
+    out = _run("--config=configs/micro.py", f"--config.workdir={tmp_path}", *flags)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f][1:]
+    assert all(r["actor/cov_frac"] > 0 for r in rows), [r["actor/cov_frac"] for r in rows]

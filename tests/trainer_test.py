@@ -494,6 +494,25 @@ def test_packed_update_equals_padded_update(setup):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), s1.params, s0.params)
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["clip_cov", pytest.param("kl_cov", marks=pytest.mark.slow)],  # ~25 s more
+)
+def test_covariance_losses_pick_their_share_of_tokens_in_the_update(setup, name):
+    """loss.name=clip_cov / kl_cov in the update: max(floor(r N), 1) of the N loss tokens
+    picked (every unclipped token a Clip-Cov candidate here), the same draw on a rerun."""
+    c, mc, params, batches = setup
+    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    knobs = {"loss.name": name, "loss.clip_cov_ratio": 0.25, "loss.kl_cov_ratio": 0.25}
+    cc = _config(**knobs, **{"loss.clip_cov_lb": -1e9, "loss.clip_cov_ub": 1e9})
+    update = jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))
+    (s1, m1), (s2, _) = update(_state(cc, params), ro), update(_state(cc, params), ro)
+    n = float(ro.lengths.sum())
+    np.testing.assert_allclose(m1["actor/cov_frac"], max(np.floor(0.25 * n), 1) / n, rtol=1e-6)
+    assert np.isfinite(m1["actor/pg_loss"]) and float(m1["actor/grad_norm"]) > 0
+    jax.tree.map(np.testing.assert_array_equal, s1.params, s2.params)
+
+
 @pytest.mark.slow  # a whole run: the only check of samples.jsonl, kept out of the 12-min suite
 def test_sample_completions_are_logged_every_n_steps(tmp_path):
     c = _config(workdir=str(tmp_path), total_steps=2, checkpoint_every=2, eval_every=2)

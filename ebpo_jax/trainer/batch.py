@@ -26,3 +26,4 @@ class MicroBatch(NamedTuple):
     is_weights: jax.Array | None = None  # [P', G, N] TIS / MIS weights
     mb_tokens: jax.Array | None = None  # loss tokens of the whole mini-batch (float32)
     packed: Any = None  # packing.micro_batch's token rows: the packed layout
+    noise: jax.Array | None = None  # [P', G, N] uniform draws for a sampling surrogate (clip_cov)

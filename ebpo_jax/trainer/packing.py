@@ -287,6 +287,7 @@ def accumulate(grad_fn, params, frozen, mb: MicroBatch, denom, lay: Layout):
             adv=mb.adv,
             loss_mask=mask_PGN & (micro_PG == u)[..., None],
             is_weights=mb.is_weights,
+            noise=mb.noise,
             mb_tokens=mb_tokens,
             packed=rows,
         )

@@ -19,7 +19,7 @@ from ebpo_jax.trainer.state import TrainState
 
 METRIC_DEFAULTS = ("eb/shrinkage_mean", "eb/mu_glob", "eb/sigma2", "eb/tau2")
 _ROUTER = ("router/lb_loss", "router/load_max", "router/entropy")
-_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high", *_ROUTER)
+_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high", "actor/cov_frac", *_ROUTER)
 
 
 def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
@@ -185,6 +185,13 @@ def loss_options(spec: UpdateSpec) -> losses.LossOptions:
         kl_coef=spec.loss.kl_coef,
         kl_estimator=spec.loss.kl_estimator,
         entropy_coef=spec.loss.entropy_coef,
+        cov=losses.CovOptions(
+            clip_ratio=spec.loss.clip_cov_ratio,
+            clip_lb=spec.loss.clip_cov_lb,
+            clip_ub=spec.loss.clip_cov_ub,
+            kl_ratio=spec.loss.kl_cov_ratio,
+            kl_coef=spec.loss.kl_cov_coef,
+        ),
     )
 
 
@@ -206,6 +213,7 @@ def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, den
         ref_BN = jax.lax.stop_gradient(logprobs(spec, model_config, frozen, mb, with_entropy=False))
     mask_BN = mb.loss_mask.reshape(-1, N)
     is_w_BN = mb.is_weights.reshape(-1, N) if mb.is_weights is not None else None
+    noise_BN = mb.noise.reshape(-1, N) if mb.noise is not None else None
     terms = losses.TokenTerms(
         logp_BN,
         mb.logprobs.reshape(-1, N),
@@ -214,6 +222,7 @@ def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, den
         ref_logp_BT=ref_BN,
         entropy_BT=ent_BN,
         is_weights_BT=is_w_BN,
+        noise_BT=noise_BN,
     )
     loss, metrics = losses.policy_loss(terms, loss_options(spec), denominator=denom)
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
@@ -318,6 +327,15 @@ def _minibatches(spec: UpdateSpec, data, k_perm):
     return jax.tree.map(
         lambda x: x[perms_EP.reshape(-1)].reshape(E * M, P // M, *x.shape[1:]), data
     )
+
+
+def _with_noise(spec: UpdateSpec, batches: MicroBatch, k_perm) -> MicroBatch:
+    """Fresh uniform draws per token and mini-batch for a surrogate that samples tokens."""
+    if not losses.draws(spec.loss.name):
+        return batches
+    # fold_in, not split: the key stream (so every other loss's run) stays as it was.
+    k_noise = jax.random.fold_in(k_perm, 0xC0F)
+    return batches._replace(noise=jax.random.uniform(k_noise, batches.loss_mask.shape))
 
 
 def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
@@ -436,7 +454,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     (params, opt_state, _), upd = jax.lax.scan(
         functools.partial(_minibatch_update, spec, model_config, grad_fn, optimizer),
         (view.trained(state), state.opt_state, view.frozen(state)),
-        _minibatches(spec, data, k_perm),
+        _with_noise(spec, _minibatches(spec, data, k_perm), k_perm),
         unroll=spec.updates == 1,
     )
     skipped = upd.pop("skipped").sum()
