@@ -20,6 +20,8 @@ Choices where the paper is silent:
   (1638), factor 1.0; the recipe's KL 0.001 stays (the paper lists only the three changes).
   Dynamic sampling draws 3 rounds of 512 prompts (dapo.max_extra_rounds = 2) and scores
   them on the host; `experiments/aot_compile.py --generated_per_kept` prices the refill.
+- Clip-Cov: GRPO advantages and the `clip_cov` loss at verl's defaults (ratio 2e-4, bounds
+  1 and 5), on the recipe's clip 0.2 and KL 0.001.
 - Reward: math verification on the host (`data.reward = "math"`, math-verify), which accepts
   more answer forms than the paper's normalised exact match.
 """
@@ -71,12 +73,19 @@ def parse(variant: str | None) -> tuple[str, str, int, list[str]]:
     return model[0], method[0], int(g[0][1:]), rest
 
 
+# Issue 49 adds this bundle to grid.METHODS (uncommitted when this was written); until it is
+# there, the same overrides: GRPO advantages and the clip_cov loss at verl's defaults.
+_CLIP_COV = {"estimator": "grpo", "loss.name": "clip_cov"}
+
+
 def _method_overrides(method: str) -> dict:
+    from ebpo_jax import losses
     from ebpo_jax.ablation.grid import METHODS as BUNDLES
 
-    if method not in BUNDLES:  # clip_cov arrives with the Clip-Cov loss (issue 49)
+    bundles = {**({"clip_cov": _CLIP_COV} if "clip_cov" in losses.names() else {}), **BUNDLES}
+    if method not in bundles:
         raise ConfigError(f"method {method!r}: this checkout has no such loss or estimator yet")
-    out = dict(BUNDLES[method])
+    out = dict(bundles[method])
     if method == "dapo":
         out |= {"dapo.overlong_buffer": DAPO_OVERLONG_BUFFER, "dapo.overlong_penalty": 1.0}
     return out
