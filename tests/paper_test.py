@@ -53,6 +53,7 @@ def test_bad_cells_are_one_line_errors():
     assert paper.parse("") == ("qwen3_8b", "ebpo", 4, [])
 
 
+@pytest.mark.slow  # ~30 s loaded: libtpu's v5p-64 topology for the estimate
 def test_paper_table_prints_a_cells_estimate(capsys):
     from conftest import load_experiment
 
