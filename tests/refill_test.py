@@ -36,11 +36,6 @@ def third(tokens_BN):
     return (tokens_BN[:, 0] % 3 == 0).astype(np.float32)
 
 
-def odd_words(response: str, answer: str) -> float:
-    """A host reward a random policy earns about half the time (math-verify would never pay)."""
-    return float(len(response.split()) % 2)
-
-
 @pytest.fixture(scope="module")
 def arith():
     c = micro.get_config()
@@ -155,7 +150,8 @@ def _dapo_math(files, workdir):  # noqa: F811
         workdir,
         **{
             "dapo.dynamic_sampling": True,
-            "data.reward": "refill_test:odd_words",
+            "data.reward": "refill_reward:odd_words",  # math-verify would never pay here
+            "data.reward_timeout_s": 600.0,  # a loaded machine must not turn rewards into 0s
             "data.eval_path": "",
             "total_steps": 3,
             "checkpoint_every": 1,
