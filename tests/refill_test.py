@@ -86,7 +86,12 @@ def _same(ro) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "host,jitted", [(third, third_jnp), (lambda t: np.asarray(zeros(t)), zeros)]
+    "host,jitted",
+    [
+        (third, third_jnp),
+        # Nothing spreads: every round runs (~20 s loaded).
+        pytest.param(lambda t: np.asarray(zeros(t)), zeros, marks=pytest.mark.slow),
+    ],
 )
 def test_host_refill_makes_the_jittable_paths_choices(arith, host, jitted):
     spec, mc, params, batch, clusters = arith
