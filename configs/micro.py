@@ -1,9 +1,17 @@
-"""A seconds-scale config for tests and smoke runs: tiny model, few steps, no warm start."""
+"""A seconds-scale config for tests and smoke runs: tiny model, few steps, no warm start.
 
-from ebpo_jax.config import default_config, finalize
+`configs/micro.py:dapo` is DAPO's recipe (ebpo_jax.ablation.grid.METHODS["dapo"]: GRPO
+advantages, dynamic sampling, clip-high 0.28), on the synthetic task or with `data.path`.
+`:aot` (the pod configs' variant without data or checkpoint paths) is micro itself.
+"""
+
+from ebpo_jax.config import ConfigError, default_config, finalize
 
 
-def get_config():
+def get_config(variant=None):
+    words = {w.strip() for w in (variant or "").split(",") if w.strip()}
+    if words - {"dapo", "aot"}:
+        raise ConfigError(f"configs/micro.py:{variant}: the variants are 'dapo' and 'aot'")
     c = default_config()
     c.workdir = "runs/micro"
     c.total_steps = 4
@@ -27,4 +35,9 @@ def get_config():
     c.sampler.max_new_tokens = 4
     c.optimizer.learning_rate = 1e-3
     c.sft.steps = 0
+    if "dapo" in words:
+        from ebpo_jax.ablation import grid
+
+        run = grid.Run("dapo", (), tuple(grid.METHODS["dapo"].items()))
+        c = grid.run_config(c, run, c.workdir)
     return finalize(c)

@@ -15,6 +15,7 @@ import numpy as np
 
 from ebpo_jax import models
 from ebpo_jax.aot_report import (
+    DAPO_GENERATED_PER_KEPT,
     ProgramReport,
     is_resource_exhausted,
     mesh_str,
@@ -24,6 +25,7 @@ from ebpo_jax.aot_report import (
     topology_devices,
     total_params,
     update_flops,
+    with_refill,
 )
 from ebpo_jax.hardware import GiB
 from ebpo_jax.sampler import engine
@@ -301,12 +303,18 @@ def run(
     prompt_len: int,
     sampler_prompts=None,
     update_only: bool = False,
+    generated_per_kept: float | None = None,
+    estimate_only: bool = False,
     log=print,
 ):
     """Compile update, weight reshard (onto the spec's sampler mesh) and sampler prefill/decode
     (`update_only`: the update alone, e.g. for a full vs LoRA memory comparison) for a spec
     from `resolve_for`. With a disjoint sampler mesh the weight move is a cast on the
     trainer's slice and a device-to-device copy, not one compiled program.
+
+    `generated_per_kept` (DAPO's dynamic sampling only): tokens generated per kept token in
+    the step estimate; None = aot_report.DAPO_GENERATED_PER_KEPT. `estimate_only`: the step
+    estimate and layout, nothing compiled.
 
     Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
     report with `error` set and fits=False; other compile errors propagate.
@@ -319,10 +327,18 @@ def run(
     mc = model_config_of(spec)
     mesh = make_mesh(spec.mesh, devices[: spec.mesh.mesh.devices or len(devices)])
     s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
-    step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
     epochs = (
         f"{spec.update.loss.ppo_epochs} epoch(s) x {spec.update.loss.num_minibatches} mini-batches"
     )
+    meta = {"step_estimate": _estimate(spec, mc, hw, s_mesh, prompt_len)}
+    if spec.rollout.dapo.dynamic_sampling:  # the refill rounds decode one after another
+        ratio = generated_per_kept or DAPO_GENERATED_PER_KEPT
+        meta["step_estimate"] = with_refill(meta["step_estimate"], ratio)
+    meta |= {"topology": topology, "chip_topology": chip_name}
+    meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
+    if estimate_only:
+        return reports, meta
+    step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
     attempt(
         "train update",
         mesh,
@@ -330,9 +346,6 @@ def run(
         epochs,
         lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
     )
-    meta = {"step_estimate": _estimate(spec, mc, hw, s_mesh, prompt_len)}
-    meta |= {"topology": topology, "chip_topology": chip_name}
-    meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
     if update_only:
         log("update_only: no weight move or sampler programs compiled")
         return reports, meta

@@ -647,3 +647,28 @@ def step_time_estimate(
         "step_s_after": float(after) + update_after,
         "assumptions": list(ASSUMPTIONS),
     }
+
+
+# DAPO's refill rounds, the stated default of tokens generated per kept token: with pass
+# rates uniform on [0, 1] a group of G is all-equal with probability 2 / (G + 1) (40% at
+# G=4, 6% at G=32), so a second round of P prompts fills the step and the rollout decodes
+# two rounds for one kept round (dropped groups as long as kept ones). A measured
+# `dapo/generated_per_kept` from a run's metrics replaces it (aot_compile --generated_per_kept).
+DAPO_GENERATED_PER_KEPT = 2.0
+
+
+def with_refill(estimate: dict, generated_per_kept: float) -> dict:
+    """`estimate` with DAPO's refill rounds: the paged decode x tokens generated per kept token
+    (rounds run one after another); the update still trains one round's P groups."""
+    one_round = {k: estimate[k] for k in ("decode_s_after", "step_s_after")}
+    decode = estimate["decode_s_after"] * generated_per_kept
+    return estimate | {
+        "refill": {"generated_per_kept": generated_per_kept, "one_round": one_round},
+        "decode_s_after": decode,
+        "step_s_after": decode + estimate["update_s_after_packed"],
+        "assumptions": [
+            *estimate["assumptions"],
+            f"DAPO refill: decode x {generated_per_kept:g} tokens generated per kept token "
+            "(a stated input; prefill and the host reward of the extra rounds not counted)",
+        ],
+    }

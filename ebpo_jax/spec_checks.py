@@ -254,13 +254,19 @@ def _math_trainer(c: Config) -> None:
         c.run.steps_per_jit == 1,
         f"steps_per_jit={c.run.steps_per_jit}: data.path is scored by a host reward, so it must be 1",
     )
-    need(
-        not c.dapo.dynamic_sampling,
-        "dapo.dynamic_sampling needs a jittable reward; data.path is scored by a host reward",
-    )
+    _host_dynamic_sampling(c, "data.path is scored by a host reward")
     need(
         c.sft.steps == 0,
         f"sft.steps={c.sft.steps}: the SFT warm start is for the synthetic tasks, not data.path",
+    )
+
+
+def _host_dynamic_sampling(c: Config, why: str) -> None:
+    """DAPO's refill rounds scored on the host (trainer/refill.py) run in the K = 1 runner."""
+    need(
+        not (c.dapo.dynamic_sampling and c.rollout.max_staleness),
+        f"dapo.dynamic_sampling with rollout.max_staleness={c.rollout.max_staleness}: {why}, "
+        "so its refill rounds need max_staleness=0",
     )
 
 
@@ -331,10 +337,7 @@ def _turns(c: Config) -> None:
         return
     what = f"task.env={c.task.env!r}" if c.task.env else f"task.family={c.task.family!r}"
     need(c.rollout.max_turns >= 2, f"{what} is multi-turn: set rollout.max_turns >= 2")
-    need(
-        not c.dapo.dynamic_sampling,
-        "dapo.dynamic_sampling is not supported with multi-turn rollouts",
-    )
+    _host_dynamic_sampling(c, f"{what} runs its episodes on the host")
 
 
 def _lora_targets(c: Config) -> None:

@@ -44,6 +44,15 @@ _TRAINER_DEVICES = flags.DEFINE_integer(
 _UPDATE_ONLY = flags.DEFINE_bool(
     "update_only", False, "Compile the train update alone (no weight move, no sampler)."
 )
+_GENERATED_PER_KEPT = flags.DEFINE_float(
+    "generated_per_kept",
+    None,
+    "DAPO's dynamic sampling: tokens generated per kept token in the step estimate (e.g. a "
+    "run's dapo/generated_per_kept); default: aot_report.DAPO_GENERATED_PER_KEPT.",
+)
+_ESTIMATE_ONLY = flags.DEFINE_bool(
+    "estimate_only", False, "Print and write the step estimate and layout; compile nothing."
+)
 _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON report.")
 
 
@@ -68,6 +77,8 @@ def main(argv):
             prompt_len=_PROMPT_LEN.value,
             sampler_prompts=prompts or None,
             update_only=_UPDATE_ONLY.value,
+            generated_per_kept=_GENERATED_PER_KEPT.value,
+            estimate_only=_ESTIMATE_ONLY.value,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
         if aot_report.is_resource_exhausted(e):

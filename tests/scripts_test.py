@@ -36,6 +36,7 @@ SCRIPT_TESTS = {
     "experiments/estimate_difficulty.py": "scripts_test",
     "experiments/eval.py": "first_hour_test",  # --help; its --workdir path: run_eval_test
     "experiments/gpu_check.py": "scripts_test",
+    "experiments/paper_table.py": "paper_test",
     "experiments/plot_run.py": "plot_run_test",
     "experiments/reasoning_run.py": "scripts_test",
     "experiments/theory_mse.py": "theory_mse_test",

@@ -162,3 +162,18 @@ def test_paged_report_fields_by_hand():
     assert meta["decode_peak_with_train_state_gib_per_chip"] == pytest.approx(34)
     assert meta["headroom_gib_per_chip"] == pytest.approx(95 - 4 - 30)
     assert "2048 of 2048 rows at once" in aot.paged_lines({"paged": meta})[0]
+
+
+def test_dapo_refill_scales_the_decode_not_the_update():
+    from ebpo_jax.aot_report import with_refill
+
+    est = {"decode_s_after": 40.0, "update_s_after_packed": 25.0, "step_s_after": 65.0}
+    est["assumptions"] = ["a"]
+    got = with_refill(est, 2.5)
+    assert (got["decode_s_after"], got["step_s_after"]) == (100.0, 125.0)
+    assert got["refill"] == {
+        "generated_per_kept": 2.5,
+        "one_round": {"decode_s_after": 40.0, "step_s_after": 65.0},
+    }
+    assert got["assumptions"][0] == "a" and "2.5 tokens generated" in got["assumptions"][1]
+    assert est["step_s_after"] == 65.0  # the input is left as it was

@@ -165,7 +165,6 @@ def test_math_run_without_eval_path_writes_no_eval(files, tmp_path):
         ("data.order", "bogus", "data.order='bogus' unknown"),
         ("data.reward", "nope", "data.reward: unknown reward 'nope'"),
         ("eb_clusters", "cell", "eb_clusters='cell' needs the synthetic tasks"),
-        ("dapo.dynamic_sampling", True, "dapo.dynamic_sampling needs a jittable reward"),
         ("sft.steps", 5, "sft.steps=5"),
         ("model.tokenizer_path", "", "needs a tokenizer: set model.hf_path"),
         ("model.hf_path", "/nonexistent", "model.hf_path='/nonexistent' is not a local HF"),

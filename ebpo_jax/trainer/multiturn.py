@@ -21,8 +21,6 @@ class MultiTurnRollout:
     """rollout(params, batch, key) -> (Rollout, host metrics): episodes with `task.env`."""
 
     def __init__(self, spec: RolloutSpec, task, mesh=None):
-        if spec.dapo.dynamic_sampling:
-            raise ValueError("dapo.dynamic_sampling is not supported with multi-turn rollouts")
         self.spec, self.task = spec, task
         stops = episodes.stop_token_ids(task.tokenizer, task.env)
         self.turns = lambda params: episodes.make_turns(
@@ -54,6 +52,12 @@ class MultiTurnRollout:
         self.last_metrics = episodes.episode_metrics(ep, rewards_B, rep(b.prompt_lengths))
         rewards_PG = jnp.asarray(rewards_B.reshape(P, G), jnp.float32)
         return ro._replace(rewards=rewards_PG, all_same_frac=all_same(rewards_PG).mean())
+
+    def round(self, params, batch, r: int, key) -> Rollout:
+        """DAPO's refill round r: the batch's rows r*P .. r*P+P-1 with key fold_in(key, r)."""
+        P = self.spec.prompts
+        part = jax.tree.map(lambda x: x[r * P : (r + 1) * P], jax.device_get(batch))
+        return self(params, part, jax.random.fold_in(key, r))
 
     def _episodes(self, params, prompts: episodes.EpisodePrompts, key) -> episodes.Episodes:
         """The rows in sampler calls of prompts_per_call x G rows (the KV pages of one call's

@@ -130,29 +130,45 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
     )
 
 
+def absorb(buf: Rollout, filled_P, ntok, nsame, new: Rollout):
+    """One round into the buffer: `new`'s spread groups fill empty slots, the rest counted."""
+    same_P = all_same(new.rewards)
+    buf, filled_P = compact(buf, filled_P, new, ~same_P)
+    return buf, filled_P, ntok + new.generated_tokens, nsame + same_P.sum()
+
+
+def finish_refill(spec: RolloutSpec, buf: Rollout, filled_P, rounds, ntok, nsame) -> Rollout:
+    """The buffer as the step's rollout: unfilled slots invalid, every round's tokens counted."""
+    return buf._replace(
+        group_valid=filled_P,
+        generated_tokens=jnp.asarray(ntok, jnp.int32),
+        all_same_frac=nsame / (rounds * spec.prompts).astype(jnp.float32),
+    )
+
+
 def _refill(spec: RolloutSpec, round_fn, first: Rollout) -> Rollout:
     """DAPO dynamic sampling: all-equal groups are dropped and refilled from later rounds."""
-    P = spec.prompts
-    keep = ~all_same(first.rewards)
-    buf, filled = compact(first, jnp.zeros((P,), bool), first, keep)
-    carry = (buf, filled, jnp.int32(1), first.generated_tokens, all_same(first.rewards).sum())
+    empty = jnp.zeros((spec.prompts,), bool)
+    carry = (*absorb(first, empty, jnp.int32(0), jnp.int32(0), first), jnp.int32(1))
 
     def cond(c):
-        return (c[2] < spec.rounds) & ~jnp.all(c[1])
+        return (c[-1] < spec.rounds) & ~jnp.all(c[1])
 
     def body(c):
-        buf, filled, r, ntok, nsame = c
-        new = round_fn(r)
-        same = all_same(new.rewards)
-        buf, filled = compact(buf, filled, new, ~same)
-        return buf, filled, r + 1, ntok + new.generated_tokens, nsame + same.sum()
+        *acc, r = c
+        return (*absorb(*acc, round_fn(r)), r + 1)
 
-    buf, filled, r, ntok, nsame = jax.lax.while_loop(cond, body, carry)
-    return buf._replace(
-        group_valid=filled,
-        generated_tokens=ntok,
-        all_same_frac=nsame / (r * P).astype(jnp.float32),
-    )
+    buf, filled, ntok, nsame, r = jax.lax.while_loop(cond, body, carry)
+    return finish_refill(spec, buf, filled, jnp.asarray(r), ntok, nsame)
+
+
+def make_round_fn(
+    spec: RolloutSpec, model_config, stop_ids, cluster_ids_fn: ClusterFn, mesh=None
+):
+    """round(params, batch, r, rng) -> round r's Rollout (rows r*P .. r*P+P-1 of the batch,
+    key fold_in(rng, r)), rewards 0: DAPO's refill rounds when the host scores them."""
+    sample = functools.partial(_sample, spec, model_config, stop_ids, mesh)
+    return functools.partial(_one_round, spec, sample, None, cluster_ids_fn)
 
 
 def make_rollout_fn(
@@ -168,10 +184,9 @@ def make_rollout_fn(
     `batch` is a tasks.PromptBatch with `spec.batch_prompts` prompts. `stop_ids` is the id,
     or list of ids (an HF chat model's EOS and end-of-turn tokens), the sampler stops on;
     `cluster_ids_fn(batch) -> [P]` is the task's EB cluster of each prompt. With
-    `reward_fn=None` the rewards stay 0 for a host reward to fill in (jit -> host -> jit).
+    `reward_fn=None` the rewards stay 0 for a host reward to fill in (jit -> host -> jit);
+    with DAPO's dynamic sampling that is round 0 alone (trainer/refill.py runs the others).
     """
-    if reward_fn is None and spec.dapo.dynamic_sampling:
-        raise ValueError("dapo.dynamic_sampling needs a jittable reward_fn (got a host reward)")
     sample = functools.partial(_sample, spec, model_config, stop_ids, mesh)
     one_round = functools.partial(_one_round, spec, sample, reward_fn, cluster_ids_fn)
 
@@ -182,7 +197,7 @@ def make_rollout_fn(
                 f"{spec.rounds} x {spec.prompts}"
             )
         first = one_round(params, batch, 0, rng)
-        if not spec.dapo.dynamic_sampling:
+        if not spec.dapo.dynamic_sampling or reward_fn is None:
             return first
         return _refill(spec, lambda r: one_round(params, batch, r, rng), first)
 

@@ -77,12 +77,16 @@ class HostRunner(_Runner):
         t0 = time.perf_counter()
         with phase("weight_move"):  # the sampler's copy: LoRA merge, cast, move to its mesh
             weights = jax.block_until_ready(pieces.sampler_weights(pieces.policy(state)))
-        with phase("rollout"):
-            batch = first(next_batches())
-            ro = pieces.to_trainer(pieces.rollout_from(state, batch, 1, weights))
-        if pieces.host_reward is not None:  # a jittable reward runs inside the rollout
-            with phase("reward"):
-                ro = pieces.score(ro)
+        if pieces.refill is not None:  # DAPO's rounds alternate sampling and the host reward
+            with phase("rollout_refill"):
+                ro = pieces.scored(state, first(next_batches()), 1, weights)
+        else:
+            with phase("rollout"):
+                batch = first(next_batches())
+                ro = pieces.to_trainer(pieces.rollout_from(state, batch, 1, weights))
+            if pieces.host_reward is not None:  # a jittable reward runs inside the rollout
+                with phase("reward"):
+                    ro = pieces.score(ro)
         t1 = time.perf_counter()
         self.last_rollout = ro
         with phase("update"):
@@ -91,6 +95,8 @@ class HostRunner(_Runner):
         times = {"perf/sample_time_s": t1 - t0, "perf/update_time_s": time.perf_counter() - t1}
         if pieces.episodes is not None:
             times.update(pieces.episodes.last_metrics)
+        if pieces.refill is not None:
+            times.update(pieces.refill.last_metrics)
         return state, m, times
 
 

@@ -15,7 +15,8 @@ from ebpo_jax import distributed
 from ebpo_jax.spec import RunSpec
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.multiturn import MultiTurnRollout
-from ebpo_jax.trainer.rollout import make_rollout_fn
+from ebpo_jax.trainer.refill import HostRefill
+from ebpo_jax.trainer.rollout import make_rollout_fn, make_round_fn
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.update import make_update_fn
@@ -77,6 +78,9 @@ class Pieces:
             self.rollout = lambda params, batch, key: jax.device_put(
                 self.episodes(params, batch, key), sh.sampler_rollout
             )
+        self.refill = None  # DAPO's dynamic sampling scored on the host: trainer/refill.py
+        if spec.rollout.dapo.dynamic_sampling and (self.episodes or not task.reward.jittable):
+            self._host_rounds(spec, task, sh)
         self.cast = _cast_fn(spec.rollout.sampler.param_dtype, sh)
         self.update = jax.jit(
             update,
@@ -89,6 +93,33 @@ class Pieces:
         self.policy = self.view.sampler_fn()
         self.scan_body = functools.partial(train_step, rollout, update, self.view.sampled)
 
+    def _host_rounds(self, spec: RunSpec, task, sh: Shardings):
+        """Round r of a refilled step as its own sampler program; round 0 is the rollout."""
+        if self.episodes is not None:
+            ep = self.episodes
+            self.round = lambda params, batch, r, key: jax.device_put(
+                ep.round(params, batch, r, key), sh.sampler_rollout
+            )
+            self.rollout = lambda params, batch, key: self.round(params, batch, 0, key)
+        else:
+            fn = make_round_fn(
+                spec.rollout, task.model_config, task.stop_ids, task.cluster_ids, sh.sampler_mesh
+            )
+            self.round = jax.jit(fn, out_shardings=sh.sampler_rollout)
+        self.refill = HostRefill(spec.rollout, sh)
+
+    def scored(self, state: TrainState, batch, stream: int, weights=None):
+        """rollout_from then finish; with a host-scored DAPO step, every refill round.
+        `weights`: the policy's sampler_weights, if already made."""
+        if self.refill is None:
+            return self.finish(self.rollout_from(state, batch, stream, weights))
+        key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), stream)
+        if weights is None:
+            weights = self.sampler_weights(self.policy(state))
+        return self.refill(
+            lambda r: self.finish(self.sample(weights, batch, key, r, moved=True))
+        )
+
     def sampler_weights(self, params):
         """The sampler's copy of `params`: cast, and moved to its mesh (dispatched, not waited)."""
         sh = self.sh
@@ -99,15 +130,18 @@ class Pieces:
             params = jax.device_put(params, sh.sampler_params)
         return params
 
-    def sample(self, params, batch, key, *, moved: bool = False):
-        """Dispatch a rollout on the sampler mesh (asynchronous: nothing waits for it);
-        `moved`: `params` are already the sampler's (sampler_weights)."""
+    def sample(self, params, batch, key, round_: int = 0, *, moved: bool = False):
+        """Dispatch a rollout (round `round_` of a host-refilled step) on the sampler mesh
+        (asynchronous: nothing waits for it); `moved`: `params` are already the sampler's
+        (sampler_weights)."""
         sh = self.sh
         params = params if moved else self.sampler_weights(params)
         if sh.sampler_mesh is not sh.mesh:
             batch = jax.device_put(batch, sh.batches(batch, axis=0, on_sampler=True))
             key = jax.device_put(key, jax.sharding.NamedSharding(sh.sampler_mesh, _REPLICATED))
         with jax.set_mesh(sh.sampler_mesh):
+            if round_:
+                return self.round(params, batch, jax.numpy.int32(round_), key)
             return self.rollout(params, batch, key)
 
     def finish(self, ro):

@@ -1,0 +1,65 @@
+"""configs/paper.py: every headline cell resolves to its recipe; experiments/paper_table.py."""
+
+import os
+
+import pytest
+
+from ebpo_jax.config import ConfigError, load_sibling, validate
+from ebpo_jax.spec import resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+paper = load_sibling(os.path.join(ROOT, "configs", "x.py"), "paper.py")
+pod = load_sibling(os.path.join(ROOT, "configs", "x.py"), "qwen3_8b.py")
+
+
+def test_the_table_has_every_cell_with_a_paper_number():
+    assert len(paper.CELLS) == len(set(paper.CELLS)) == 15 + 9
+    for model, method, g in paper.CELLS:
+        assert method == "clip_cov" or method in paper.PASS1[(model, g)]
+
+
+@pytest.mark.parametrize("cell", paper.CELLS, ids=str)
+def test_each_cell_is_its_pod_recipe_with_the_methods_bundle(cell):
+    model, method, g = cell
+    c = paper.get_config(paper.cell_name(*cell) + ",aot")
+    validate(c, 32)
+    spec = resolve(c, 32)
+    base = resolve(pod.recipe(paper.MODELS[model], "aot"), 32)
+    assert spec.task.model == base.task.model  # the pod config's model, not a copy
+    assert spec.rollout.group_size == g and spec.rollout.prompts == 512
+    assert spec.rollout.prompts_per_call * g == 2048  # one call's rows as at G=4
+    assert spec.update.loss.num_microbatches * 32 == 128 * g  # a row per chip
+    est = {"dr_grpo": "dr_grpo", "ebpo": "ebpo"}.get(method, "grpo")
+    assert spec.run.estimator == est
+    assert spec.update.loss.name == ("clip_cov" if method == "clip_cov" else "ppo")
+    dapo = method == "dapo"
+    assert spec.rollout.dapo.dynamic_sampling == dapo
+    assert spec.rollout.batch_prompts == 512 * (3 if dapo else 1)
+    assert spec.update.loss.clip_high == (0.28 if dapo else 0.2)
+    assert spec.update.dapo.overlong_buffer == (1638 if dapo else 0)
+    agg = "seq-mean-token-sum-norm" if method == "dr_grpo" else "token-mean"
+    assert spec.update.loss.agg == agg
+    assert bool(spec.update.estimator_options.per_batch) == (method == "ebpo")  # authors' code
+    assert spec.task.task.order == ("topic" if method == "ebpo" else "naive")
+
+
+def test_bad_cells_are_one_line_errors():
+    for bad in ("qwen3_8b,ppo,g4", "qwen3_8b,grpo,g5", "qwen3_8b,qwen3_14b"):
+        with pytest.raises(ConfigError, match="configs/paper.py:") as e:
+            paper.get_config(bad)
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="'paper' is an EBPO variant"):
+        paper.get_config("qwen3_8b,grpo,g4,paper")
+    assert paper.parse("") == ("qwen3_8b", "ebpo", 4, [])
+
+
+@pytest.mark.slow  # ~30 s loaded: libtpu's v5p-64 topology for the estimate
+def test_paper_table_prints_a_cells_estimate(capsys):
+    from conftest import load_experiment
+
+    table = load_experiment("paper_table")
+    table.flags.FLAGS(["paper_table", "--cell=qwen3_8b,dapo,g4", "--reports=/nonexistent"])
+    table.main([])
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("| `qwen3_8b,dapo,g4` | 52.63 |") and "| 2 |" in out[2]
+    assert out[2].endswith("not compiled yet |")
