@@ -73,19 +73,10 @@ def parse(variant: str | None) -> tuple[str, str, int, list[str]]:
     return model[0], method[0], int(g[0][1:]), rest
 
 
-# Issue 49 adds this bundle to grid.METHODS (uncommitted when this was written); until it is
-# there, the same overrides: GRPO advantages and the clip_cov loss at verl's defaults.
-_CLIP_COV = {"estimator": "grpo", "loss.name": "clip_cov"}
-
-
 def _method_overrides(method: str) -> dict:
-    from ebpo_jax import losses
     from ebpo_jax.ablation.grid import METHODS as BUNDLES
 
-    bundles = {**({"clip_cov": _CLIP_COV} if "clip_cov" in losses.names() else {}), **BUNDLES}
-    if method not in bundles:
-        raise ConfigError(f"method {method!r}: this checkout has no such loss or estimator yet")
-    out = dict(bundles[method])
+    out = dict(BUNDLES[method])
     if method == "dapo":
         out |= {"dapo.overlong_buffer": DAPO_OVERLONG_BUFFER, "dapo.overlong_penalty": 1.0}
     return out
