@@ -296,6 +296,15 @@ def _attempter(reports: list, hbm: int, peak: float, log):
     return attempt
 
 
+def _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept):
+    """The step estimate; with DAPO's dynamic sampling, its refill rounds decode one after
+    another (`generated_per_kept`, None = DAPO_GENERATED_PER_KEPT)."""
+    est = _estimate(spec, mc, hw, s_mesh, prompt_len)
+    if not spec.rollout.dapo.dynamic_sampling:
+        return est
+    return with_refill(est, generated_per_kept or DAPO_GENERATED_PER_KEPT)
+
+
 def run(
     spec: RunSpec,
     topology: str,
@@ -330,11 +339,8 @@ def run(
     epochs = (
         f"{spec.update.loss.ppo_epochs} epoch(s) x {spec.update.loss.num_minibatches} mini-batches"
     )
-    meta = {"step_estimate": _estimate(spec, mc, hw, s_mesh, prompt_len)}
-    if spec.rollout.dapo.dynamic_sampling:  # the refill rounds decode one after another
-        ratio = generated_per_kept or DAPO_GENERATED_PER_KEPT
-        meta["step_estimate"] = with_refill(meta["step_estimate"], ratio)
-    meta |= {"topology": topology, "chip_topology": chip_name}
+    estimate = _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept)
+    meta = {"step_estimate": estimate, "topology": topology, "chip_topology": chip_name}
     meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
     if estimate_only:
         return reports, meta

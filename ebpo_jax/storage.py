@@ -13,12 +13,6 @@ import logging
 import os
 from collections.abc import Iterator
 
-# The emulator cannot answer gcsfs's gRPC bucket-type probe, which then waits 60 s per call
-# and warns on every new client that it fell back (it has no credentials to probe with).
-if os.environ.get("STORAGE_EMULATOR_HOST"):
-    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    logging.getLogger("gcsfs").setLevel(logging.ERROR)
-
 import fsspec
 from etils import epath
 
@@ -30,7 +24,19 @@ REMOTE_SCHEMES = ("gs://",)
 
 def is_remote(path: str) -> bool:
     """Whether `path` names object storage (`gs://bucket/...`), not a local file."""
-    return str(path).startswith(REMOTE_SCHEMES)
+    remote = str(path).startswith(REMOTE_SCHEMES)
+    if remote:
+        _emulator_quirks()
+    return remote
+
+
+def _emulator_quirks() -> None:
+    """Against an emulator (STORAGE_EMULATOR_HOST), before gcsfs is first used: it cannot
+    answer gcsfs's gRPC bucket-type probe, which then waits 60 s per call and warns on every
+    new client that it fell back (it has no credentials to probe with)."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        logging.getLogger("gcsfs").setLevel(logging.ERROR)
 
 
 def require(p: str) -> None:

@@ -165,7 +165,9 @@ def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
     make = pathlib.Path(ROOT, "Makefile").read_text()
     venvs = dict(re.findall(r"^(\w*VENV) := (\S+)", make, re.MULTILINE))
     assert venvs["VENV"] != venvs["TEST_VENV"]
-    installs = re.findall(r"^\t\$\((\w+)\)/bin/pip install -q -e (\S+)$", make, re.MULTILINE)
+    installs = re.findall(
+        r"^\t\$\((\w+)\)/bin/pip install -q(?: -c \$\(CONSTRAINTS\))? -e (\S+)$", make, re.MULTILINE
+    )
     assert ("VENV", "'.[train]'") in installs and ("TEST_VENV", "'.[test]'") in installs
     assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
 

@@ -25,6 +25,7 @@ SCRIPT_TESTS = {
     "benchmarks/packed_bench.py": "scripts_test",
     "benchmarks/rollout_bench.py": "scripts_test",
     "benchmarks/sampler_bench.py": "scripts_test",
+    "benchmarks/storage_bench.py": "storage_test",
     "benchmarks/train_bench.py": "scripts_test",
     "experiments/ablate.py": "ablate_test",
     "experiments/launch.py": "ray_executor_test",

@@ -318,3 +318,15 @@ def test_a_persistent_fault_fails_the_save_by_name_and_keeps_the_previous_step(
         step, restored, _ = ckpt.restore_intact(tree)
     assert step == 2
     np.testing.assert_array_equal(restored["w"], tree["w"] + 1)
+
+
+@pytest.mark.slow
+def test_storage_bench_smoke():
+    """benchmarks/storage_bench.py runs (one save and restore per state, no training)."""
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "storage_bench.py"), "--repeats=1",
+         "--steps=0"],
+        capture_output=True, text=True, timeout=1800, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "micro state" in run.stdout and "tiny state" in run.stdout

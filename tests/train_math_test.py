@@ -167,7 +167,7 @@ def test_math_run_without_eval_path_writes_no_eval(files, tmp_path):
         ("eb_clusters", "cell", "eb_clusters='cell' needs the synthetic tasks"),
         ("sft.steps", 5, "sft.steps=5"),
         ("model.tokenizer_path", "", "needs a tokenizer: set model.hf_path"),
-        ("model.hf_path", "/nonexistent", "model.hf_path='/nonexistent' is not a local HF"),
+        ("model.hf_path", "/nonexistent", "model.hf_path='/nonexistent' is not an HF checkpoint"),
     ],
 )
 def test_bad_math_config_is_a_one_line_error(files, tmp_path, field, value, message):
