@@ -124,8 +124,11 @@ def summary(s: dict, config) -> str:
             end = f"{100 * s['pass@1_end']:.1f}% (step {s['pass@1_end_step']})"
         score = f"held-out pass@1: {100 * s['pass@1_start']:.1f}% ({start}) -> {end}"
     run = f"trained to step {s['step']}" + (" (stopped early)" if s["stopped_early"] else "")
+    run += f", {s['wall_time_s']:.0f} s"
+    if s.get("resumed_from") == s["step"]:  # a resume of a finished run trains nothing
+        run = f"nothing to train: the run is at step {s['step']} (raise --config.total_steps)"
     return (
-        f"{score}\n{run}, {s['wall_time_s']:.0f} s\n"
+        f"{score}\n{run}\n"
         f"workdir: {s['workdir']}\nmetrics: {s['metrics']}\ncheckpoints: {s['checkpoints']}\n"
         f"plot: python experiments/plot_run.py {s['workdir']}\n"
         f"tensorboard: tensorboard --logdir {s['workdir']}"

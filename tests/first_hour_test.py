@@ -157,6 +157,26 @@ def test_micro_summary_says_it_has_no_warm_start():
     assert "plot: python experiments/plot_run.py w" in text
 
 
+def test_a_resume_that_trains_nothing_says_so_in_one_line():
+    s = {
+        "pass@1_start": 0.25,
+        "pass@1_end": 0.37,
+        "pass@1_end_step": 250,
+        "step": 250,
+        "resumed_from": 250,
+        "stopped_early": False,
+        "wall_time_s": 1.0,
+        "workdir": "w",
+        "metrics": "w/metrics.jsonl",
+        "checkpoints": "w/checkpoints",
+    }
+    lines = progress.summary(s, micro.get_config()).splitlines()
+    assert lines[1] == "nothing to train: the run is at step 250 (raise --config.total_steps)"
+    assert not any(line.startswith("trained to step") for line in lines)
+    assert "trained to step 250, 3 s" in progress.summary({**s, "resumed_from": 240,
+                                                           "wall_time_s": 3.0}, micro.get_config())
+
+
 def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
     setup = pathlib.Path(ROOT, "setup.py").read_text()
     train = setup[setup.index("TRAIN = [") : setup.index("setuptools.setup(")]  # the [train] extra

@@ -153,10 +153,11 @@ class _Log:
             row = self.eval_row(policy, {}, step)
             self.start = row["eval/pass@1"]
             self.writer.write(step, row)
-        if evaluate is not None and self.now_step:  # a resume: where the run got to
+        finished = step >= spec.run.total_steps  # the closing summary says it all
+        if evaluate is not None and self.now_step and not finished:  # a resume: how far
             now = f"{100 * self.now:.1f}% at step {self.now_step}"
             log(f"held-out pass@1: {100 * self.start:.1f}% at the warm start, {now}")
-        elif evaluate is not None:
+        elif evaluate is not None and not self.now_step:
             log(f"held-out pass@1 at the warm start: {100 * self.start:.1f}%")
         # After the lines above: a bar must not have them printed into its line.
         self.bar = progress_lib.progress(
