@@ -67,7 +67,7 @@ setuptools.setup(
             "google-cloud-storage>=2.14",
             "gcp-storage-emulator>=2024.8",
         ],
-        # Run state on gs:// (ebpo_jax.storage): gcsfs for epath, the client for the lock.
+        # Run state on gs:// (ebpo_jax.runtime.storage): gcsfs for epath, the client for the lock.
         "gcs": ["gcsfs>=2024.2", "google-cloud-storage>=2.14"],
         # Pods keep their run state on gs://: the TPU install brings the gcs extra.
         "tpu": ["jax[tpu]", "gcsfs>=2024.2", "google-cloud-storage>=2.14"],

@@ -21,14 +21,14 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ebpo_jax.cpu_flags import add_cpu_flags
+from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
 add_cpu_flags()
 
 import jax
 
 from configs import tiny
-from ebpo_jax.metrics import read_metrics
+from ebpo_jax.runtime.metrics import read_metrics
 from ebpo_jax.trainer import loop
 
 

@@ -182,7 +182,7 @@ def smoke_case(runs=1):
 def tiny_default_case(runs, row_len=0, budget=0):
     from configs import tiny
     from ebpo_jax.spec import resolve
-    from ebpo_jax.trainer import task_arithmetic
+    from ebpo_jax.tasks.families import arithmetic as task_arithmetic
 
     c = tiny.get_config()
     _, problems, _ = task_arithmetic.load_problems(resolve(c).task)

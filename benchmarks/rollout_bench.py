@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ebpo_jax import models, sampler
-from ebpo_jax.aot_report import Lengths
+from ebpo_jax.pods.aot_report import Lengths
 from ebpo_jax.sampler import attention, pages
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/

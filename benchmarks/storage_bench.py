@@ -28,8 +28,8 @@ import numpy as np  # noqa: E402
 
 from configs import micro, tiny  # noqa: E402
 from ebpo_jax import models  # noqa: E402
-from ebpo_jax.checkpoint import Checkpointer  # noqa: E402
-from ebpo_jax.metrics import read_metrics  # noqa: E402
+from ebpo_jax.runtime.checkpoint import Checkpointer  # noqa: E402
+from ebpo_jax.runtime.metrics import read_metrics  # noqa: E402
 
 
 def _state(config_module):
@@ -63,8 +63,13 @@ def _step_times(workdir: str, steps: int, checkpoint_every: int) -> float:
     c = micro.get_config()
     c.unlock()
     c.update_from_flattened_dict(
-        {"workdir": workdir, "total_steps": steps, "checkpoint_every": checkpoint_every,
-         "eval_every": steps, "mesh.devices": 1}
+        {
+            "workdir": workdir,
+            "total_steps": steps,
+            "checkpoint_every": checkpoint_every,
+            "eval_every": steps,
+            "mesh.devices": 1,
+        }
     )
     loop.train(c, log=lambda *_: None)
     rows = [r for r in read_metrics(workdir) if "perf/step_time_s" in r]

@@ -23,8 +23,8 @@ import transformers
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 from configs import micro
 from ebpo_jax import models
+from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.update import make_update_fn
 
@@ -193,7 +193,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     main()

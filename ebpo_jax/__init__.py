@@ -1,7 +1,7 @@
 """ebpo-jax: Empirical Bayes Policy Optimization for LLM RL in pure JAX.
 
 Importing it has no side effects. The XLA:CPU flags measured for this project
-(`ebpo_jax.cpu_flags.add_cpu_flags()`) are set by the entry points (experiments/, benchmarks/,
+(`ebpo_jax.runtime.cpu_flags.add_cpu_flags()`) are set by the entry points (experiments/, benchmarks/,
 the tests); a library user may call it before jax starts a backend.
 """
 

@@ -43,7 +43,7 @@ def _override_names(argv: list[str], flag: str) -> list[str]:
 
 def config_error_line(e: BaseException, argv: list[str], flag: str = "config") -> str:
     """The message for an exception raised while parsing `--config.*` flags."""
-    from ebpo_jax.config import ConfigError
+    from ebpo_jax.schema import ConfigError
 
     if isinstance(e, ConfigError):
         return str(e)
@@ -121,19 +121,19 @@ def divert_logs(path: str, packages: tuple[str, ...] = ("orbax",)) -> None:
 
 def _usage_errors() -> tuple[type[BaseException], ...]:
     """Bad input (exit 2): config fields, data files, model checkpoint folders."""
-    from ebpo_jax.config import ConfigError
     from ebpo_jax.data import DataError
     from ebpo_jax.models.hf import HFCheckpointError
+    from ebpo_jax.schema import ConfigError
 
     return (ConfigError, DataError, HFCheckpointError)
 
 
 def _run_errors() -> tuple[type[BaseException], ...]:
     """A run that cannot go on (exit 1): its folder, metrics or checkpoints, or a failed write."""
-    from ebpo_jax.checkpoint import CheckpointError
-    from ebpo_jax.metrics import MetricsError
-    from ebpo_jax.workdir import WorkdirError
-    from ebpo_jax.workers import WorkerError  # a reward or environment worker pool failed
+    from ebpo_jax.runtime.checkpoint import CheckpointError
+    from ebpo_jax.runtime.metrics import MetricsError
+    from ebpo_jax.runtime.workdir import WorkdirError
+    from ebpo_jax.runtime.workers import WorkerError  # a reward or environment worker pool failed
 
     # Raised only once the trainer is imported: no import of it (and of jax) here.
     loop = sys.modules.get("ebpo_jax.trainer.loop")
@@ -143,7 +143,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
 
 def _define_cache_flags(flags) -> None:
     """--[no]compilation_cache and --compilation_cache_dir, once per process."""
-    from ebpo_jax import compile_cache
+    from ebpo_jax.runtime import compile_cache
 
     if "compilation_cache" in flags.FLAGS:
         return
@@ -177,7 +177,7 @@ def _print_help(flag_values, config_flag: str) -> None:
 def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:
     """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1.
 
-    Also the persistent compilation cache (ebpo_jax.compile_cache), unless --nocompilation_cache.
+    Also the persistent compilation cache (ebpo_jax.runtime.compile_cache), unless --nocompilation_cache.
     """
     from absl import app, flags
 
@@ -203,12 +203,12 @@ def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> 
 
     def wrapped(args):
         if flags.FLAGS[f"list_{config_flag}"].value if f"list_{config_flag}" in flags.FLAGS else 0:
-            from ebpo_jax.config_doc import describe
+            from ebpo_jax.config.doc import describe
 
             print(describe(flags.FLAGS[config_flag].value))
             return None
         if flags.FLAGS.compilation_cache:
-            from ebpo_jax import compile_cache
+            from ebpo_jax.runtime import compile_cache
 
             compile_cache.enable(flags.FLAGS.compilation_cache_dir)
         try:

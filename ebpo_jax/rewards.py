@@ -2,7 +2,7 @@
 
 math-verify bounds its own work with `signal.alarm`, which only works in a process's main
 thread and cannot interrupt C code (e.g. sympy on a huge power). So every verification runs
-in a worker process of a `RewardPool` (an `ebpo_jax.workers.WorkerPool`); a worker that
+in a worker process of a `RewardPool` (an `ebpo_jax.runtime.workers.WorkerPool`); a worker that
 overruns its per-item timeout is killed and replaced, and the item scores 0. Workers start
 from a `forkserver` (or `spawn`), never `fork`, with the caller's `__main__` hidden (a plain
 script without an `if __name__ == "__main__":` guard can score rewards), and die with the
@@ -38,7 +38,7 @@ from functools import partial
 
 import numpy as np
 
-from ebpo_jax.workers import LoadError, PoolOwner, WorkerError, WorkerPool
+from ebpo_jax.runtime.workers import LoadError, PoolOwner, WorkerError, WorkerPool
 
 RewardFn = Callable[[str, str], float]
 

@@ -5,7 +5,7 @@ Each config section is a frozen (hashable) dataclass; a field is `setting(defaul
 check=...)`. `config.default_config()` builds the ml_collections ConfigDict from these
 classes (so config files and `--config.a.b=v` keep working), and `parse(config)` reads a
 ConfigDict back into a typed `Config`, running each field's check (a one-line `ConfigError`
-naming `section.field`). Checks that need several sections live in `ebpo_jax.spec_checks`.
+naming `section.field`). Checks that need several sections live in `ebpo_jax.config.checks`.
 This module imports no jax: a check that needs a registry imports it when it runs.
 """
 
@@ -240,7 +240,7 @@ class Task:
     topics: str = setting("", 'comma-separated topic names; "" = every topic')
     env: str = setting(
         "",
-        "an environment (ebpo_jax.envs registry) that makes any family's rollouts multi-turn "
+        "an environment (ebpo_jax.tasks.envs registry) that makes any family's rollouts multi-turn "
         'episodes; "" = the family\'s own (calculator, guess) or none',
     )
     max_difficulty: int = setting(0, "0 = every level", nonneg)
@@ -510,12 +510,13 @@ class Run:
     step_timeout_s: float = setting(
         0.0,
         "seconds a step's phase may run before the run dumps its stacks and exits 1; "
-        "0 = auto (ebpo_jax.watchdog: 3600 s while 3 steps compile, then from their times)",
+        "0 = auto (ebpo_jax.runtime.watchdog: 3600 s while 3 steps compile, then from their times)",
         nonneg,
     )
     profile_steps: str = setting(
-        "", "'a:b': a jax.profiler trace of steps a..b-1 into the workdir ('' = none)",
-        lazy_check("ebpo_jax.tracing:check_steps"),
+        "",
+        "'a:b': a jax.profiler trace of steps a..b-1 into the workdir ('' = none)",
+        lazy_check("ebpo_jax.runtime.tracing:check_steps"),
     )
     log_every: int = setting(10, "without a terminal: a progress line every N steps", at_least(1))
     log_every_s: float = setting(30.0, "... and at most this many seconds apart", positive)

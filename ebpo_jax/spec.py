@@ -2,7 +2,7 @@
 
 Config files stay ml_collections (`--config.x=` overrides); `resolve(config)` parses them into
 the typed sections of `ebpo_jax.schema` (one-line `ConfigError`s naming the field), runs the
-checks that need several sections (`ebpo_jax.spec_checks`) and returns a `RunSpec`. Each
+checks that need several sections (`ebpo_jax.config.checks`) and returns a `RunSpec`. Each
 slice holds the sections its factory reads plus values derived from them (shapes, the
 resolved mesh, the LoRA spec), never a copy of a setting: the rollout a `RolloutSpec`, the
 update an `UpdateSpec`, the optimizer an `OptimSpec`, and so on. Nothing downstream reads
@@ -14,7 +14,9 @@ import json
 from typing import Any
 
 from ebpo_jax import config as config_lib
-from ebpo_jax import schema, spec_checks, storage
+from ebpo_jax import schema
+from ebpo_jax.config import checks
+from ebpo_jax.runtime import storage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,11 +186,11 @@ def optim_spec(c: schema.Config) -> OptimSpec:
 def mesh_spec(c: schema.Config, num_devices: int | None = None) -> MeshSpec:
     shape = tuple(int(s) for s in c.mesh.shape)
     if num_devices is not None:
-        shape = spec_checks.mesh_shape(c, num_devices)
+        shape = checks.mesh_shape(c, num_devices)
     return MeshSpec(
         mesh=c.mesh,
         shape=shape,
-        sampler=spec_checks.sampler_mesh(c),
+        sampler=checks.sampler_mesh(c),
         disjoint=c.rollout.max_staleness > 0,
     )
 

@@ -58,7 +58,10 @@ _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON re
 
 def main(argv):
     del argv
-    from ebpo_jax import aot, aot_report  # after flag parsing, so --help stays fast
+    from ebpo_jax.pods import (
+        aot,
+        aot_report,  # after flag parsing, so --help stays fast
+    )
 
     reason = aot_report.compiler_unavailable(_TOPOLOGY.value)
     if reason:
@@ -104,7 +107,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flag_as_required("config")

@@ -35,7 +35,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["data", "out"])

@@ -121,13 +121,12 @@ def load_params(src):
 def export_lora(src, run, dst, peft_dst=None, *, dtype=None, max_shard_gb=5.0):
     """A LoRA run on the HF base `src`: merged HF model to `dst`, PEFT adapter to `peft_dst`."""
     from ebpo_jax import models
-    from ebpo_jax.models import lora, peft_export
-    from ebpo_jax.trainer import lora_state
+    from ebpo_jax.models import lora, lora_checkpoint, peft_export
 
     if not os.path.exists(os.path.join(src, "config.json")):
         raise FileNotFoundError(f"--src={src}: no config.json (--lora_run needs the HF base)")
     config, base = models.from_hf(src, dtype="float32")
-    spec, adapters = lora_state.restore_adapters(run, config)
+    spec, adapters = lora_checkpoint.restore_adapters(run, config)
     if spec is None:
         raise ValueError(f"--lora_run={run}: its checkpoint holds full params, not adapters")
     if peft_dst:
@@ -172,7 +171,7 @@ def _write_hf(config, params, dst, *, dtype, max_shard_gb, tokenizer_from):
 def on_storage(fn, src, dst, **kw):
     """fn(src, dst, **kw) on local paths: gs:// inputs (src, tokenizer_from) copied to this
     host, a gs:// `dst` written to a temporary folder and uploaded after."""
-    from ebpo_jax import storage
+    from ebpo_jax.runtime import storage
 
     cache = os.path.expanduser("~/.cache/ebpo_jax/hf")
     src = storage.local_copy(src, cache)
@@ -209,7 +208,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["src", "dst"])

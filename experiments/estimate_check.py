@@ -3,7 +3,7 @@
 
 Trains the config for a few steps in a fresh workdir (K = 1: each phase timed), then prints
 each phase's median time beside `step_time_estimate`'s for the same config on this device:
-a TPU or GPU by its kind, a CPU by its own peak numbers, measured here (ebpo_jax.estimate_check).
+a TPU or GPU by its kind, a CPU by its own peak numbers, measured here (ebpo_jax.pods.estimate_check).
 """
 
 import json
@@ -25,11 +25,11 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     import jax
 
-    from ebpo_jax import estimate_check as ec
-    from ebpo_jax.metrics import read_metrics
+    from ebpo_jax.pods import estimate_check as ec
+    from ebpo_jax.runtime.metrics import read_metrics
     from ebpo_jax.spec import resolve
+    from ebpo_jax.tasks.protocol import build_task
     from ebpo_jax.trainer.loop import train
-    from ebpo_jax.trainer.task import build_task
 
     c = _CONFIG.value
     c.unlock()
@@ -59,7 +59,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()
     cli.run(main)

@@ -33,8 +33,8 @@ def run() -> list[float]:
     """Estimate and write the difficulties; returns the pass rates."""
     import dataclasses
 
-    from ebpo_jax import policy_eval
     from ebpo_jax.data import load_records, save_records
+    from ebpo_jax.evaluation import policy as policy_eval
 
     model_config, params, tokenizer = policy_eval.load_policy(_MODEL.value, checkpoint=_CKPT.value)
     records = load_records(_DATA.value, _SCHEMA.value, limit=_LIMIT.value)
@@ -72,7 +72,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flags_as_required(["model", "data", "out"])

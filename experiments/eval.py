@@ -50,8 +50,9 @@ _OUT = flags.DEFINE_string(
 
 def run(argv=None) -> dict:
     """Evaluate every benchmark as the flags say; returns the results written to --out."""
-    from ebpo_jax import evaluation, policy_eval
+    from ebpo_jax import evaluation
     from ebpo_jax.data import load_records
+    from ebpo_jax.evaluation import policy as policy_eval
 
     if _WORKDIR.value:
         from ebpo_jax.trainer import run_eval
@@ -117,7 +118,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     cli.run(main)

@@ -6,7 +6,7 @@ Prints one line per check (OK / FAIL / SKIP) and exits 1 if any check fails:
   3. sampler == forward: `generate`'s log-probs equal the log-softmax of `forward`;
   4. one update (grads + AdamW step) with cuDNN attention against the XLA attention;
   5. throughput: decode tokens/s and update tokens/s on a 0.6B Qwen3 in bf16, MFU against
-     the card's bf16 peak (ebpo_jax.gpu_topology) and decode against HBM bandwidth.
+     the card's bf16 peak (ebpo_jax.pods.gpu_topology) and decode against HBM bandwidth.
 On a CPU the GPU-specific checks (4, 5) print SKIP; the others run as on a GPU.
 """
 
@@ -51,7 +51,7 @@ def card():
     """The GpuModel of device 0 (H100 / H200), or None."""
     import jax
 
-    from ebpo_jax import gpu_topology
+    from ebpo_jax.pods import gpu_topology
 
     kind = jax.devices()[0].device_kind.lower()
     return next((g for n, g in gpu_topology.GPUS.items() if n in kind), None)
@@ -226,7 +226,8 @@ def throughput(quick):
     import jax
     import numpy as np
 
-    from ebpo_jax import aot_report, models, sampler
+    from ebpo_jax import models, sampler
+    from ebpo_jax.pods import aot_report
 
     gpu = card()
     config = models.get_config("qwen3_0_6b", dtype="bfloat16", param_dtype="bfloat16")

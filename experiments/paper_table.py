@@ -46,8 +46,8 @@ def _compiled(path: str) -> str:
 
 def main(argv):
     del argv
-    from ebpo_jax import aot
     from ebpo_jax.config import ConfigError, load_sibling
+    from ebpo_jax.pods import aot
 
     paper = load_sibling(os.path.join(_REPO, "configs", "x.py"), "paper.py")
     print("| cell | reproduces (Pass@1 %) | est. step s | refill x | AOT report |")
@@ -80,7 +80,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()
     cli.run(main)

@@ -15,8 +15,8 @@ import matplotlib
 matplotlib.use("Agg")  # a file, no display (pods, CI, ssh)
 import matplotlib.pyplot as plt
 
-from ebpo_jax import metrics as metrics_lib
-from ebpo_jax import storage
+from ebpo_jax.runtime import metrics as metrics_lib
+from ebpo_jax.runtime import storage
 
 PANELS = (
     ("reward/mean", "training reward (mean)"),

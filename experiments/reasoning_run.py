@@ -11,9 +11,10 @@ import time
 
 import numpy as np
 
-from ebpo_jax import cli, policy_eval, sampler, tasks
+from ebpo_jax import cli, sampler, tasks
+from ebpo_jax.evaluation import policy as policy_eval
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer import task_reasoning
+from ebpo_jax.tasks.families import reasoning as task_reasoning
 
 _CONFIG = cli.define_config("config", "configs/reasoning.py", "Training config.")
 
@@ -65,7 +66,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     cli.run(main)

@@ -13,10 +13,10 @@ _CONFIG = cli.define_config("config", os.path.normpath(_DEFAULT), "Training conf
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-    from ebpo_jax import distributed
+    from ebpo_jax.runtime import distributed
 
     distributed.initialize()  # pods: every worker runs this command; no-op on one host
-    from ebpo_jax import storage
+    from ebpo_jax.runtime import storage
 
     log_dir = storage.host_local(_CONFIG.value.workdir)  # gs://: a local file on each host
     cli.divert_logs(os.path.join(log_dir, "orbax.log"))
@@ -25,13 +25,13 @@ def main(argv):
     s = train(_CONFIG.value)
     if not distributed.is_main_process():
         return
-    from ebpo_jax.progress import summary
+    from ebpo_jax.runtime.progress import summary
 
     print(summary(s, _CONFIG.value))
 
 
 if __name__ == "__main__":
-    from ebpo_jax.cpu_flags import add_cpu_flags
+    from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     cli.run(main)

@@ -21,7 +21,7 @@ from ebpo_jax import ablation
 from ebpo_jax.ablation import executor, runner, tables
 from ebpo_jax.ablation import grid as grid_lib
 from ebpo_jax.ablation import rerun as rerun_lib
-from ebpo_jax.config import ConfigError
+from ebpo_jax.schema import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

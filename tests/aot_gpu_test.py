@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from helpers import compile_tiny_decode
 
-from ebpo_jax import aot_report, gpu_topology, models
+from ebpo_jax import models
+from ebpo_jax.pods import aot_report, gpu_topology
 
 needs_cuda = pytest.mark.skipif(
     gpu_topology.cuda_plugin_available() is not None,

@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from ebpo_jax import aot_report as aot
 from ebpo_jax import models
+from ebpo_jax.pods import aot_report as aot
 
 
 @pytest.mark.parametrize(
@@ -178,7 +178,7 @@ def test_splash_attention_compiles_to_the_pallas_kernel_for_tpu():
 
 def test_slot_schedule_and_step_estimate_by_hand():
     """Rows of 3, 1, 2 tokens in 2 slots: 2 steps of 3 blocks (slots at 11, then 12)."""
-    from ebpo_jax.aot_report import _slot_schedule
+    from ebpo_jax.pods.aot_report import _slot_schedule
 
     blocks, refills = _slot_schedule(np.array([[3, 1, 2]]), 2, prompt_tokens=10, block=4)
     np.testing.assert_array_equal(blocks, [3, 3])

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from configs import micro
-from ebpo_jax.checkpoint import load_params
-from ebpo_jax.config import ConfigError
+from ebpo_jax.runtime.checkpoint import load_params
+from ebpo_jax.runtime.workdir import WorkdirError
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import resolve
 from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.shardings import make_sampler_mesh
-from ebpo_jax.workdir import WorkdirError
 
 
 def _micro(**overrides):

@@ -15,7 +15,7 @@ from helpers import flip_a_byte
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax.checkpoint import Checkpointer, CheckpointError, PreemptionGuard, list_steps
+from ebpo_jax.runtime.checkpoint import Checkpointer, CheckpointError, PreemptionGuard, list_steps
 
 
 def _tree(seed: int = 0):
@@ -115,7 +115,7 @@ def test_unfinished_save_never_hides_previous_checkpoint(tmp_path):
 _CRASH_SCRIPT = """
 import os, sys
 import jax.numpy as jnp
-from ebpo_jax.checkpoint import Checkpointer
+from ebpo_jax.runtime.checkpoint import Checkpointer
 ck = Checkpointer(sys.argv[1])
 ck.save(1, {"w": jnp.full((4,), 1.0)}, {"step": 1})
 ck.wait()

@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from ebpo_jax import config as C
-from ebpo_jax import schema, spec_checks
+from ebpo_jax import schema
 from ebpo_jax.config import ConfigError, validate
+from ebpo_jax.config import checks as spec_checks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MICRO = os.path.join(ROOT, "configs", "micro.py")
@@ -184,8 +185,8 @@ def test_every_shipped_config_validates(path):
 
 def test_gpu_sampler_settings_reach_the_sampler_spec():
     """The 8xH200 config's pool, calls and attention are what a sampler call is given."""
+    from ebpo_jax.rollout.single_turn import sampler_spec_of
     from ebpo_jax.spec import resolve
-    from ebpo_jax.trainer.rollout import sampler_spec_of
 
     path = os.path.join(os.path.dirname(__file__), "..", "configs", "gpu", "qwen3_8b_h200.py")
     module_spec = importlib.util.spec_from_file_location("h200_config", path)

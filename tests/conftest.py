@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from ebpo_jax.cpu_flags import add_cpu_flags
+from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
 add_cpu_flags()  # the flags the entry points set, so tests run what users run
 

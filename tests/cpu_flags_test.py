@@ -1,6 +1,6 @@
 """The XLA:CPU flags ebpo_jax sets on import."""
 
-from ebpo_jax import cpu_flags
+from ebpo_jax.runtime import cpu_flags
 
 FLAG = "--xla_cpu_experimental_ynn_fusion_type=dot"
 

@@ -9,6 +9,7 @@ from helpers import save_tiny_tokenizer  # also imported from here by evaluation
 from ebpo_jax import data
 from ebpo_jax.data import DataError
 from ebpo_jax.schema import Data
+from ebpo_jax.tasks import math_source
 
 DAPO_CONTENT = (
     "Solve the following math problem step by step. The last line of your response should be "
@@ -281,7 +282,7 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
         data.Record("the answer is", "5", "r3", topic="b", difficulty=0.9),
     ]
     kw = {"data": Data(max_prompt_len=12, template="plain", order="topic"), "seed": 1}
-    src = data.MathPromptSource(records, tok, 2, **kw)
+    src = math_source.MathPromptSource(records, tok, 2, **kw)
     assert src.num_dropped == 1 and [r.id for r in src.records] == ["r0", "r2", "r3"]
     assert src.topic_names == ("a", "b") and src.topic_ids.tolist() == [1, 0, 1]
     b = src.next_batch()
@@ -294,14 +295,14 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
     # Resume mid-stream, and refuse a state saved for other records.
     saved = src.state()
     want = src.next_batches(3)
-    again = data.MathPromptSource(records, tok, 2, **kw)
+    again = math_source.MathPromptSource(records, tok, 2, **kw)
     again.restore(saved)
     np.testing.assert_array_equal(again.next_batches(3).index, want.index)
-    other = data.MathPromptSource(records[::-1], tok, 2, **kw)
+    other = math_source.MathPromptSource(records[::-1], tok, 2, **kw)
     with pytest.raises(ValueError, match="saved for other records"):
         other.restore(saved)
     with pytest.raises(DataError, match="needs every record's difficulty"):
-        data.MathPromptSource(
+        math_source.MathPromptSource(
             [*records, data.Record("solve for x", "1", "nd", topic="a")],
             tok,
             2,
@@ -318,16 +319,19 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
             ids = tok(texts[p][g], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
             tokens[p, g, : len(ids)], lengths[p, g] = ids, len(ids)
     rollout = SimpleNamespace(tokens=tokens, lengths=lengths, index=np.array([0, 1]))
-    reward = data.make_host_reward(src, tok, reward="answer_match", workers=1)
+    reward = math_source.make_host_reward(src, tok, reward="answer_match", workers=1)
     np.testing.assert_array_equal(reward(rollout), [[1, 0], [1, 0]])
-    shaped = data.make_host_reward(src, tok, reward="answer_match", workers=1, format_weight=0.1)
+    shaped = math_source.make_host_reward(
+        src, tok, reward="answer_match", workers=1, format_weight=0.1
+    )
     np.testing.assert_allclose(shaped(rollout), [[1.1, 0], [1.1, 0.1]], rtol=1e-6)
     with pytest.raises(ValueError, match="unknown reward"):
-        data.make_host_reward(src, tok, reward="nope")
+        math_source.make_host_reward(src, tok, reward="nope")
 
 
 def test_source_from_config(tmp_path, tiny_tokenizer_path):
-    from ebpo_jax.data.config import data_config, source_from_config
+    from ebpo_jax.data.config import data_config
+    from ebpo_jax.tasks.math_source import source_from_config
 
     tok = data.load_tokenizer(tiny_tokenizer_path)
     rows = [
@@ -390,9 +394,9 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
 
     from ebpo_jax import models
     from ebpo_jax.config import default_config
+    from ebpo_jax.rollout.single_turn import make_rollout_fn
     from ebpo_jax.spec import resolve
-    from ebpo_jax.trainer import task_math
-    from ebpo_jax.trainer.rollout import make_rollout_fn
+    from ebpo_jax.tasks.families import math_data as task_math
     from ebpo_jax.trainer.state import init_train_state, make_optimizer
     from ebpo_jax.trainer.update import make_update_fn
 
@@ -415,8 +419,10 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
         data.Record(q, a, f"r{i}")
         for i, (q, a) in enumerate([("what is one plus two", "3"), ("solve for x", "5")] * 2)
     ]
-    src = data.MathPromptSource(records, tok, 2, Data(max_prompt_len=16, template="plain"), seed=0)
-    host_reward = data.make_host_reward(src, tok, reward="math", workers=1)
+    src = math_source.MathPromptSource(
+        records, tok, 2, Data(max_prompt_len=16, template="plain"), seed=0
+    )
+    host_reward = math_source.make_host_reward(src, tok, reward="math", workers=1)
     spec = resolve(c)
     optimizer = make_optimizer(spec.optim)
     params0 = models.init_params(mc, jax.random.key(0))
@@ -567,7 +573,7 @@ def test_hf_index_cannot_point_outside_the_folder(hf_folder, tmp_path):
 
 
 def test_eval_checkpoint_typo_creates_nothing(hf_folder, tmp_path):
-    from ebpo_jax import policy_eval
+    from ebpo_jax.evaluation import policy as policy_eval
 
     typo = tmp_path / "runs" / "typo"
     with pytest.raises(FileNotFoundError, match=r"--checkpoint=.*typo: not a trainer workdir"):

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from ebpo_jax import distributed
+from ebpo_jax.runtime import distributed
 
 
 @pytest.mark.parametrize("count", [1, 2, 4, 8])
@@ -59,7 +59,7 @@ _WORKER = textwrap.dedent(
     import sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from ebpo_jax import distributed
+    from ebpo_jax.runtime import distributed
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     pid = int(sys.argv[2])
     assert distributed.initialize(sys.argv[1], num_processes=2, process_id=pid)

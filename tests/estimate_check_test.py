@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from configs import micro
-from ebpo_jax import estimate_check as ec
-from ebpo_jax.aot_report import step_time_estimate
-from ebpo_jax.hardware import ChipSpec
+from ebpo_jax.pods import estimate_check as ec
+from ebpo_jax.pods.aot_report import step_time_estimate
+from ebpo_jax.pods.hardware import ChipSpec
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer.task import build_task
+from ebpo_jax.tasks.protocol import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

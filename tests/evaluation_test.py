@@ -190,8 +190,8 @@ def test_eval_and_difficulty_scripts(tmp_path):
 
 @pytest.mark.slow  # compiles the sampler
 def test_sample_responses_and_score(tmp_path):
-    from ebpo_jax import policy_eval
     from ebpo_jax.data import Record
+    from ebpo_jax.evaluation import policy as policy_eval
 
     mc, params, tok = policy_eval.load_policy(_tiny_policy_folder(tmp_path / "policy"))
     records = [Record("what is one plus two", "3", "a"), Record("solve for x", "5", "b")] * 2

@@ -17,13 +17,13 @@ import pytest
 from helpers import flip_a_byte, micro_config, save_tiny_tokenizer
 
 from ebpo_jax import cli
-from ebpo_jax.checkpoint import MANIFEST, Checkpointer, list_steps
 from ebpo_jax.config import ConfigError, default_config
 from ebpo_jax.data import DataError
-from ebpo_jax.metrics import MetricsWriter, read_metrics
+from ebpo_jax.runtime.checkpoint import MANIFEST, Checkpointer, list_steps
+from ebpo_jax.runtime.metrics import MetricsWriter, read_metrics
 from ebpo_jax.spec import resolve
+from ebpo_jax.tasks.protocol import build_task
 from ebpo_jax.trainer import loop
-from ebpo_jax.trainer.task import build_task
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

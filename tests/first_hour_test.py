@@ -11,8 +11,9 @@ import sys
 import pytest
 
 from configs import micro
-from ebpo_jax import config_doc, progress
 from ebpo_jax.config import default_config
+from ebpo_jax.config import doc as config_doc
+from ebpo_jax.runtime import progress
 from ebpo_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,8 +174,9 @@ def test_a_resume_that_trains_nothing_says_so_in_one_line():
     lines = progress.summary(s, micro.get_config()).splitlines()
     assert lines[1] == "nothing to train: the run is at step 250 (raise --config.total_steps)"
     assert not any(line.startswith("trained to step") for line in lines)
-    assert "trained to step 250, 3 s" in progress.summary({**s, "resumed_from": 240,
-                                                           "wall_time_s": 3.0}, micro.get_config())
+    assert "trained to step 250, 3 s" in progress.summary(
+        {**s, "resumed_from": 240, "wall_time_s": 3.0}, micro.get_config()
+    )
 
 
 def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
@@ -193,7 +195,7 @@ def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
 
 
 def test_compilation_cache_folder_is_the_users_and_configurable(tmp_path):
-    from ebpo_jax import compile_cache
+    from ebpo_jax.runtime import compile_cache
 
     assert compile_cache.default_dir({}) == os.path.join(
         os.path.expanduser("~"), ".cache", "ebpo_jax", "xla"
@@ -205,7 +207,7 @@ def test_compilation_cache_folder_is_the_users_and_configurable(tmp_path):
 def test_orbax_item_metadata_warning_is_dropped_and_others_kept(tmp_path):
     import logging
 
-    from ebpo_jax.checkpoint import Checkpointer
+    from ebpo_jax.runtime.checkpoint import Checkpointer
 
     Checkpointer(str(tmp_path / "ckpt")).close()  # installs the filter on the absl logger
     logger, seen = logging.getLogger("absl"), []

@@ -4,7 +4,7 @@ import it)."""
 import os
 import time
 
-from ebpo_jax.envs import Reply
+from ebpo_jax.tasks.envs import Reply
 
 
 class Flaky:

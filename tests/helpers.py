@@ -83,7 +83,8 @@ def compile_tiny_decode(mesh, attention: str, dp_attention: bool = False):
     and a pool of 8192 pages of 16 tokens: (compiled decode, the pool's bytes per chip)."""
     import jax
 
-    from ebpo_jax import aot, models
+    from ebpo_jax import models
+    from ebpo_jax.pods import aot
     from ebpo_jax.sampler import SamplerSpec, Sampling
     from ebpo_jax.sharding import param_shardings
 

@@ -13,11 +13,10 @@ import pytest
 
 from ebpo_jax import advantages, losses, models, sampler, sharding
 from ebpo_jax import config as config_lib
-from ebpo_jax.checkpoint import Checkpointer
-from ebpo_jax.models import lora
-from ebpo_jax.trainer import lora_state
+from ebpo_jax.models import lora, lora_checkpoint
+from ebpo_jax.runtime.checkpoint import Checkpointer
 from ebpo_jax.trainer.policy import Policy
-from ebpo_jax.trainer.state import state_shardings
+from ebpo_jax.trainer.state import init_lora_state, state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
 
 CFG = models.get_config("tiny_qwen3")  # qk-norm, tied embeddings, float32
@@ -112,7 +111,7 @@ GRAD = jax.jit(jax.value_and_grad(_loss), static_argnums=2, static_argnames=("ag
 @pytest.mark.slow  # the loop test (default) checks that only the adapters move
 def test_gradients_reach_only_the_adapters():
     spec, base, ro = ALL, _params(), _rollout()
-    state = lora_state.init_lora_state(base, optax.adam(1e-2), spec, CFG, seed=0)
+    state = init_lora_state(base, optax.adam(1e-2), spec, CFG, seed=0)
     adv = jnp.array([1.0, -1.0, 0.5, -0.5])
     # Through attach, the base's gradient exists but is not what the state differentiates:
     both = jax.jit(jax.grad(lambda a, b: _loss(a, b, spec, ro, adv), argnums=(0, 1)))
@@ -167,7 +166,7 @@ def test_adapters_shard_by_the_rules_table():
     mesh = sharding.make_mesh([("data", 1), ("fsdp", 4), ("tp", 2)])
     spec = ALL
     state = jax.eval_shape(
-        lambda b: lora_state.init_lora_state(b, optax.adamw(1e-3), spec, CFG, seed=0),
+        lambda b: init_lora_state(b, optax.adamw(1e-3), spec, CFG, seed=0),
         models.abstract_params(CFG),
     )
     sh = state_shardings(CFG, optax.adamw(1e-3), state, mesh)
@@ -226,25 +225,25 @@ def test_checkpoint_round_trip_of_adapters_is_exact(tmp_path):
     config = config_lib.default_config()
     config.model.preset = "tiny_qwen3"
     config.model.lora.rank = 4
-    spec = lora_state.spec_from(config)
+    spec = lora.spec_from_config(config.model.lora)
     opt = optax.adamw(1e-3)
-    state = lora_state.init_lora_state(_params(), opt, spec, CFG, seed=0)
+    state = init_lora_state(_params(), opt, spec, CFG, seed=0)
     state = state._replace(params=_trained(state.params))
     tree = Policy(CFG, spec).checkpoint_tree(state)
     assert "base" not in tree and "ref_params" not in tree
-    ref = lora_state.base_reference(config.model, "/ckpt/base")
+    ref = lora_checkpoint.base_reference(config.model, "/ckpt/base")
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:
         ckpt.save(7, tree, {"lora_base": ref})
     with Checkpointer(str(tmp_path)) as ckpt:
         restored, extra = ckpt.restore(target=jax.tree.map(jnp.zeros_like, tree))
     for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    lora_state.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
+    lora_checkpoint.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
     with pytest.raises(config_lib.ConfigError, match="source"):
-        lora_state.check_base_reference(extra["lora_base"], config.model, "/ckpt/other")
+        lora_checkpoint.check_base_reference(extra["lora_base"], config.model, "/ckpt/other")
     config.model.lora.rank = 8
     with pytest.raises(config_lib.ConfigError, match="rank"):
-        lora_state.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
+        lora_checkpoint.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
 
 
 @pytest.mark.parametrize(
@@ -266,7 +265,7 @@ def test_bad_lora_config_is_a_one_line_error(field, value, match):
 
 def test_sampler_paths_agree():
     spec, base = ALL, _params()
-    state = lora_state.init_lora_state(base, optax.adam(1e-3), spec, CFG, seed=0)
+    state = init_lora_state(base, optax.adam(1e-3), spec, CFG, seed=0)
     state = state._replace(params=_trained(state.params))
     prompts = _tokens(B=2, T=6)
     gens = [
@@ -338,7 +337,7 @@ def _lora_run(tmp_path, name, steps):
 def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
     """model.lora.rank > 0 through train(): only adapters (and their Adam moments) are saved
     and move; the sampler and the eval run the merged weights."""
-    from ebpo_jax.checkpoint import load_params
+    from ebpo_jax.runtime.checkpoint import load_params
     from ebpo_jax.trainer import loop
 
     s = loop.train(_lora_run(tmp_path, "full", 2), log=lambda *_: None)
@@ -369,8 +368,8 @@ def test_lora_run_exports_merged_hf_and_peft(tmp_path):
     the run holds, and the PEFT folder holds every adapter."""
 
     from ebpo_jax.spec import resolve
+    from ebpo_jax.tasks.protocol import build_task
     from ebpo_jax.trainer import loop
-    from ebpo_jax.trainer.task import build_task
 
     c = _lora_run(tmp_path, "run", 4)  # B is still 0 after the first steps' all-zero advantages
     loop.train(c, log=lambda *_: None)
@@ -383,9 +382,9 @@ def test_lora_run_exports_merged_hf_and_peft(tmp_path):
     convert_hf.export_lora(str(tmp_path / "base"), run, merged_dir, str(tmp_path / "adapter"))
     _, merged = models.from_hf(merged_dir, dtype="float32")
     _, base = models.from_hf(str(tmp_path / "base"), dtype="float32")
-    spec, _ = lora_state.restore_adapters(run, task.model_config)
+    spec, _ = lora_checkpoint.restore_adapters(run, task.model_config)
     assert spec.rank == 4 and spec.targets == tuple(c.model.lora.targets.split(","))
-    want = lora_state.policy_of_run(run, base, task.model_config)
+    want = lora_checkpoint.policy_of_run(run, base, task.model_config)
     moved = 0.0
     for x, y, b in zip(jax.tree.leaves(merged), jax.tree.leaves(want), jax.tree.leaves(base)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=0)
@@ -400,7 +399,7 @@ def test_lora_run_exports_merged_hf_and_peft(tmp_path):
 @pytest.mark.slow  # three short runs
 def test_resumed_lora_run_equals_uninterrupted(tmp_path):
     """The base is not checkpointed: a resume rebuilds it and continues exactly."""
-    from ebpo_jax.checkpoint import load_params
+    from ebpo_jax.runtime.checkpoint import load_params
     from ebpo_jax.trainer import loop
 
     loop.train(_lora_run(tmp_path, "full", 4), log=lambda *_: None)

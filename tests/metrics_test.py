@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import metrics as M
+from ebpo_jax.runtime import metrics as M
 
 
 def _step_metrics(step: int) -> dict:

@@ -372,9 +372,9 @@ def test_packed_update_with_routing_replay_equals_the_padded_one():
     """One update with replay: packed rows == padded micro-batches (loss and gradients)."""
     from ebpo_jax import sampler
     from ebpo_jax.config import default_config
+    from ebpo_jax.rollout.single_turn import Rollout
     from ebpo_jax.spec import resolve
     from ebpo_jax.trainer import make_update_fn
-    from ebpo_jax.trainer.rollout import Rollout
     from ebpo_jax.trainer.state import init_train_state, make_optimizer
 
     P, G, N = 4, 2, 6

@@ -12,12 +12,12 @@ import subprocess
 import sys
 import time
 
+import gcs_emulator
 import jax
 import numpy as np
 import pytest
 
-import gcs_emulator
-from ebpo_jax import metrics, storage
+from ebpo_jax.runtime import metrics, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,8 +62,12 @@ def _hosts(tmp_path, workdir, *flags, mount="/mnt"):
         cmd = ["unshare", "-m", "--propagation", "private", "bash", "-c", script, "host", *train]
         procs.append(
             subprocess.Popen(
-                cmd, cwd=own / "disk", env=env, text=True,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                cmd,
+                cwd=own / "disk",
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
             )
         )
     return procs
@@ -96,7 +100,7 @@ def _rows(workdir):
 
 @pytest.mark.slow  # three 2-process launches of the micro run: over 13 min on the loaded 2-core CPU
 def test_two_hosts_on_gs_survive_a_kill_9_of_one_and_resume_bitwise(gcs, tmp_path):
-    from ebpo_jax.checkpoint import load_params
+    from ebpo_jax.runtime.checkpoint import load_params
 
     for p, out in zip(procs := _hosts(tmp_path / "a", "gs://runs/mh/ref"), _finish(procs)):
         assert p.returncode == 0, out[-3000:]

@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 from flaky_env import Flaky
 
-from ebpo_jax import envs, models, sampler, schema
-from ebpo_jax.config import ConfigError
-from ebpo_jax.envs import Episode, Reply, calculator
-from ebpo_jax.envs.guess import reply_to
-from ebpo_jax.envs.pool import EnvPool
+from ebpo_jax import models, sampler, schema
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import RolloutSpec
-from ebpo_jax.tasks import calc, guess, reasoning
-from ebpo_jax.trainer import episodes
+from ebpo_jax.tasks import calc, envs, episodes, guess, reasoning
+from ebpo_jax.tasks.envs import Episode, Reply, calculator
+from ebpo_jax.tasks.envs.guess import reply_to
+from ebpo_jax.tasks.envs.pool import EnvPool
 
 EOS = 2
 
@@ -303,7 +302,7 @@ def test_kept_kv_episodes_equal_reprefilled_ones_greedy():
 
 
 def test_task_env_gives_any_family_episodes():
-    from ebpo_jax.trainer import task as task_module
+    from ebpo_jax.tasks import protocol as task_module
 
     tokenizers = {"calc_chars": calc.make_tokenizer(), "guess_chars": guess.make_tokenizer()}
 

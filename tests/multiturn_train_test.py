@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from configs import micro
-from ebpo_jax.checkpoint import load_params
+from ebpo_jax.runtime.checkpoint import load_params
 from ebpo_jax.trainer import loop
 
 

@@ -8,11 +8,11 @@ import pytest
 
 from configs import micro
 from ebpo_jax import losses, models
+from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import resolve
+from ebpo_jax.tasks.protocol import model_config_from
 from ebpo_jax.trainer import make_update_fn
-from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
-from ebpo_jax.trainer.task import model_config_from
 
 P, G, N, TP, VOCAB = 2, 2, 12, 5, 24
 # Episodes: (prompt length, completion length, observation spans [start, end) in the completion).

@@ -13,9 +13,10 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_pa
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax import aot_report, models
+from ebpo_jax import models
 from ebpo_jax.kernels.paged_shard import per_shard, shard_paged
 from ebpo_jax.kernels.paged_xla import paged_decode_attention_xla
+from ebpo_jax.pods import aot_report
 
 
 def make_case(seed, rows, heads, kv_heads, head_dim, page_size, pages_per_row, lens, spare=3):

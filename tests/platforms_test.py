@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from ebpo_jax import platforms
+from ebpo_jax.runtime import platforms
 
 
 def test_skip_absent_tpu_rules(monkeypatch):
@@ -33,7 +33,7 @@ def test_no_libtpu_error_lines_on_a_cpu_machine():
             sys.executable,
             "-c",
             (
-                "from ebpo_jax.cpu_flags import add_cpu_flags; add_cpu_flags(); import jax; "
+                "from ebpo_jax.runtime.cpu_flags import add_cpu_flags; add_cpu_flags(); import jax; "
                 "print(jax.devices()[0].platform)"
             ),
         ],

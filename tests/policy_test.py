@@ -11,9 +11,9 @@ import pytest
 from ebpo_jax import config as config_lib
 from ebpo_jax import models
 from ebpo_jax.models import lora
+from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.trainer import pipeline, runners
 from ebpo_jax.trainer.policy import Policy
-from ebpo_jax.trainer.rollout import Rollout
 
 CFG = models.get_config("tiny_qwen3")
 SPEC = lora.LoraSpec(4, 8.0, tuple(lora.TARGETS))

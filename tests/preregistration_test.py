@@ -177,7 +177,7 @@ def test_robust_claims_name_columns_of_their_grids():
 def test_warm_start_digest_export_and_refusal(tmp_path):
     import ml_collections
 
-    from ebpo_jax.trainer import sft
+    from ebpo_jax.tasks import sft
 
     params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
     digest = sft.params_digest(params)
@@ -234,8 +234,8 @@ def test_validation_split_is_disjoint_and_leaves_train_and_test_alone(family):
 
     from ebpo_jax import tasks
     from ebpo_jax.tasks import reasoning
-    from ebpo_jax.trainer import task_arithmetic
-    from ebpo_jax.trainer.task import mean_pass
+    from ebpo_jax.tasks.families import arithmetic as task_arithmetic
+    from ebpo_jax.tasks.protocol import mean_pass
 
     module = reasoning if family == "reasoning" else tasks
     topics = "chain" if family == "reasoning" else "addition"

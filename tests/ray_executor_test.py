@@ -18,7 +18,7 @@ import pytest
 from ebpo_jax.ablation import executor, ray_executor, ray_slice, runner
 from ebpo_jax.ablation import grid as grid_lib
 from ebpo_jax.ablation import rerun as rerun_lib
-from ebpo_jax.workdir import list_steps
+from ebpo_jax.runtime.workdir import list_steps
 
 ray = pytest.importorskip("ray")
 

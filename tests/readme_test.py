@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ebpo_jax import config_doc
 from ebpo_jax.config import default_config
+from ebpo_jax.config import doc as config_doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")

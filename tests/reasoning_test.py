@@ -8,8 +8,9 @@ from scipy import stats
 from ebpo_jax import tasks
 from ebpo_jax.spec import resolve
 from ebpo_jax.tasks import BOS_ID, EOS_ID, PAD_ID
+from ebpo_jax.tasks import protocol as task
 from ebpo_jax.tasks import reasoning as R
-from ebpo_jax.trainer import task, task_reasoning
+from ebpo_jax.tasks.families import reasoning as task_reasoning
 
 
 def load_problems(config):

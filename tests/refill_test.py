@@ -17,15 +17,16 @@ from train_math_test import _rows, files  # noqa: F401  (a fixture)
 
 from configs import micro
 from ebpo_jax import models, tasks
-from ebpo_jax.checkpoint import load_params
 from ebpo_jax.config import ConfigError, validate
-from ebpo_jax.metrics import read_metrics
+from ebpo_jax.rollout.refill import HostRefill
+from ebpo_jax.rollout.single_turn import make_rollout_fn, make_round_fn
+from ebpo_jax.runtime.checkpoint import load_params
+from ebpo_jax.runtime.metrics import read_metrics
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer import loop, task_arithmetic
-from ebpo_jax.trainer.refill import HostRefill
-from ebpo_jax.trainer.rollout import make_rollout_fn, make_round_fn
+from ebpo_jax.tasks.families import arithmetic as task_arithmetic
+from ebpo_jax.tasks.protocol import model_config_from
+from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.shardings import rollout_shardings
-from ebpo_jax.trainer.task import model_config_from
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P, G, ROUNDS = 4, 4, 3
@@ -168,8 +169,8 @@ def _dapo_math(files, workdir):  # noqa: F811
 # once step 1's checkpoint has committed (orbax saves in the background).
 _KILLER = """
 import os, runpy, signal, sys, time
-from ebpo_jax.checkpoint import list_steps
-from ebpo_jax.trainer import refill
+from ebpo_jax.runtime.checkpoint import list_steps
+from ebpo_jax.rollout import refill
 call, seen = refill.HostRefill.__call__, []
 def killing(self, next_round):
     def rounds(r):

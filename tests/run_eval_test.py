@@ -8,11 +8,11 @@ import pytest
 
 from configs import micro
 from ebpo_jax.ablation.grid import load_config_file
-from ebpo_jax.checkpoint import Checkpointer
-from ebpo_jax.config import ConfigError
+from ebpo_jax.runtime.checkpoint import Checkpointer
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import resolve
+from ebpo_jax.tasks.protocol import build_task, mean_pass
 from ebpo_jax.trainer import run_eval
-from ebpo_jax.trainer.task import build_task, mean_pass
 
 SMALL_MODEL = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2}
 

@@ -6,8 +6,7 @@ from configs import tiny
 from ebpo_jax import config as config_lib
 from ebpo_jax import models
 from ebpo_jax.spec import resolve
-from ebpo_jax.tasks import calc, reasoning
-from ebpo_jax.trainer import sft
+from ebpo_jax.tasks import calc, reasoning, sft
 
 
 def _path(seed, sft_seed):

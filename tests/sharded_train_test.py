@@ -11,14 +11,15 @@ import pytest
 
 from configs import micro
 from ebpo_jax import models, sharding, tasks
-from ebpo_jax.checkpoint import load_params
+from ebpo_jax.runtime.checkpoint import load_params
 from ebpo_jax.sharding import batch_sharded
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer import loop, task_arithmetic
+from ebpo_jax.tasks.families import arithmetic as task_arithmetic
+from ebpo_jax.tasks.protocol import model_config_from
+from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
 from ebpo_jax.trainer.state import state_shardings as train_state_shardings
 from ebpo_jax.trainer.step import make_train_step
-from ebpo_jax.trainer.task import model_config_from
 
 EOS = tasks.EOS_ID
 

@@ -16,12 +16,14 @@ import numpy as np
 import pytest
 
 from configs import micro
-from ebpo_jax import aot, models, tasks
-from ebpo_jax.config import ConfigError
+from ebpo_jax import models, tasks
+from ebpo_jax.pods import aot
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer import loop, register, task_arithmetic
+from ebpo_jax.tasks.families import arithmetic as task_arithmetic
+from ebpo_jax.tasks.protocol import Reward, Task, build_task, families
+from ebpo_jax.trainer import loop, register
 from ebpo_jax.trainer.runners import make_runner
-from ebpo_jax.trainer.task import Reward, Task, build_task, families
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

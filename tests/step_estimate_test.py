@@ -5,8 +5,8 @@ import importlib.util
 import numpy as np
 import pytest
 
-from ebpo_jax import aot_report as aot
-from ebpo_jax.hardware import ChipSpec
+from ebpo_jax.pods import aot_report as aot
+from ebpo_jax.pods.hardware import ChipSpec
 
 
 def test_paged_schedule_by_hand():
@@ -142,8 +142,8 @@ def test_paged_report_fields_by_hand():
     """Pool bytes per chip and the pages HBM would hold beside the train state, by hand."""
     from types import SimpleNamespace
 
-    from ebpo_jax import aot as aot_compile
     from ebpo_jax import models
+    from ebpo_jax.pods import aot as aot_compile
 
     mc = models.get_config("qwen3_8b", dtype="bfloat16")
     page = aot_compile.page_bytes_per_chip(mc, 128, tp=4)
@@ -165,7 +165,7 @@ def test_paged_report_fields_by_hand():
 
 
 def test_dapo_refill_scales_the_decode_not_the_update():
-    from ebpo_jax.aot_report import with_refill
+    from ebpo_jax.pods.aot_report import with_refill
 
     est = {"decode_s_after": 40.0, "update_s_after_packed": 25.0, "step_s_after": 65.0}
     est["assumptions"] = ["a"]

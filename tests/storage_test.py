@@ -9,17 +9,17 @@ import subprocess
 import sys
 import time
 
+import gcs_emulator
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import gcs_emulator
 from helpers import micro_config
-from ebpo_jax import metrics, storage
-from ebpo_jax.checkpoint import Checkpointer, list_steps
-from ebpo_jax.object_lock import LockHeld, ObjectLock
-from ebpo_jax.workdir import WorkdirError, lock_for
+
+from ebpo_jax.runtime import metrics, storage
+from ebpo_jax.runtime.checkpoint import Checkpointer, list_steps
+from ebpo_jax.runtime.object_lock import LockHeld, ObjectLock
+from ebpo_jax.runtime.workdir import WorkdirError, lock_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,8 +119,9 @@ def test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step(gcs):
     assert list_steps(directory) == [1, 2]
     storage.rmtree(f"{directory}/3")
     files = [f for f in storage.walk_files(f"{directory}/2/state") if "/d/" in f]
-    victim = f"{directory}/2/state/" + max(files, key=lambda f: len(storage.read_bytes(
-        f"{directory}/2/state/{f}")))
+    victim = f"{directory}/2/state/" + max(
+        files, key=lambda f: len(storage.read_bytes(f"{directory}/2/state/{f}"))
+    )
     data = bytearray(storage.read_bytes(victim))
     data[len(data) // 2] ^= 1
     storage.write_bytes(victim, bytes(data))
@@ -135,13 +136,19 @@ def test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step(gcs):
 
 def test_hf_path_on_gs_gives_the_same_logits_and_tokenizer(gcs, tmp_path):
     import transformers
-
-    from ebpo_jax import models
     from helpers import save_tiny_tokenizer
 
+    from ebpo_jax import models
+
     config = transformers.Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
     )
     local = str(tmp_path / "qwen3")
     transformers.Qwen3ForCausalLM(config).save_pretrained(local, max_shard_size="20KB")
@@ -157,9 +164,9 @@ def test_hf_path_on_gs_gives_the_same_logits_and_tokenizer(gcs, tmp_path):
         outs.append(np.asarray(jax.jit(models.forward, static_argnums=0)(mc, params, tokens)))
     np.testing.assert_array_equal(outs[0], outs[1])
     tok_local, tok_remote = (models.hf.load_tokenizer(p) for p in (local, remote))
-    assert tok_local("what is one plus two").input_ids == tok_remote(
-        "what is one plus two"
-    ).input_ids
+    assert (
+        tok_local("what is one plus two").input_ids == tok_remote("what is one plus two").input_ids
+    )
     # convert_hf.py with both ends on gs://: HF folder -> .npz -> HF folder.
     from conftest import load_experiment
 
@@ -214,7 +221,7 @@ def _train_subprocess(cwd, workdir):
 
 @pytest.mark.slow  # 1164 s on the 2-core machine at load ~20 (280 s at a lighter load)
 def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path):
-    from ebpo_jax.checkpoint import load_params
+    from ebpo_jax.runtime.checkpoint import load_params
     from ebpo_jax.trainer import loop
 
     quiet = lambda *_: None
@@ -253,6 +260,7 @@ def test_train_on_gs_resumes_exactly_after_more_steps_and_a_kill_9(gcs, tmp_path
     assert {"checkpoints", "config.json", "metrics", "tb"} <= set(names), names
     # Reading the run from elsewhere: the plot and a checkpoint's evaluation, both on gs://.
     from conftest import load_experiment
+
     from ebpo_jax.trainer import run_eval
 
     assert load_experiment("plot_run").main(["gs://runs/t/more"]) == 0
@@ -296,10 +304,8 @@ def test_transient_storage_faults_are_retried_and_the_save_is_exact(gcs, fast_re
     np.testing.assert_array_equal(restored["w"], tree["w"])
 
 
-def test_a_persistent_fault_fails_the_save_by_name_and_keeps_the_previous_step(
-    gcs, fast_retries
-):
-    from ebpo_jax.checkpoint import CheckpointError
+def test_a_persistent_fault_fails_the_save_by_name_and_keeps_the_previous_step(gcs, fast_retries):
+    from ebpo_jax.runtime.checkpoint import CheckpointError
 
     directory = "gs://runs/f2/checkpoints"
     tree = {"w": np.arange(10, dtype=np.float32)}
@@ -324,9 +330,16 @@ def test_a_persistent_fault_fails_the_save_by_name_and_keeps_the_previous_step(
 def test_storage_bench_smoke():
     """benchmarks/storage_bench.py runs (one save and restore per state, no training)."""
     run = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "storage_bench.py"), "--repeats=1",
-         "--steps=0"],
-        capture_output=True, text=True, timeout=1800, check=False,
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "storage_bench.py"),
+            "--repeats=1",
+            "--steps=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "micro state" in run.stdout and "tiny state" in run.stdout

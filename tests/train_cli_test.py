@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from ebpo_jax.metrics import METRIC_NAMES
+from ebpo_jax.runtime.metrics import METRIC_NAMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

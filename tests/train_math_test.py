@@ -9,12 +9,12 @@ import pytest
 from helpers import save_tiny_tokenizer
 
 from ebpo_jax import models, rewards
-from ebpo_jax.checkpoint import Checkpointer, load_params
 from ebpo_jax.config import ConfigError, default_config, validate
-from ebpo_jax.metrics import METRIC_NAMES, read_metrics
+from ebpo_jax.runtime.checkpoint import Checkpointer, load_params
+from ebpo_jax.runtime.metrics import METRIC_NAMES, read_metrics
 from ebpo_jax.spec import resolve
+from ebpo_jax.tasks.protocol import build_task as _build_task
 from ebpo_jax.trainer import loop
-from ebpo_jax.trainer.task import build_task as _build_task
 
 NUMBERS = [str(i) for i in range(19)]
 # A one-layer policy: seconds to compile on a CPU.

@@ -14,18 +14,19 @@ from ml_collections import config_dict
 from configs import micro
 from ebpo_jax import advantages, models, sampler, tasks
 from ebpo_jax import config as config_lib
-from ebpo_jax.checkpoint import load_params
+from ebpo_jax.rollout.single_turn import compact
+from ebpo_jax.runtime.checkpoint import load_params
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer import loop, task_arithmetic
+from ebpo_jax.tasks.families import arithmetic as task_arithmetic
+from ebpo_jax.tasks.protocol import model_config_from
+from ebpo_jax.trainer import loop
 from ebpo_jax.trainer import make_rollout_fn as _make_rollout_fn
 from ebpo_jax.trainer import make_train_step as _make_train_step
 from ebpo_jax.trainer import make_update_fn as _make_update_fn
-from ebpo_jax.trainer.rollout import compact
 from ebpo_jax.trainer.state import init_train_state
 from ebpo_jax.trainer.state import make_optimizer as _make_optimizer
 from ebpo_jax.trainer.step import multi_step
-from ebpo_jax.trainer.task import model_config_from
 from ebpo_jax.trainer.update import completion_logprobs, overlong_penalty, pack_sequences, truncated
 
 EOS = tasks.EOS_ID

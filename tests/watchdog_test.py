@@ -13,9 +13,9 @@ import pytest
 from helpers import start_trainers
 
 from configs import micro
-from ebpo_jax import checkpoint, tracing
-from ebpo_jax import watchdog as wd
-from ebpo_jax.checkpoint import CheckpointError, Checkpointer
+from ebpo_jax.runtime import checkpoint, tracing
+from ebpo_jax.runtime import watchdog as wd
+from ebpo_jax.runtime.checkpoint import Checkpointer, CheckpointError
 from ebpo_jax.trainer import loop
 
 
@@ -168,7 +168,7 @@ def test_a_failed_reward_worker_is_one_error_line_and_exit_1(monkeypatch, capsys
     import sys
 
     from ebpo_jax import cli
-    from ebpo_jax.workers import WorkerError
+    from ebpo_jax.runtime.workers import WorkerError
 
     def main(_):
         raise WorkerError("reward 'math' failed on 3 items, first: item 0: ValueError: boom")
@@ -268,4 +268,3 @@ def test_a_pod_without_a_shared_workdir_exits_with_one_line_instead_of_hanging(t
         assert rc != 0, out[-3000:]
         assert len(_errors(out)) == 1, out[-3000:]
         print(f"exit {rc} after {time.monotonic() - t0:.0f} s: {_errors(out)}")
-

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from ebpo_jax import workdir as W
 from ebpo_jax.config import default_config
+from ebpo_jax.runtime import workdir as W
 from ebpo_jax.spec import resolve
 
 

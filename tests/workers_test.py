@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ebpo_jax.workers import LoadError, Outcome, WorkerPool
+from ebpo_jax.runtime.workers import LoadError, Outcome, WorkerPool
 
 
 class _Unloadable:

@@ -33,7 +33,7 @@ tokens, ...) is qwen3_8b.py's, explained there; only the layout differs:
 - XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 (the launch line below; the AOT budget assumes it):
   JAX's default 0.75 would leave 20 GiB of every GPU unused.
 
-Launch, one process per GPU (`ebpo_jax.distributed.initialize()` reads these), on the node:
+Launch, one process per GPU (`ebpo_jax.runtime.distributed.initialize()` reads these), on the node:
   for i in $(seq 0 7); do
     CUDA_VISIBLE_DEVICES=$i XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
     JAX_COORDINATOR_ADDRESS=127.0.0.1:12345 JAX_NUM_PROCESSES=8 JAX_PROCESS_ID=$i \

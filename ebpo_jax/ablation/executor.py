@@ -114,7 +114,7 @@ def train_run(config_json: str, cache_dir: str, stamp: dict | None = None) -> di
     summary = train(config, log=_quiet)
     if _orphaned():  # the death signal stopped this run at a checkpoint; take no other
         os._exit(0)
-    from ebpo_jax import distributed
+    from ebpo_jax.runtime import distributed
 
     if not summary["stopped_early"] and distributed.is_main_process():  # one writer per run
         warm = {"warm_start_sha256": summary.get("base_sha256") or ""}

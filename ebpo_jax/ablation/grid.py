@@ -19,7 +19,7 @@ from typing import Any
 
 import ml_collections
 
-from ebpo_jax.config import ConfigError
+from ebpo_jax.schema import ConfigError
 
 # Each method is the set of config overrides that makes the trainer run it.
 METHODS: dict[str, dict[str, Any]] = {

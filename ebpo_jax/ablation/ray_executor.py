@@ -47,7 +47,7 @@ class GridWork(NamedTuple):
         """The run's latest checkpoint step (None without one): its progress."""
         import json
 
-        from ebpo_jax.workdir import CHECKPOINTS, list_steps
+        from ebpo_jax.runtime.workdir import CHECKPOINTS, list_steps
 
         workdir = json.loads(self.job.config_json)["workdir"]
         steps = list_steps(os.path.join(workdir, CHECKPOINTS))
@@ -79,7 +79,7 @@ def _start_over_if_uncheckpointed(config_json: str) -> str | None:
     died before its first one: nothing to resume from); None otherwise."""
     import json
 
-    from ebpo_jax.workdir import WorkdirError, check_workdir
+    from ebpo_jax.runtime.workdir import WorkdirError, check_workdir
 
     config = json.loads(config_json)
     try:
@@ -94,7 +94,7 @@ def _host_task(work, env: dict, attempt: int, coordinator: str, hosts: int, host
     ray_slice.apply_env({**env, "TQDM_DISABLE": "1"})
     if coordinator:
         ray_slice.apply_env(ray_slice.host_env(coordinator, hosts, host))
-        from ebpo_jax import distributed
+        from ebpo_jax.runtime import distributed
 
         if isinstance(work, GridWork):  # a command starts its own runtime
             distributed.initialize()

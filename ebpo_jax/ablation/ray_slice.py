@@ -124,7 +124,7 @@ def host_options(res: Reservation, host: int) -> dict:
 
 
 def host_env(coordinator: str, hosts: int, host: int) -> dict:
-    """The variables that start jax.distributed on host `host` (ebpo_jax.distributed reads them)."""
+    """The variables that start jax.distributed on host `host` (ebpo_jax.runtime.distributed reads them)."""
     return {
         "JAX_COORDINATOR_ADDRESS": coordinator,
         "JAX_NUM_PROCESSES": str(hosts),

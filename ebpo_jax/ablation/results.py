@@ -12,7 +12,7 @@ from scipy import stats
 from ebpo_jax.ablation import power
 from ebpo_jax.ablation.grid import Run
 from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
-from ebpo_jax.metrics import PER_PROBLEM_FILE, read_metrics
+from ebpo_jax.runtime.metrics import PER_PROBLEM_FILE, read_metrics
 
 VALIDATION_KEY = "eval/validation/pass@1"  # the validation split's (trainer.task.VALIDATION)
 # Training curves averaged over the steps since the previous eval in results.csv.

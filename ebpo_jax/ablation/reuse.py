@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ebpo_jax import workdir as workdir_lib
+from ebpo_jax.runtime import workdir as workdir_lib
 
 # Copied from the source run; checkpoints and TensorBoard logs stay there.
 FILES = ("summary.json", workdir_lib.METRICS_FILE, workdir_lib.CONFIG_FILE)

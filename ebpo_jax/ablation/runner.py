@@ -70,7 +70,7 @@ def _start_over_uncheckpointed(todo, configs, log) -> None:
     """Mark for a restart each run stopped before its first checkpoint: it has metrics but
     nothing to resume from, and the grid owns its folder, so it starts over (its metrics
     rewritten) where the trainer alone would refuse the folder."""
-    from ebpo_jax.workdir import WorkdirError, check_workdir
+    from ebpo_jax.runtime.workdir import WorkdirError, check_workdir
 
     for r in todo:
         try:

@@ -1,12 +1,16 @@
-"""Real math data: schemas, loading, prompt templates, tokenisation, clustering and record orders."""
+"""Math datasets: schemas, loading, prompt templates, tokenisation, clustering and record orders."""
 
 from ebpo_jax.data.clustering import cluster_texts, embed_texts, kmeans, topic_ids_from_field
 from ebpo_jax.data.loading import load_records, save_records
+from ebpo_jax.data.order import ORDERS, RecordOrder
 from ebpo_jax.data.prompts import TEMPLATES, format_prompt, render_prompt
 from ebpo_jax.data.schemas import SCHEMAS, DataError, Record, Schema, get_schema, to_record
-from ebpo_jax.data.source import MathPromptSource, decode_completions, make_host_reward
-from ebpo_jax.data.tokenize import EncodedPrompts, encode_prompts, load_tokenizer
-from ebpo_jax.order import ORDERS, RecordOrder
+from ebpo_jax.data.tokenize import (
+    EncodedPrompts,
+    decode_completions,
+    encode_prompts,
+    load_tokenizer,
+)
 
 __all__ = [
     "ORDERS",
@@ -14,7 +18,6 @@ __all__ = [
     "TEMPLATES",
     "DataError",
     "EncodedPrompts",
-    "MathPromptSource",
     "Record",
     "RecordOrder",
     "Schema",
@@ -27,7 +30,6 @@ __all__ = [
     "kmeans",
     "load_records",
     "load_tokenizer",
-    "make_host_reward",
     "render_prompt",
     "save_records",
     "to_record",

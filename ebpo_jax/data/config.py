@@ -1,22 +1,13 @@
-"""The `data` config section's checks, and the prompt source + host reward it describes.
-
-The section is declared in `ebpo_jax.schema.Data`; then
-`source, host_reward = source_from_config(spec.task.data, tokenizer, batch_size, seed=seed)`.
-"""
+"""The `data` config section's defaults and checks (the section is declared in `ebpo_jax.schema.Data`)."""
 
 import dataclasses
-import os
-from collections.abc import Callable
 
 import ml_collections
 
-from ebpo_jax.data.clustering import cluster_texts
-from ebpo_jax.data.loading import load_records
+from ebpo_jax.data.order import ORDERS
 from ebpo_jax.data.prompts import TEMPLATES
 from ebpo_jax.data.schemas import SCHEMAS, DataError
-from ebpo_jax.data.source import MathPromptSource, make_host_reward
 from ebpo_jax.data.tokenize import OVERFLOW
-from ebpo_jax.order import ORDERS
 from ebpo_jax.rewards import get_reward
 from ebpo_jax.schema import Data
 
@@ -61,7 +52,7 @@ def validate_data_config(c) -> None:
         get_reward(c.reward)
     except (ValueError, TypeError) as e:
         raise DataError(f"data.reward: {e}") from None
-    from ebpo_jax import storage  # data may sit on gs://
+    from ebpo_jax.runtime import storage  # data may sit on gs://
 
     if c.path and not storage.exists(c.path):
         raise DataError(f"data.path={c.path!r}: no such file or folder")
@@ -70,47 +61,3 @@ def validate_data_config(c) -> None:
     for _, path in eval_sets(c):
         if not storage.exists(path):
             raise DataError(f"data.eval_path entry {path!r}: no such file or folder")
-
-
-def source_from_config(
-    c: Data,
-    tokenizer,
-    batch_size: int,
-    *,
-    seed: int = 0,
-    num_hosts: int = 1,
-    host_id: int = 0,
-    log: Callable[[str], None] = print,
-) -> tuple[MathPromptSource, Callable]:
-    """(prompt source, host reward) for the data section `c`."""
-    validate_data_config(c)
-    schema = c.schema if isinstance(c.schema, str) else dict(c.schema)
-    records = load_records(c.path, schema, limit=c.limit or None)
-    topic_ids = None
-    if c.topics == "kmeans":
-        topic_ids = cluster_texts([r.prompt for r in records], c.num_clusters, seed=seed)
-    elif c.topics == "none":
-        records = [dataclasses.replace(r, topic=None) for r in records]
-    source = MathPromptSource(
-        records,
-        tokenizer,
-        batch_size,
-        c,
-        seed=seed,
-        topic_ids=topic_ids,
-        num_hosts=num_hosts,
-        host_id=host_id,
-    )
-    log(
-        f"data: {len(source.records)} prompts from {c.path} ({source.num_dropped} over "
-        f"{c.max_prompt_len} tokens dropped), {source.num_clusters} clusters, order {c.order}"
-    )
-    host_reward = make_host_reward(
-        source,
-        tokenizer,
-        reward=c.reward,
-        timeout_s=c.reward_timeout_s,
-        workers=c.reward_workers or None,
-        format_weight=c.format_weight,
-    )
-    return source, host_reward

@@ -19,8 +19,8 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from ebpo_jax import storage
 from ebpo_jax.data.schemas import DataError, Record, Schema, get_schema, to_record
+from ebpo_jax.runtime import storage
 
 FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 

@@ -78,3 +78,10 @@ def encode_prompts(
     for row, i in enumerate(kept):
         tokens[row, : lengths[i]] = ids[i]
     return EncodedPrompts(tokens, lengths[kept], kept, int(too_long.size))
+
+
+def decode_completions(tokenizer: Any, tokens_BN, lengths_B) -> list[str]:
+    """The text of each completion, cut at its length, special tokens (EOS) dropped."""
+    tokens_BN, lengths_B = np.asarray(tokens_BN), np.asarray(lengths_B)
+    rows = [row[:n].tolist() for row, n in zip(tokens_BN, lengths_B)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)

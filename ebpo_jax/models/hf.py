@@ -13,9 +13,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from ebpo_jax import sharding, storage
+from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.model import abstract_params
+from ebpo_jax.runtime import storage
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -8,7 +8,8 @@ from ebpo_jax.tasks.arithmetic import (
     max_lengths,
     solve,
 )
-from ebpo_jax.tasks.data import (
+from ebpo_jax.tasks.reward import group_reward_fn, host_reward, reward_fn, string_reward
+from ebpo_jax.tasks.synthetic import (
     ORDERS,
     PromptBatch,
     PromptSource,
@@ -16,7 +17,6 @@ from ebpo_jax.tasks.data import (
     encode_problems,
     sft_examples,
 )
-from ebpo_jax.tasks.reward import group_reward_fn, host_reward, reward_fn, string_reward
 from ebpo_jax.tasks.tokenizer import BOS_ID, EOS_ID, PAD_ID, CharTokenizer
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The reasoning problems with a calculator tool (ebpo_jax.envs.calculator).
+"""The reasoning problems with a calculator tool (ebpo_jax.tasks.envs.calculator).
 
 Same problems, topics and final-answer reward as ebpo_jax.tasks.reasoning; a completion may
 call the tool, `<calc>47+85</calc>`, read its value (an observation the environment
@@ -13,8 +13,9 @@ can raise both the tool-call rate and the pass rate.
 import dataclasses
 import zlib
 
-from ebpo_jax.envs.calculator import CLOSE, OPEN
-from ebpo_jax.tasks import data, reasoning
+from ebpo_jax.tasks import reasoning
+from ebpo_jax.tasks import synthetic as data
+from ebpo_jax.tasks.envs.calculator import CLOSE, OPEN
 from ebpo_jax.tasks.tokenizer import CharTokenizer
 
 TOPICS, DIFFICULTIES = reasoning.TOPICS, reasoning.DIFFICULTIES

@@ -1,4 +1,4 @@
-"""Guess the number (ebpo_jax.envs.guess): the prompt is a range "LO-HI=", the secret a number
+"""Guess the number (ebpo_jax.tasks.envs.guess): the prompt is a range "LO-HI=", the secret a number
 in it; the model guesses ("37?"), reads "<" or ">" and the range still open ("<17-36="),
 or "=", and guesses again.
 
@@ -15,8 +15,8 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.envs.guess import ASK, FOUND, LESS, MORE, open_range
 from ebpo_jax.tasks.arithmetic import check_grid
+from ebpo_jax.tasks.envs.guess import ASK, FOUND, LESS, MORE, open_range
 from ebpo_jax.tasks.tokenizer import CharTokenizer
 
 TOPICS = ("small", "medium")

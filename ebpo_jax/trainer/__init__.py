@@ -1,11 +1,11 @@
-"""The EBPO trainer: task protocol and families, rollout, update, the step builder, the host
-loop, the SFT warm start."""
+"""The EBPO trainer: the train state, the update, the step builder and the host loop (task
+families: `ebpo_jax.tasks`; rollouts: `ebpo_jax.rollout`)."""
 
-from ebpo_jax.trainer.rollout import Rollout, make_rollout_fn
+from ebpo_jax.rollout.single_turn import Rollout, make_rollout_fn
+from ebpo_jax.tasks.protocol import Reward, Task, build_task, register
 from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.state import TrainState, init_train_state, make_optimizer
 from ebpo_jax.trainer.step import make_train_step, multi_step
-from ebpo_jax.trainer.task import Reward, Task, build_task, register
 from ebpo_jax.trainer.update import make_update_fn
 
 __all__ = [

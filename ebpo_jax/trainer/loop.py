@@ -11,25 +11,25 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ebpo_jax import distributed
-from ebpo_jax import metrics as metrics_lib
-from ebpo_jax import progress as progress_lib
-from ebpo_jax import tracing
-from ebpo_jax import watchdog as watchdog_lib
-from ebpo_jax import workdir as workdir_lib
-from ebpo_jax.checkpoint import Checkpointer, PreemptionGuard
-from ebpo_jax.config import ConfigError
+from ebpo_jax.config import default_config
+from ebpo_jax.evaluation.evaluator import write_per_problem
+from ebpo_jax.runtime import distributed, tracing
+from ebpo_jax.runtime import metrics as metrics_lib
+from ebpo_jax.runtime import progress as progress_lib
+from ebpo_jax.runtime import watchdog as watchdog_lib
+from ebpo_jax.runtime import workdir as workdir_lib
+from ebpo_jax.runtime.checkpoint import Checkpointer, PreemptionGuard
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
-from ebpo_jax.trainer import episodes
+from ebpo_jax.tasks import episodes
+from ebpo_jax.tasks.protocol import Reward, Task, build_task, mean_pass
+from ebpo_jax.tasks.protocol import get as get_family
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer.evaluator import write_per_problem
 from ebpo_jax.trainer.runners import make_runner
 from ebpo_jax.trainer.shardings import make_shardings
 from ebpo_jax.trainer.state import make_optimizer
 from ebpo_jax.trainer.step import put
-from ebpo_jax.trainer.task import Reward, Task, build_task, mean_pass
-from ebpo_jax.trainer.task import get as get_family
 from ebpo_jax.trainer.update import SAMPLE_ADVANTAGES
 
 
@@ -82,12 +82,13 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
     get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
     workdir_lib.check_shared(spec.workdir)  # multi-host: a local workdir every host sees
-    lock = workdir_lib.prepare_workdir(spec, log=log, write_config=False) if main else None
+    defaults = default_config().to_dict()  # fields added since a run was saved keep these
+    lock = workdir_lib.prepare_workdir(spec, log=log, write_config=False, defaults=defaults) if main else None
     task = None
     try:
         mesh = make_mesh(spec.mesh)
         task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
-        save = (lambda: workdir_lib.save_config(spec)) if main else (lambda: None)
+        save = (lambda: workdir_lib.save_config(spec, defaults)) if main else (lambda: None)
         summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
         if task is not None:

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax import losses, models
-from ebpo_jax.config import ConfigError
 from ebpo_jax.models import attention
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer.batch import MicroBatch
 

@@ -12,11 +12,11 @@ import time
 
 import jax
 
-from ebpo_jax.config import ConfigError
-from ebpo_jax.trainer.rollout import Rollout
+from ebpo_jax.rollout.single_turn import Rollout
+from ebpo_jax.runtime.watchdog import PhaseTimer
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.step import Pieces, first
-from ebpo_jax.watchdog import PhaseTimer
 
 INFLIGHT = "inflight_rollout"  # checkpoint entry: the rollout the next update consumes
 

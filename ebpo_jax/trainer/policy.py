@@ -13,10 +13,10 @@ from typing import Any
 
 import jax
 
-from ebpo_jax.config import ConfigError
 from ebpo_jax.models import lora as lora_lib
-from ebpo_jax.trainer import lora_state
-from ebpo_jax.trainer.state import TrainState, init_train_state
+from ebpo_jax.models import lora_checkpoint
+from ebpo_jax.schema import ConfigError
+from ebpo_jax.trainer.state import TrainState, init_lora_state, init_train_state
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -34,7 +34,7 @@ class Policy:
     def init(self, params, optimizer, *, seed: int, num_clusters: int = 1) -> TrainState:
         """The step-0 TrainState around `params` (jit-able: build it with out_shardings)."""
         if self.is_lora:  # adapters trained; the base frozen, the KL reference
-            return lora_state.init_lora_state(
+            return init_lora_state(
                 params,
                 optimizer,
                 self.lora,
@@ -87,14 +87,14 @@ class Policy:
         """The checkpoint's extra entries: under LoRA, the base the adapters belong to."""
         if not self.is_lora:
             return {}
-        return {lora_state.EXTRA_KEY: lora_state.base_reference(model, source)}
+        return {lora_checkpoint.EXTRA_KEY: lora_checkpoint.base_reference(model, source)}
 
     def check_checkpoint(self, extra: dict, model, source: str) -> None:
         """ConfigError when a checkpoint's adapters belong to another base or adapter spec, or
         when LoRA is on for a full checkpoint or off for a LoRA one (either would look corrupt)."""
-        saved = extra.get(lora_state.EXTRA_KEY)
+        saved = extra.get(lora_checkpoint.EXTRA_KEY)
         if self.is_lora:
-            lora_state.check_base_reference(saved or {}, model, source)
+            lora_checkpoint.check_base_reference(saved or {}, model, source)
         elif saved is not None:
             raise ConfigError(
                 f"the checkpoint holds LoRA adapters (model.lora.rank={saved.get('rank')}); "

@@ -12,13 +12,14 @@ import os
 import jax
 import ml_collections
 
-from ebpo_jax import evaluation, storage
-from ebpo_jax.checkpoint import Checkpointer, list_steps
+from ebpo_jax import evaluation
 from ebpo_jax.config import ConfigError, default_config, finalize
+from ebpo_jax.models.lora_checkpoint import EXTRA_KEY, policy_of_run
+from ebpo_jax.runtime import storage
+from ebpo_jax.runtime.checkpoint import Checkpointer, list_steps
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import resolve
-from ebpo_jax.trainer.lora_state import EXTRA_KEY, policy_of_run
-from ebpo_jax.trainer.task import build_task
+from ebpo_jax.tasks.protocol import build_task
 
 
 def run_config(workdir: str, k: int | None = None) -> ml_collections.ConfigDict:

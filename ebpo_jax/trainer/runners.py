@@ -21,12 +21,12 @@ import time
 import jax
 import numpy as np
 
+from ebpo_jax.runtime.watchdog import PhaseTimer
 from ebpo_jax.spec import RunSpec
 from ebpo_jax.trainer import pipeline
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.step import Pieces, first, multi_step
-from ebpo_jax.watchdog import PhaseTimer
 
 
 class _Runner:

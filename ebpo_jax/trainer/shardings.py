@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import config as config_lib
 from ebpo_jax import sharding
+from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import MeshSpec, RunSpec
 from ebpo_jax.trainer import policy
-from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import state_shardings
 
 

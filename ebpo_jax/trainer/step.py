@@ -11,12 +11,12 @@ import functools
 import jax
 import numpy as np
 
-from ebpo_jax import distributed
+from ebpo_jax.rollout.multi_turn import MultiTurnRollout
+from ebpo_jax.rollout.refill import HostRefill
+from ebpo_jax.rollout.single_turn import make_rollout_fn, make_round_fn
+from ebpo_jax.runtime import distributed
 from ebpo_jax.spec import RunSpec
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer.multiturn import MultiTurnRollout
-from ebpo_jax.trainer.refill import HostRefill
-from ebpo_jax.trainer.rollout import make_rollout_fn, make_round_fn
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.update import make_update_fn
@@ -116,9 +116,7 @@ class Pieces:
         key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), stream)
         if weights is None:
             weights = self.sampler_weights(self.policy(state))
-        return self.refill(
-            lambda r: self.finish(self.sample(weights, batch, key, r, moved=True))
-        )
+        return self.refill(lambda r: self.finish(self.sample(weights, batch, key, r, moved=True)))
 
     def sampler_weights(self, params):
         """The sampler's copy of `params`: cast, and moved to its mesh (dispatched, not waited)."""

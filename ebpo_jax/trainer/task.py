@@ -1,123 +1,15 @@
-"""The task protocol: what a run trains on, and the registry of task families.
+"""`ebpo_jax.trainer.task` as earlier scripts import it: the task protocol and registry live in
+`ebpo_jax.tasks.protocol`."""
 
-A family is a function `build(spec: TaskSpec, *, mesh, log) -> Task` registered under a name
-(`task.family` in the config; "" picks `math` when `data.path` is set, else `arithmetic`).
-Adding one is one new module plus an entry in `_BUILTIN` (or `@register` in user code).
-"""
-
-import importlib
-import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
-
-from ebpo_jax import envs, models
-from ebpo_jax.config import ConfigError
-from ebpo_jax.spec import TaskSpec
-from ebpo_jax.trainer import episodes
-
-
-class Reward(NamedTuple):
-    """A task's reward: jittable `(tokens, lengths, answers, answer_lengths) -> [B]`, or a host
-    function `(rollout with host arrays) -> rewards [P, G]` (then steps run jit -> host -> jit)."""
-
-    fn: Callable
-    jittable: bool
-
-
-class Task(NamedTuple):
-    """Everything the trainer needs to know about the policy and its data."""
-
-    tokenizer: Any
-    model_config: models.ModelConfig
-    params: Any  # the initial policy
-    source: Any  # prompt batches: next_batches(k), state(), restore()
-    reward: Reward
-    cluster_ids: Callable[[Any], Any]  # jittable PromptBatch -> [P] int32 EB cluster ids
-    num_clusters: int  # EB priors
-    stop_ids: int | tuple[int, ...]  # the sampler stops on any of these; they end a response
-    evaluate: Callable[[Any], dict[str, float]] | None  # params -> {set name: pass@1}
-    close: Callable[[], None] = lambda: None  # stops reward worker processes
-    base_source: str = ""  # what `params` came from (HF folder, SFT cache file, seeded init)
-    base_sha256: str = ""  # the initial policy's digest (synthetic families: sft.params_digest)
-    env: Any = None  # an envs.Environment: multi-turn episodes (trainer/multiturn.py)
-
-
-# Built-in families, imported on first use: "module:function".
-_BUILTIN = {
-    "arithmetic": "ebpo_jax.trainer.task_arithmetic:build",
-    "calculator": "ebpo_jax.trainer.task_multiturn:build_calculator",
-    "guess": "ebpo_jax.trainer.task_multiturn:build_guess",
-    "math": "ebpo_jax.trainer.task_math:build",
-    "reasoning": "ebpo_jax.trainer.task_reasoning:build",
-}
-_REGISTRY: dict[str, Callable[..., Task]] = {}
-
-
-def register(name: str):
-    """Decorator: `@register("mytask") def build(spec, *, mesh=None, log=print) -> Task`."""
-
-    def deco(fn):
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
-
-
-def families() -> tuple[str, ...]:
-    return tuple(sorted(set(_BUILTIN) | set(_REGISTRY)))
-
-
-def get(name: str) -> Callable[..., Task]:
-    """The builder of family `name`; ConfigError naming `task.family` if unknown."""
-    if name not in _REGISTRY and name in _BUILTIN:
-        module, fn = _BUILTIN[name].split(":")
-        _REGISTRY[name] = getattr(importlib.import_module(module), fn)
-    if name not in _REGISTRY:
-        raise ConfigError(f"task.family={name!r} is not one of {families()}")
-    return _REGISTRY[name]
-
-
-def build_task(spec: TaskSpec, *, mesh=None, log=print) -> Task:
-    """The Task `spec` describes."""
-    task = get(spec.family)(spec, mesh=mesh, log=log)
-    if spec.task.env:  # episodes with this environment, whatever the family
-        task = task._replace(env=_checked_env(spec.task.env, task.tokenizer))
-    return task
-
-
-def _checked_env(name: str, tokenizer):
-    """Environment `name`, once the task's tokenizer can write each of its stop sequences."""
-    env = envs.get(name)
-    for stop in env.stop_sequences:
-        try:
-            ids = episodes.encode_text(tokenizer, stop)
-        except ValueError as e:
-            ids, why = [], f" ({e})"
-        else:
-            why = ""
-        if not ids:
-            raise ConfigError(
-                f"task.env={name!r}: the task's tokenizer cannot write its stop sequence "
-                f"{stop!r}{why}"
-            )
-    return env
-
-
-def model_config_from(model_spec, vocab_size: int) -> models.ModelConfig:
-    """The policy's ModelConfig: the preset, the vocabulary size, then `model.overrides`."""
-    overrides = model_spec.overrides.to_dict()
-    return models.get_config(model_spec.preset, **{"vocab_size": vocab_size, **overrides})
-
-
-def tokenizer_vocab(tokenizer) -> int:
-    """An HF tokenizer's len() (its vocab_size leaves out added chat tokens), else vocab_size."""
-    return len(tokenizer) if hasattr(tokenizer, "__len__") else tokenizer.vocab_size
-
-
-VALIDATION = "validation"  # the eval set that picks hyperparameters: never in eval/pass@1
-
-
-def mean_pass(per_set: dict[str, float]) -> float:
-    """The test sets' mean pass@1, without the validation set (NaN with no test set)."""
-    test = [v for name, v in per_set.items() if name != VALIDATION]
-    return float(sum(test) / len(test)) if test else math.nan
+from ebpo_jax.tasks.protocol import (  # noqa: F401
+    VALIDATION,
+    Reward,
+    Task,
+    build_task,
+    families,
+    get,
+    mean_pass,
+    model_config_from,
+    register,
+    tokenizer_vocab,
+)

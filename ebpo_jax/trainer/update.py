@@ -10,11 +10,11 @@ import optax
 
 from ebpo_jax import advantages, importance, losses, models, sharding
 from ebpo_jax.models import attention
+from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer import packing
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.batch import MicroBatch
-from ebpo_jax.trainer.rollout import Rollout
 from ebpo_jax.trainer.state import TrainState
 
 METRIC_DEFAULTS = ("eb/shrinkage_mean", "eb/mu_glob", "eb/sigma2", "eb/tau2")

@@ -1,0 +1,400 @@
+"""The checks that need several config sections, in one place: each a one-line ConfigError.
+
+A single field's range is its `check` in `ebpo_jax.schema`; what the data or the model turn
+out to hold at run time is checked where they are read. `check(config, num_devices)` runs
+every rule here over a parsed `schema.Config`.
+"""
+
+import inspect
+import json
+import math
+import os
+
+from ebpo_jax.schema import Config, ConfigError
+
+
+def need(ok, msg: str) -> None:
+    """ConfigError(msg) unless ok."""
+    if not ok:
+        raise ConfigError(msg)
+
+
+def mesh_devices(c: Config, num_devices: int) -> int:
+    """How many devices the mesh spans: `mesh.devices`, or all `num_devices` when it is 0."""
+    n = int(c.mesh.devices)
+    if n < 0 or n > num_devices:
+        raise ConfigError(f"mesh.devices={n} must be in [0, {num_devices}] (0 = every device)")
+    return n or num_devices
+
+
+def sampler_mesh(c: Config) -> tuple[tuple[str, int], ...]:
+    """`sampler.mesh` ("data=8,tp=4") as ((axis, size), ...); () = the trainer's mesh."""
+    from ebpo_jax.sharding import parse_mesh  # late: this module stays free of jax
+
+    try:
+        return tuple(parse_mesh(c.sampler.mesh))
+    except ValueError:
+        raise ConfigError(f"sampler.mesh={c.sampler.mesh!r} is not like 'data=8,tp=4'") from None
+
+
+def mesh_shape(c: Config, num_devices: int) -> tuple[int, ...]:
+    """The mesh shape with -1 resolved against the mesh's devices; ConfigError when impossible.
+
+    `num_devices` is every device there is; `mesh.devices` may pick fewer.
+    """
+    from ebpo_jax.sharding import resolve_shape  # late: this module stays free of jax
+
+    num_devices = mesh_devices(c, num_devices)
+    shape, axes = c.mesh.shape, c.mesh.axes
+    if len(shape) != len(axes):
+        raise ConfigError(f"mesh.shape {shape} and mesh.axes {axes} differ in length")
+    try:
+        return resolve_shape(shape, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh.shape: {e}") from None
+
+
+def model_max_positions(c: Config) -> int | None:
+    """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
+    m = c.model
+    if m.hf_path:
+        from ebpo_jax.runtime import storage  # late: gs:// clients only when a path needs them
+
+        path = os.path.join(m.hf_path, "config.json")
+        try:
+            value = json.loads(storage.read_text(path)).get("max_position_embeddings")
+        except (OSError, ValueError, AttributeError):
+            return None  # models.hf names the broken file when the task is built
+        return m.overrides.get("max_position_embeddings", value)
+    from ebpo_jax.models.config import PRESETS, ModelConfig
+
+    if m.preset not in PRESETS:
+        raise ConfigError(f"model.preset={m.preset!r} is not one of {sorted(PRESETS)}")
+    default = ModelConfig.__dataclass_fields__["max_position_embeddings"].default
+    default = PRESETS[m.preset].get("max_position_embeddings", default)
+    return m.overrides.get("max_position_embeddings", default)
+
+
+def _overrides(c: Config) -> None:
+    """model.overrides names ModelConfig fields only."""
+    from ebpo_jax.models.config import ModelConfig  # late: this module stays free of jax
+
+    fields = sorted(ModelConfig.__dataclass_fields__)
+    bad = sorted(set(c.model.overrides) - set(fields))
+    need(not bad, f"model.overrides: unknown ModelConfig field(s) {bad}; known: {fields}")
+
+
+def check_positions(max_new_tokens: int, prompt_len: int, max_positions: int) -> None:
+    """ConfigError unless prompt_len + sampler.max_new_tokens fits the model's positions."""
+    need_pos = prompt_len + max_new_tokens
+    if need_pos > max_positions:
+        raise ConfigError(
+            f"sampler.max_new_tokens={max_new_tokens}: prompts of {prompt_len} "
+            f"tokens + completions need {need_pos} positions, the model has {max_positions} "
+            "(model max_position_embeddings)"
+        )
+
+
+def _positions(c: Config) -> None:
+    """Prompt + completion within the model's positions (prompt width: data.max_prompt_len,
+    or at least one token for the synthetic tasks, whose width is checked at task build)."""
+    max_pos = model_max_positions(c)
+    if max_pos is not None:
+        prompt_len = c.data.max_prompt_len if c.data.path else 1
+        check_positions(c.sampler.max_new_tokens, prompt_len, int(max_pos))
+
+
+def _batch_split(c: Config) -> None:
+    """P prompts over mini-batches, micro-batches and sampler calls; logits chunks over N."""
+    run, loss, n = c.run, c.loss, c.sampler.max_new_tokens
+    need(
+        run.prompts_per_step % loss.num_minibatches == 0,
+        f"prompts_per_step={run.prompts_per_step} is not divisible by "
+        f"loss.num_minibatches={loss.num_minibatches}",
+    )
+    per_mb = run.prompts_per_step // loss.num_minibatches
+    need(
+        per_mb % loss.num_microbatches == 0,
+        f"prompts per mini-batch ({per_mb}) is not divisible by "
+        f"loss.num_microbatches={loss.num_microbatches}",
+    )
+    need(
+        loss.logits_chunk >= 0 and (loss.logits_chunk == 0 or n % loss.logits_chunk == 0),
+        f"loss.logits_chunk={loss.logits_chunk} must be 0 or divide sampler.max_new_tokens={n}",
+    )
+    per_call = c.sampler.prompts_per_call
+    need(
+        per_call >= 0 and (per_call == 0 or run.prompts_per_step % per_call == 0),
+        f"sampler.prompts_per_call={per_call} must be 0 (all at once) or divide "
+        f"prompts_per_step={run.prompts_per_step} (each round of P prompts is chunked)",
+    )
+    need(
+        0 <= c.dapo.overlong_buffer < n,
+        f"dapo.overlong_buffer={c.dapo.overlong_buffer} must be in [0, sampler.max_new_tokens)",
+    )
+
+
+def _steps(c: Config) -> None:
+    """Checkpoints, evaluations and the run's end fall on K-step boundaries."""
+    run = c.run
+    k = run.steps_per_jit
+    for name in ("checkpoint_every", "eval_every"):
+        every = getattr(run, name)
+        need(
+            every >= 1 and every % k == 0,
+            f"{name}={every} must be a positive multiple of steps_per_jit={k}",
+        )
+    need(
+        run.total_steps % k == 0,
+        f"total_steps={run.total_steps} must be a multiple of steps_per_jit={k}",
+    )
+    need(
+        not (c.sampler.mesh and sampler_mesh(c) and k != 1),
+        f"sampler.mesh={c.sampler.mesh!r} needs steps_per_jit=1 (the K-step scan samples on "
+        "the trainer's mesh)",
+    )
+
+
+def _loss_choice(c: Config) -> None:
+    """The surrogate's name and the importance-sampling correction."""
+    from ebpo_jax import losses  # late: the registry imports jax
+
+    loss = c.loss
+    need(
+        loss.name in losses.names(),
+        f"loss.name={loss.name!r} is not in the policy-loss registry ({', '.join(losses.names())})",
+    )
+    need(
+        0 < loss.is_low <= 1 <= loss.is_high,
+        f"loss.is_low={loss.is_low}, loss.is_high={loss.is_high}: need 0 < is_low <= 1 <= is_high",
+    )
+    need(
+        loss.is_correction == "none" or loss.recompute_old_logprobs,
+        f"loss.is_correction={loss.is_correction!r} needs loss.recompute_old_logprobs=True "
+        "(without it the old log-probs are the sampler's and every weight is 1)",
+    )
+    need(
+        loss.clip_cov_lb < loss.clip_cov_ub,
+        f"loss.clip_cov_lb={loss.clip_cov_lb} must be below loss.clip_cov_ub={loss.clip_cov_ub}",
+    )
+
+
+def _packing(c: Config) -> None:
+    """loss.tokens_per_microbatch / pack_row_len; the prompt width is checked by packing.layout."""
+    loss, max_new_tokens = c.loss, c.sampler.max_new_tokens
+    budget, row = loss.tokens_per_microbatch, loss.pack_row_len
+    if budget == 0:
+        need(row == 0, f"loss.pack_row_len={row} needs loss.tokens_per_microbatch > 0")
+        return
+    need(
+        loss.num_microbatches == 1,
+        f"loss.num_microbatches={loss.num_microbatches}: with loss.tokens_per_microbatch > 0 "
+        "the token budget sets the micro-batches; use num_microbatches=1",
+    )
+    need(
+        row == 0 or row > max_new_tokens,
+        f"loss.pack_row_len={row} must exceed sampler.max_new_tokens={max_new_tokens}",
+    )
+    need(
+        budget >= max(row, max_new_tokens + 1),
+        f"loss.tokens_per_microbatch={budget} must hold one row (loss.pack_row_len, or "
+        f"prompt width + sampler.max_new_tokens={max_new_tokens})",
+    )
+
+
+def _data_and_model(c: Config) -> None:
+    """Math data vs the synthetic tasks: files exist, and the trainer options they allow."""
+    from ebpo_jax.data import DataError
+    from ebpo_jax.data.config import validate_data_config
+
+    d, m = c.data, c.model
+    if m.hf_path:
+        from ebpo_jax.runtime import storage
+
+        need(
+            storage.isfile(os.path.join(m.hf_path, "config.json")),
+            f"model.hf_path={m.hf_path!r} is not an HF checkpoint folder (no config.json)",
+        )
+    if m.tokenizer_path:
+        need(
+            os.path.isdir(m.tokenizer_path),
+            f"model.tokenizer_path={m.tokenizer_path!r} is not a local tokenizer folder",
+        )
+    need(
+        not (m.hf_path and m.tokenizer_path),
+        "set model.hf_path (weights and tokenizer) or model.tokenizer_path, not both",
+    )
+    if not d.path:
+        need(
+            not (m.hf_path or m.tokenizer_path or d.eval_path),
+            "model.hf_path, model.tokenizer_path and data.eval_path need data.path "
+            "(the synthetic tasks use their own char tokenizer and held-out split)",
+        )
+        return
+    try:
+        validate_data_config(d)
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    _math_trainer(c)
+
+
+def _math_trainer(c: Config) -> None:
+    """The trainer options math records allow (a host reward, their own tokenizer)."""
+    m, d = c.model, c.data
+    need(
+        bool(m.hf_path or m.tokenizer_path),
+        f"data.path={d.path!r} needs a tokenizer: set model.hf_path or model.tokenizer_path",
+    )
+    need(
+        c.run.eb_clusters != "cell",
+        "eb_clusters='cell' needs the synthetic tasks; with data.path use 'topic' or 'none'",
+    )
+    # Math answers are verified on the host (jit -> host -> jit), one step per call.
+    need(
+        c.run.steps_per_jit == 1,
+        f"steps_per_jit={c.run.steps_per_jit}: data.path is scored by a host reward, so it must be 1",
+    )
+    _host_dynamic_sampling(c, "data.path is scored by a host reward")
+    need(
+        c.sft.steps == 0,
+        f"sft.steps={c.sft.steps}: the SFT warm start is for the synthetic tasks, not data.path",
+    )
+
+
+def _host_dynamic_sampling(c: Config, why: str) -> None:
+    """DAPO's refill rounds scored on the host (trainer/refill.py) run in the K = 1 runner."""
+    need(
+        not (c.dapo.dynamic_sampling and c.rollout.max_staleness),
+        f"dapo.dynamic_sampling with rollout.max_staleness={c.rollout.max_staleness}: {why}, "
+        "so its refill rounds need max_staleness=0",
+    )
+
+
+def _estimator_options(c: Config) -> None:
+    """Every option set (not None) is a keyword the estimator takes."""
+    from ebpo_jax import advantages  # the registry; imported late so this module stays light
+
+    name = c.run.estimator
+    try:
+        fn = advantages.get(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"estimator={name!r} is not in the advantages registry ({e})") from None
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for option, value in sorted(c.estimator_options.as_kwargs().items()):
+        need(
+            value is None or takes_any or option in params,
+            f"estimator_options.{option}={value!r}: estimator {name!r} takes no option {option!r}",
+        )
+
+
+def _staleness(c: Config, num_devices: int | None) -> None:
+    """rollout.max_staleness and sampler.param_dtype: what the one-step-off pipeline needs."""
+    k = c.run.steps_per_jit
+    need(
+        not (c.sampler.param_dtype and k != 1),
+        f"sampler.param_dtype={c.sampler.param_dtype!r} needs steps_per_jit=1",
+    )
+    if c.rollout.max_staleness == 0:
+        return
+    need(k == 1, f"rollout.max_staleness=1 needs steps_per_jit=1, got {k}")
+    sampler = sampler_mesh(c)
+    need(
+        bool(sampler),
+        "rollout.max_staleness=1 needs sampler.mesh (e.g. 'data=4'): the sampler runs on the "
+        "devices after the trainer's",
+    )
+    if num_devices is not None:
+        trainer = mesh_devices(c, num_devices)
+        sizes = [n for _, n in sampler]
+        rest = num_devices - trainer
+        samp = rest if -1 in sizes else math.prod(sizes)
+        need(
+            0 < samp <= rest,
+            f"rollout.max_staleness=1: mesh.devices={trainer} + sampler.mesh={c.sampler.mesh!r} "
+            f"need more than the {num_devices} devices (set mesh.devices to the trainer's share)",
+        )
+
+
+# The task families whose rollouts are episodes with an environment (trainer.task_multiturn).
+MULTI_TURN_FAMILIES = ("calculator", "guess")
+
+
+def _turns(c: Config) -> None:
+    """rollout.turn_tokens within the episode's budget; a multi-turn family's settings."""
+    t, n = c.rollout.turn_tokens, c.sampler.max_new_tokens
+    need(
+        isinstance(t, int) and 0 <= t <= n,
+        f"rollout.turn_tokens={t!r} must be in [0, sampler.max_new_tokens={n}]",
+    )
+    with_env = c.task.family in MULTI_TURN_FAMILIES or bool(c.task.env)
+    need(
+        with_env or c.rollout.max_turns == 1,
+        f"rollout.max_turns={c.rollout.max_turns} needs an environment: set task.env or a "
+        f"multi-turn task.family {MULTI_TURN_FAMILIES}",
+    )
+    if not with_env:
+        return
+    what = f"task.env={c.task.env!r}" if c.task.env else f"task.family={c.task.family!r}"
+    need(c.rollout.max_turns >= 2, f"{what} is multi-turn: set rollout.max_turns >= 2")
+    _host_dynamic_sampling(c, f"{what} runs its episodes on the host")
+
+
+def _lora_targets(c: Config) -> None:
+    """model.lora.targets: a comma-separated subset of models.lora.TARGETS, none repeated."""
+    from ebpo_jax.models import lora  # late: this module stays free of jax
+
+    lc = c.model.lora
+    targets = [t.strip() for t in str(lc.targets).split(",") if t.strip()]
+    bad = sorted(set(targets) - set(lora.TARGETS)) or sorted(
+        {t for t in targets if targets.count(t) > 1}
+    )
+    need(
+        bool(targets) and not bad,
+        f"model.lora.targets={lc.targets!r}: unknown or repeated {bad}; "
+        f"expected a comma-separated subset of {','.join(lora.TARGETS)}",
+    )
+
+
+def _devices(c: Config, num_devices: int) -> None:
+    """The rollout batch and continuous batching's slots split over the mesh's data shards."""
+    shape = mesh_shape(c, num_devices)
+    batch = c.run.prompts_per_step * c.run.group_size
+    need(
+        batch % math.prod(shape) == 0,
+        f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
+    )
+    spec = sampler_mesh(c) or tuple(zip(c.mesh.axes, shape, strict=True))
+    shards = math.prod(n for axis, n in spec if axis in ("data", "fsdp"))
+    row_shards = shards * (dict(spec).get("tp", 1) if c.sampler.dp_attention else 1)
+    per_call = c.sampler.prompts_per_call or c.run.prompts_per_step
+    need(
+        not c.sampler.dp_attention or per_call * c.run.group_size % row_shards == 0,
+        f"sampler.dp_attention: the {per_call} x {c.run.group_size} rows of a sampler call "
+        f"must split over the sampler mesh's {row_shards} data x tp chips",
+    )
+    slots = c.sampler.slots
+    if not slots:
+        return
+    need(
+        slots % row_shards == 0 and per_call % shards == 0,
+        f"sampler.slots={slots} and the {per_call} prompts per sampler call must be multiples "
+        f"of the sampler mesh's {row_shards} row shards and {shards} data shards",
+    )
+
+
+def check(c: Config, num_devices: int | None = None) -> None:
+    """Every cross-section rule; ConfigError (one line) on the first broken one."""
+    _batch_split(c)
+    _loss_choice(c)
+    _packing(c)
+    _steps(c)
+    _data_and_model(c)
+    _overrides(c)
+    _positions(c)
+    _estimator_options(c)
+    _staleness(c, num_devices)
+    _turns(c)
+    _lora_targets(c)
+    if num_devices is not None:
+        _devices(c, num_devices)

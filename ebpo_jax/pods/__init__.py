@@ -1,0 +1,1 @@
+"""Pods on paper: AOT compilation, memory and step-time reports, topologies, hardware figures."""

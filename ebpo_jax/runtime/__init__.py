@@ -1,0 +1,1 @@
+"""Run-time services: storage, workdir, checkpoints, metrics, progress, processes, deadlines."""
