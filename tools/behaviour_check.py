@@ -118,6 +118,13 @@ CASES = {
         ["--config=configs/guess.py", *GUESS, "--config.rollout.keep_kv=False"],
         {},
     ),
+    # Settings a multi-turn run used to drop silently: the slot count, and MoE routing replay.
+    "guess_slots": (["--config=configs/guess.py", *GUESS, "--config.sampler.slots=4"], {}),
+    "guess_moe_replay": (
+        ["--config=configs/guess.py", *GUESS, "--config.model.preset=tiny_moe"]
+        + ["--config.moe.routing_replay=True", "--config.model.overrides.scan_unroll=1"],
+        {},
+    ),
 }
 
 
