@@ -1,9 +1,11 @@
 """The README's code runs: each python block is executed and prints the text block after it;
 each shell block names files, make targets and config fields that exist; links resolve."""
 
+import importlib.util
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -78,3 +80,49 @@ def test_relative_links_resolve():
         for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
             path = os.path.normpath(os.path.join(os.path.dirname(page), target))
             assert os.path.exists(path), f"{page}: link {target} does not resolve"
+
+
+def _train_commands() -> list[tuple[int, list[str]]]:
+    """(README line, flags) of each training command in a shell block (`make train ARGS=...`
+    or `experiments/train.py ...`), continuation lines joined, comments dropped."""
+    found = []
+    for code, line in SHELL:
+        for i, text in enumerate(code.replace("\\\n", " ").splitlines()):
+            words = shlex.split(text, comments=True)
+            if words[:2] == ["make", "train"]:
+                args = [w.removeprefix("ARGS=") for w in words[2:] if w.startswith("ARGS=")]
+                found.append((line + 1 + i, shlex.split(" ".join(args))))
+            elif any(w.endswith("experiments/train.py") for w in words):
+                at = next(j for j, w in enumerate(words) if w.endswith("experiments/train.py"))
+                found.append((line + 1 + i, words[at + 1 :]))
+    return found
+
+
+def _run_of(flags: list[str]) -> tuple[str, tuple]:
+    """(workdir, what makes the run: config file and the overrides a resume compares)."""
+    from ebpo_jax.runtime.workdir import HARMLESS_FIELDS as HARMLESS
+
+    config = next((f.split("=", 1)[1] for f in flags if f.startswith("--config=")), None)
+    path, _, variant = (config or "configs/tiny.py").partition(":")
+    module_spec = importlib.util.spec_from_file_location("readme_config", os.path.join(ROOT, path))
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    overrides = dict(
+        f[len("--config.") :].split("=", 1) for f in flags if f.startswith("--config.")
+    )
+    workdir = overrides.get("workdir") or module.get_config(*[variant] if variant else []).workdir
+    kept = tuple(sorted((k, v) for k, v in overrides.items() if not k.startswith(HARMLESS)))
+    return workdir, (path, variant, kept)
+
+
+def test_readme_training_commands_do_not_share_a_workdir():
+    """Each command pasted as shown starts or resumes its own run: two different runs in one
+    workdir would have the second refused."""
+    runs: dict[str, dict] = {}
+    for line, flags in _train_commands():
+        if any(f in ("--help", "--list_config") for f in flags):
+            continue
+        workdir, run = _run_of(flags)
+        runs.setdefault(workdir, {}).setdefault(run, line)
+    shared = {w: sorted(r.values()) for w, r in runs.items() if len(r) > 1}
+    assert not shared, f"README lines sharing a workdir with different runs: {shared}"
