@@ -2,6 +2,7 @@
 progress lines of a run without a terminal, --help and --list_config."""
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -241,6 +242,24 @@ def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
     )
     assert ("VENV", "'.[train]'") in installs and ("TEST_VENV", "'.[test]'") in installs
     assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
+
+
+def test_the_venv_installs_drop_setuptools_editable_banner_and_nothing_else():
+    make = pathlib.Path(ROOT, "Makefile").read_text()
+    targets, value = re.search(r"^(.+): export PYTHONWARNINGS = (.+)$", make, re.MULTILINE).groups()
+    assert {"$(TRAIN_STAMP)", "$(TEST_STAMP)"} <= set(targets.split())
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("no setuptools here to emit its banner")
+    emit = (
+        "import warnings; from setuptools.warnings import InformationOnly; "
+        "InformationOnly.emit('Editable installation.', 'Please be careful with folders'); "
+        "warnings.warn('another warning', UserWarning)"
+    )
+    env = dict(os.environ, PYTHONWARNINGS=value)  # what pip's build backend process inherits
+    out = subprocess.run(
+        [sys.executable, "-c", emit], env=env, capture_output=True, text=True, check=True
+    )
+    assert "Editable installation" not in out.stderr and "another warning" in out.stderr
 
 
 def test_compilation_cache_folder_is_the_users_and_configurable(tmp_path):
