@@ -126,3 +126,68 @@ def test_readme_training_commands_do_not_share_a_workdir():
         runs.setdefault(workdir, {}).setdefault(run, line)
     shared = {w: sorted(r.values()) for w, r in runs.items() if len(r) > 1}
     assert not shared, f"README lines sharing a workdir with different runs: {shared}"
+
+
+PKG = pathlib.Path(ROOT, "ebpo_jax")
+FOLDERS = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").exists())
+# `ebpo_jax/x.py`, `ebpo_jax/a/b.py` or a package folder's file written as `trainer/x.py`; not
+# another project's path (`verl/trainer/...`).
+PATH = re.compile(rf"(?<![\w/.-])(?:ebpo_jax/[\w/]*|(?:{'|'.join(FOLDERS)})/[\w/]*)\w\.py\b")
+DOTTED = re.compile(r"\bebpo_jax(?:\.[A-Za-z]\w*)+")
+PAGES = [README, *sorted(str(p) for p in pathlib.Path(ROOT, "docs").glob("*.md"))]
+
+
+def _resolves(dotted: str) -> bool:
+    """`ebpo_jax.a.b.name`: its modules exist and the first name after them is in the module's
+    text (no import: the trainer's modules import jax and flax)."""
+    path, rest = PKG, dotted.split(".")[1:]
+    while rest:
+        if (path / rest[0]).is_dir():
+            path = path / rest.pop(0)
+        elif path.is_dir() and (path / f"{rest[0]}.py").is_file():
+            path = path / f"{rest.pop(0)}.py"
+        else:
+            break
+    if not rest:
+        return True
+    source = path / "__init__.py" if path.is_dir() else path
+    return re.search(rf"\b{rest[0]}\b", source.read_text()) is not None
+
+
+def test_package_paths_and_names_in_the_docs_exist():
+    """README.md and docs/*.md name only files and modules that exist after the moves."""
+    for page in PAGES:
+        text = pathlib.Path(page).read_text()
+        for path in PATH.findall(text):
+            full = path if path.startswith("ebpo_jax/") else f"ebpo_jax/{path}"
+            assert os.path.exists(os.path.join(ROOT, full)), f"{os.path.basename(page)}: {path}"
+        for name in set(DOTTED.findall(text)):
+            assert _resolves(name), f"{os.path.basename(page)}: {name}"
+
+
+def _layout() -> dict[str, str]:
+    """{entry: its description} of the README layout map's `ebpo_jax/` tree."""
+    text = pathlib.Path(README).read_text()
+    block = text[text.index("## Layout") :].split("```")[1]
+    tree = block[block.index("\nebpo_jax/") :].split("\n", 2)[2]
+    entries: dict[str, str] = {}
+    key = None
+    for line in tree.splitlines():
+        if not line.startswith(" "):
+            break
+        if not line.startswith("   "):  # "  name   description"
+            key = line.split()[0]
+            entries[key] = line.strip()[len(key) :].strip()
+        elif key is not None:  # the description goes on
+            entries[key] += " " + line.strip()
+    return entries
+
+
+def test_the_layout_map_shows_every_folder_and_only_files_that_exist():
+    entries = _layout()
+    missing = set(FOLDERS) - {e.rstrip("/") for e in entries}
+    assert not missing, f"the layout map lacks {sorted(missing)}"
+    for key, text in entries.items():
+        folder = PKG / key if key.endswith("/") else PKG
+        for name in re.findall(r"(?<![\w/])(\w+\.py)\b", f"{key} {text}"):
+            assert (folder / name).exists() or (PKG / name).exists(), f"layout {key}: {name}"
