@@ -20,6 +20,7 @@ import matplotlib.pyplot as plt
 
 from ebpo_jax.runtime import metrics as metrics_lib
 from ebpo_jax.runtime import storage
+from ebpo_jax.runtime.shell import Shell
 
 PANELS = (
     ("reward/mean", "training reward (mean)"),
@@ -88,7 +89,12 @@ def plot(rows: list[dict], out: str, title: str, config: dict | None = None) -> 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    run_as = Shell.here().script("experiments/plot_run.py", "WORKDIR")
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=f"Run as: {run_as}",  # one line, unwrapped: a command to paste
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("workdir", help="a run's folder (the one holding metrics.jsonl)")
     parser.add_argument("--out", help="PNG path (default: WORKDIR/curves.png)")
     args = parser.parse_args(argv)
