@@ -185,12 +185,11 @@ def test_printed_hints_name_the_venvs_interpreter_and_tools(tmp_path):
     assert hints["tensorboard"] == ".venv/bin/tensorboard --logdir 'runs/my run'"
     in_repo = shell.Shell(ROOT, os.path.join(ROOT, ".venv", "bin", "python"), venv=True)
     assert _summary("w", in_repo)["plot"] == ".venv/bin/python experiments/plot_run.py w"
-    # No venv: the name PATH finds; a tool not beside the interpreter: its name.
+    # No venv: a program PATH finds by its name, else by its path; no such tool: its name.
     found = shutil.which("sh")
     assert shell.Shell(str(tmp_path), found, venv=False).python() == "sh"
-    assert shell.Shell(str(tmp_path), str(bin_dir / "python"), venv=False).tool("tensorboard") == (
-        "tensorboard"
-    )
+    no_venv = shell.Shell(str(tmp_path), str(bin_dir / "python"), venv=False)
+    assert no_venv.tool("tensorboard") == ".venv/bin/tensorboard" and no_venv.tool("nope") == "nope"
 
 
 def test_the_printed_plot_command_runs_in_a_fresh_shell(tmp_path):

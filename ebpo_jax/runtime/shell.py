@@ -33,19 +33,21 @@ class Shell:
         """This process: its folder and interpreter."""
         return cls(os.getcwd(), sys.executable, sys.prefix != sys.base_prefix)
 
-    def python(self) -> str:
-        """The interpreter: a venv's by its path (`.venv/bin/python`), another by its name
-        when PATH finds this one, else by its path."""
-        name = os.path.basename(self.executable)
-        found = shutil.which(name)
-        if not self.venv and found and os.path.realpath(found) == os.path.realpath(self.executable):
+    def _spelled(self, path: str) -> str:
+        """A program by its name when PATH finds this one outside a venv, else by its path."""
+        name, found = os.path.basename(path), shutil.which(os.path.basename(path))
+        if not self.venv and found and os.path.realpath(found) == os.path.realpath(path):
             return name
-        return _short(self.executable, self.cwd)
+        return _short(path, self.cwd)
+
+    def python(self) -> str:
+        """The interpreter: `.venv/bin/python` for a venv under the current folder."""
+        return self._spelled(self.executable)
 
     def tool(self, name: str) -> str:
-        """A console script (`tensorboard`) by its path when the venv's bin/ has it, else by name."""
+        """A console script (`tensorboard`) installed beside the interpreter, else its name."""
         beside = os.path.join(os.path.dirname(self.executable), name)
-        return _short(beside, self.cwd) if self.venv and os.path.isfile(beside) else name
+        return self._spelled(beside) if os.path.isfile(beside) else name
 
     def script(self, script: str, *args: str) -> str:
         """`<python> <the repo's script> args`, e.g. `.venv/bin/python experiments/plot_run.py d`."""
