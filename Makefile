@@ -12,6 +12,11 @@ RUN ?= runs/tiny
 # The exact versions the suite passes with: every install below is constrained to them.
 CONSTRAINTS := constraints.txt
 
+# setuptools announces every editable install with a warning ("Editable installation ...
+# folders in your working directory with the same name as your package ..."), which pip
+# prints even under -q: advice on the flat layout, not a fault. Only that message is dropped.
+$(TRAIN_STAMP) $(TEST_STAMP) install-tpu: export PYTHONWARNINGS = ignore:Editable installation
+
 $(TRAIN_STAMP): setup.py $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip

@@ -11,7 +11,7 @@ from ebpo_jax.config import finalize, load_sibling
 def get_config():
     c = load_sibling(__file__, "reasoning.py").get_config()
     c.unlock()
-    c.workdir = "/tmp/ebpo_runs/calculator"
+    c.workdir = "runs/calculator"
     c.task.family = "calculator"
     c.total_steps = 120
     c.eval_every = 30

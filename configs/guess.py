@@ -9,7 +9,7 @@ from ebpo_jax.config import finalize, load_sibling
 def get_config():
     c = load_sibling(__file__, "reasoning.py").get_config()
     c.unlock()
-    c.workdir = "/tmp/ebpo_runs/guess"
+    c.workdir = "runs/guess"
     c.task.family = "guess"
     c.task.train_per_cell = 300
     c.task.test_per_cell = 30

@@ -96,7 +96,7 @@ def cell(model: str, method: str, g: int, words=()):
         "group_size": g,
         "sampler.prompts_per_call": ROWS_PER_CALL // g,
         "loss.num_microbatches": 4 * g,
-        "workdir": f"/tmp/ebpo_jax/paper/{model}_{method}_g{g}",
+        "workdir": f"runs/paper/{model}_{method}_g{g}",
         **_method_overrides(method),
     }
     if method != "ebpo":

@@ -181,7 +181,7 @@ def recipe(preset: str, variant: str | None = None):
     from ebpo_jax.models import PRESETS
 
     c = default_config()
-    c.workdir = f"/tmp/ebpo_jax/{preset}"
+    c.workdir = f"runs/{preset}"
     c.seed = 0
     c.total_steps = 340
     c.prompts_per_step = 512

@@ -26,7 +26,7 @@ def lora_recipe(preset, variant, *, chips: int, data_shards: int):
     """The paper's recipe with LoRA rank 32 on `chips` chips (shared with the 14B config);
     the sampler on data=`data_shards` x tp=4, 64 prompts and 32 slots per data shard."""
     c = _qwen3_8b().recipe(preset, variant)
-    c.workdir = f"/tmp/ebpo_jax/{preset}_lora"
+    c.workdir = f"runs/{preset}_lora"
     c.model.overrides.param_dtype = "bfloat16"  # the frozen base; adapters are float32
     c.model.lora.rank = 32
     c.model.lora.alpha = 64.0

@@ -1,5 +1,13 @@
-"""Command-line entry points: bad input becomes `error: <one line>` and exit status 2; a run
-that cannot go on (workdir in use or unwritable, disk full, no intact checkpoint) exit 1.
+"""Command-line entry points: bad input and failed runs become one `error:` line and an
+exit status from one scheme.
+
+Exit status:
+  0  done: trained to total_steps, or stopped by SIGTERM/Ctrl-C after saving a checkpoint
+     (run the same command to resume), or --help / --list_config printed
+  1  the run cannot go on: its workdir (in use, unwritable, full, or a resume refused:
+     a changed config, metrics without a checkpoint), its checkpoints, a run of non-finite
+     steps, a hung phase, a failed reward or environment worker; a traceback is a bug
+  2  bad input, nothing run: a flag, a config field or value, a config, data or model file
 
 ml_collections parses `--config.field=value` overrides while the flag is defined (no
 --config given) or while absl parses argv (--config given), and reports a misspelt field
@@ -14,6 +22,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+EXIT_OK = 0
+EXIT_FAILURE = 1
 EXIT_USAGE = 2
 
 
@@ -80,9 +90,6 @@ def define_config(name: str, default: str, help_string: str):
         return config_flags.DEFINE_config_file(name, default, help_string)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         fail(config_error_line(e, sys.argv, name))
-
-
-EXIT_FAILURE = 1
 
 
 class _FromPackages:
@@ -160,9 +167,25 @@ def _define_cache_flags(flags) -> None:
     )
 
 
+def _exit_scheme() -> str:
+    """The "Exit status:" paragraph of this module's docstring."""
+    start = __doc__.index("Exit status:")
+    return __doc__[start : __doc__.index("\n\n", start)]
+
+
+def _run_as() -> str:
+    """This program's command line as a fresh shell runs it (`.venv/bin/python x.py`)."""
+    from ebpo_jax.runtime import shell
+
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), shell.REPO)
+    return f"Run as: {shell.Shell.here().script(script)} [--flag=value ...]"
+
+
 def _print_help(flag_values, config_flag: str) -> None:
-    """The program's docstring, its own flags and ours, and how to list the config fields."""
+    """The program's docstring and command line, its flags and ours, how to list the config
+    fields, and the exit status."""
     print((sys.modules["__main__"].__doc__ or "").strip() + "\n")
+    print(_run_as() + "\n")
     for text in (flag_values.main_module_help(), flag_values.module_help(__name__)):
         if text.strip():
             print(text + "\n")
@@ -171,7 +194,8 @@ def _print_help(flag_values, config_flag: str) -> None:
             f"Every --{config_flag}.<field>=<value> override, with its default and doc: "
             f"--list_{config_flag} (also after --{config_flag}=configs/x.py and overrides)."
         )
-    print("All flags, absl's included: --helpfull")
+    print("All flags, absl's included: --helpfull\n")
+    print(_exit_scheme())
 
 
 def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:

@@ -186,8 +186,30 @@ def on_storage(fn, src, dst, **kw):
     return config
 
 
+def check_inputs(src: str, *, tokenizer_from=None, lora_run=None) -> None:
+    """Each input exists and --src is a checkpoint: else one line naming the flag and path."""
+    from absl import app
+
+    from ebpo_jax.runtime import storage
+
+    given = {"src": src, "tokenizer_from": tokenizer_from, "lora_run": lora_run}
+    for name, path in given.items():
+        if path and not storage.exists(path):
+            raise app.UsageError(f"--{name}={path}: no such file or folder")
+    if storage.isdir(src) and not any(
+        storage.exists(storage.join(src, f)) for f in ("config.json", "model_config.json")
+    ):
+        raise app.UsageError(
+            f"--src={src}: neither an HF checkpoint (no config.json) nor params written by "
+            "this script (no model_config.json)"
+        )
+    if not storage.isdir(src) and not src.endswith(".npz"):
+        raise app.UsageError(f"--src={src}: a file, but not .npz params")
+
+
 def main(argv):
     del argv
+    check_inputs(_SRC.value, tokenizer_from=_TOKENIZER.value, lora_run=_LORA_RUN.value)
     if _LORA_RUN.value:
         merge = lambda src, dst, **kw: export_lora(src, _LORA_RUN.value, dst, _PEFT_DST.value, **kw)
         config = on_storage(

@@ -183,6 +183,17 @@ def test_every_shipped_config_validates(path):
     validate(config)
 
 
+def test_every_shipped_config_writes_under_runs():
+    """One default run folder: ./runs/<name> (relative to where the command runs)."""
+    for path in _CONFIG_FILES:
+        module_spec = importlib.util.spec_from_file_location("shipped_config", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        workdir = module.get_config().workdir
+        assert workdir.startswith("runs/"), f"{os.path.relpath(path)}: workdir {workdir}"
+    assert C.default_config().workdir.startswith("runs/")
+
+
 def test_gpu_sampler_settings_reach_the_sampler_spec():
     """The 8xH200 config's pool, calls and attention are what a sampler call is given."""
     from ebpo_jax.rollout.single_turn import sampler_spec_of

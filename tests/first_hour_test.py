@@ -1,10 +1,14 @@
 """What a new user meets first: the closing summary on fresh, resumed and finished runs, the
 progress lines of a run without a terminal, --help and --list_config."""
 
+import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
 import re
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -13,7 +17,7 @@ import pytest
 from configs import micro
 from ebpo_jax.config import default_config
 from ebpo_jax.config import doc as config_doc
-from ebpo_jax.runtime import progress
+from ebpo_jax.runtime import progress, shell
 from ebpo_jax.trainer import loop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,6 +35,9 @@ def test_help_exits_0_and_says_how_to_list_the_config_fields():
     out = _train_py("--help")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--list_config" in out.stdout and "--nocompilation_cache" in out.stdout
+    assert "Exit status:" in out.stdout  # the scheme, stated in ebpo_jax/cli.py
+    in_root = dataclasses.replace(shell.Shell.here(), cwd=ROOT)  # where _train_py runs it
+    assert f"Run as: {in_root.script('experiments/train.py')} " in out.stdout
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "eval.py"), "--help"]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
@@ -155,7 +162,49 @@ def test_micro_summary_says_it_has_no_warm_start():
     }
     text = progress.summary(s, micro.get_config())
     assert "no warm start" in text.splitlines()[0] and "(step 4)" in text
-    assert "plot: python experiments/plot_run.py w" in text
+    assert "plot: " in text and "experiments/plot_run.py w\n" in text
+
+
+def _summary(workdir: str, sh) -> dict[str, str]:
+    """The closing lines of a finished run in `workdir`, by their label ("plot", ...)."""
+    s = {"pass@1_start": 0.1, "pass@1_end": 0.2, "pass@1_end_step": 2, "step": 2}
+    s |= {"stopped_early": False, "wall_time_s": 3.0, "workdir": workdir}
+    s |= {"metrics": f"{workdir}/metrics.jsonl", "checkpoints": f"{workdir}/checkpoints"}
+    lines = progress.summary(s, micro.get_config(), sh).splitlines()[2:]
+    return dict(line.split(": ", 1) for line in lines)
+
+
+def test_printed_hints_name_the_venvs_interpreter_and_tools(tmp_path):
+    bin_dir = tmp_path / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "tensorboard").write_text("")
+    venv = shell.Shell(str(tmp_path), str(bin_dir / "python"), venv=True)
+    hints = _summary("runs/my run", venv)
+    script = os.path.join(ROOT, "experiments", "plot_run.py")  # not under tmp_path: absolute
+    assert hints["plot"] == f".venv/bin/python {script} 'runs/my run'"
+    assert hints["tensorboard"] == ".venv/bin/tensorboard --logdir 'runs/my run'"
+    in_repo = shell.Shell(ROOT, os.path.join(ROOT, ".venv", "bin", "python"), venv=True)
+    assert _summary("w", in_repo)["plot"] == ".venv/bin/python experiments/plot_run.py w"
+    # No venv: a program PATH finds by its name, else by its path; no such tool: its name.
+    found = shutil.which("sh")
+    assert shell.Shell(str(tmp_path), found, venv=False).python() == "sh"
+    no_venv = shell.Shell(str(tmp_path), str(bin_dir / "python"), venv=False)
+    assert no_venv.tool("tensorboard") == ".venv/bin/tensorboard" and no_venv.tool("nope") == "nope"
+
+
+def test_the_printed_plot_command_runs_in_a_fresh_shell(tmp_path):
+    rows = [{"step": 0, "eval/pass@1": 0.25}, {"step": 1, "reward/mean": 0.5, "actor/kl": 0.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    hints = _summary(str(tmp_path), shell.Shell.here())
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/"), "JAX_PLATFORMS": "cpu"}
+    if "PYTHONPATH" in os.environ:  # this checkout, not an installed copy
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    cmd = shlex.split(hints["plot"])
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(tmp_path / "curves.png")
+    tool = shlex.split(hints["tensorboard"])[0]
+    assert "/" in tool or shutil.which(tool, path=env["PATH"]), hints["tensorboard"]
 
 
 def test_a_resume_that_trains_nothing_says_so_in_one_line():
@@ -192,6 +241,24 @@ def test_the_make_train_venv_gets_no_libtpu_and_make_test_its_own_venv():
     )
     assert ("VENV", "'.[train]'") in installs and ("TEST_VENV", "'.[test]'") in installs
     assert all(venv == "TEST_VENV" for venv, extra in installs if "test" in extra)
+
+
+def test_the_venv_installs_drop_setuptools_editable_banner_and_nothing_else():
+    make = pathlib.Path(ROOT, "Makefile").read_text()
+    targets, value = re.search(r"^(.+): export PYTHONWARNINGS = (.+)$", make, re.MULTILINE).groups()
+    assert {"$(TRAIN_STAMP)", "$(TEST_STAMP)"} <= set(targets.split())
+    if importlib.util.find_spec("setuptools") is None:
+        pytest.skip("no setuptools here to emit its banner")
+    emit = (
+        "import warnings; from setuptools.warnings import InformationOnly; "
+        "InformationOnly.emit('Editable installation.', 'Please be careful with folders'); "
+        "warnings.warn('another warning', UserWarning)"
+    )
+    env = dict(os.environ, PYTHONWARNINGS=value)  # what pip's build backend process inherits
+    out = subprocess.run(
+        [sys.executable, "-c", emit], env=env, capture_output=True, text=True, check=True
+    )
+    assert "Editable installation" not in out.stderr and "another warning" in out.stderr
 
 
 def test_compilation_cache_folder_is_the_users_and_configurable(tmp_path):

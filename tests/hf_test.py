@@ -220,6 +220,31 @@ def test_convert_hf_command_line(checkpoint, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, params, ref)
 
 
+def test_convert_hf_names_a_missing_or_unusable_src(tmp_path):
+    import subprocess
+    import sys
+
+    from absl import app
+
+    script = os.path.join(os.path.dirname(__file__), "..", "experiments", "convert_hf.py")
+    missing, dst = str(tmp_path / "no_such_ckpt"), str(tmp_path / "p.npz")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    run = subprocess.run(
+        [sys.executable, script, f"--src={missing}", f"--dst={dst}"],
+        check=False, capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.strip().splitlines() == [f"error: --src={missing}: no such file or folder"]
+    check = _convert_module().check_inputs
+    with pytest.raises(app.UsageError, match=f"--src={tmp_path}: neither an HF checkpoint"):
+        check(str(tmp_path))  # a folder without config.json or model_config.json
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(app.UsageError, match="weights.bin: a file, but not .npz"):
+        check(str(tmp_path / "weights.bin"))
+    with pytest.raises(app.UsageError, match=f"--tokenizer_from={missing}: no such"):
+        check(str(tmp_path / "weights.bin"), tokenizer_from=missing)
+
+
 def test_from_hf_onto_a_mesh(checkpoint):
     from jax.sharding import PartitionSpec as P
 

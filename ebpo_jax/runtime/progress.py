@@ -8,12 +8,14 @@ closing lines of experiments/train.py.
 """
 
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ebpo_jax.runtime.metrics import ProgressBar, format_value
+from ebpo_jax.runtime.shell import Shell
 
 
 def format_duration(seconds: float) -> str:
@@ -110,9 +112,10 @@ def _print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def summary(s: dict, config) -> str:
+def summary(s: dict, config, sh: Shell | None = None) -> str:
     """train()'s summary `s` as the closing lines: the warm start's and the latest evaluated
-    pass@1 (with its step), and where the outputs are."""
+    pass@1 (with its step), where the outputs are, and commands that `sh` (this shell) runs."""
+    sh = sh or Shell.here()
     if math.isnan(s["pass@1_start"]) and s["pass@1_end_step"] is None:
         score = "no held-out evaluation (the task has no held-out set)"
     else:
@@ -130,6 +133,6 @@ def summary(s: dict, config) -> str:
     return (
         f"{score}\n{run}\n"
         f"workdir: {s['workdir']}\nmetrics: {s['metrics']}\ncheckpoints: {s['checkpoints']}\n"
-        f"plot: python experiments/plot_run.py {s['workdir']}\n"
-        f"tensorboard: tensorboard --logdir {s['workdir']}"
+        f"plot: {sh.script('experiments/plot_run.py', s['workdir'])}\n"
+        f"tensorboard: {shlex.join([sh.tool('tensorboard'), '--logdir', s['workdir']])}"
     )
