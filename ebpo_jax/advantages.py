@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from ebpo_jax.runtime.registry import Registry
+
 
 class Welford(NamedTuple):
     """Per-cluster running (count, mean, M2) accumulators, each `[K]`."""
@@ -375,37 +377,29 @@ def reinforce_pp_baseline_advantage(
 # ---------------------------------------------------------------------------
 # Registry.
 
-_REGISTRY: dict[str, Callable] = {
-    "ebpo": eb_advantage,
-    "grpo": grpo_advantage,
-    "dr_grpo": dr_grpo_advantage,
-    "rloo": rloo_advantage,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
-}
-_STATEFUL = {"ebpo"}
+_REGISTRY = Registry(
+    lambda name, known: KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(known)}")
+)
+_REGISTRY.add("ebpo", eb_advantage, "stateful")
+_REGISTRY.add("grpo", grpo_advantage)
+_REGISTRY.add("dr_grpo", dr_grpo_advantage)
+_REGISTRY.add("rloo", rloo_advantage)
+_REGISTRY.add("reinforce_pp_baseline", reinforce_pp_baseline_advantage)
 
 
 def register(name: str, *, stateful: bool = False) -> Callable[[Callable], Callable]:
     """Decorator adding an estimator to the registry under `name`."""
-
-    def wrap(fn):
-        _REGISTRY[name] = fn
-        (_STATEFUL.add if stateful else _STATEFUL.discard)(name)
-        return fn
-
-    return wrap
+    return _REGISTRY.register(name, *(("stateful",) if stateful else ()))
 
 
 def names() -> tuple[str, ...]:
     """All registered estimator names."""
-    return tuple(sorted(_REGISTRY))
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Callable:
     """The estimator registered as `name`."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def estimate(
@@ -425,7 +419,7 @@ def estimate(
     fn = get(name)
     # None = the estimator's default (config.estimator_options declares every option as None).
     options = {k: v for k, v in options.items() if v is not None}
-    if name not in _STATEFUL:
+    if not _REGISTRY.marked(name, "stateful"):
         return fn(rewards, mask=mask, **options), state, {}
     if fn is not eb_advantage:
         adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
