@@ -16,14 +16,14 @@ fit inside the arithmetic family's cluster ids (5 topics x 3 levels).
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
+from ebpo_jax.tasks import reward
 from ebpo_jax.tasks.arithmetic import check_grid
-from ebpo_jax.tasks.reward import reward_inputs
-from ebpo_jax.tasks.tokenizer import DEFAULT_ALPHABET, EOS_ID, NUM_SPECIAL, CharTokenizer
+from ebpo_jax.tasks.tokenizer import DEFAULT_ALPHABET, NUM_SPECIAL, CharTokenizer
 
 TOPICS = ("carry_add", "carry_mul", "chain")
 DIFFICULTIES = (1, 2, 3)
@@ -207,37 +207,9 @@ def string_reward(completion: str, answer: str, *, has_eos: bool) -> float:
     return float(has_eos and final_answer(completion) == answer)
 
 
-def reward_fn(
-    completion_tokens_BN,
-    completion_lengths_B,
-    answer_tokens_BA,
-    answer_lengths_B,
-    *,
-    eos_id: int = EOS_ID,
-    marker_id: int = MARKER_ID,
-):
-    """Rewards [B] float32: 1.0 where the tokens between the last MARKER and the first EOS
-    (within the completion's length) spell the answer exactly; no EOS or no MARKER is 0."""
-    tok_BN, len_B, ans_BA, ans_len_B = reward_inputs(
-        completion_tokens_BN, completion_lengths_B, answer_tokens_BA, answer_lengths_B
-    )
-    N, A = tok_BN.shape[1], ans_BA.shape[1]
-    pos_N = jnp.arange(N)
-    is_eos_BN = (tok_BN == eos_id) & (pos_N[None, :] < len_B[:, None])
-    has_eos_B = is_eos_BN.any(-1)
-    content_len_B = jnp.where(has_eos_B, jnp.argmax(is_eos_BN, -1), len_B)
-    is_marker_BN = (tok_BN == marker_id) & (pos_N[None, :] < content_len_B[:, None])
-    has_marker_B = is_marker_BN.any(-1)
-    last_marker_B = N - 1 - jnp.argmax(is_marker_BN[:, ::-1], -1)
-    start_B = last_marker_B + 1
-    # Compare the answer's A slots with the completion from start on (clipped gather; slots
-    # beyond the answer's length are ignored, the length check covers them).
-    idx_BA = jnp.clip(start_B[:, None] + jnp.arange(A)[None, :], 0, N - 1)
-    got_BA = jnp.take_along_axis(tok_BN, idx_BA, axis=1)
-    in_answer_BA = jnp.arange(A)[None, :] < ans_len_B[:, None]
-    tokens_match_B = jnp.all(~in_answer_BA | (got_BA == ans_BA), axis=-1)
-    ok_B = has_eos_B & has_marker_B & (content_len_B - start_B == ans_len_B) & tokens_match_B
-    return ok_B.astype(jnp.float32)
+# Rewards [B] float32: 1.0 where the tokens between the last MARKER and the first EOS (within
+# the completion's length) spell the answer exactly; no EOS or no MARKER is 0.
+reward_fn = functools.partial(reward.reward_fn, marker_id=MARKER_ID)
 
 
 def response_lengths(problems: Sequence[Problem]) -> np.ndarray:
