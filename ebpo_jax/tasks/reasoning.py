@@ -21,8 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ebpo_jax.tasks import reward
-from ebpo_jax.tasks.arithmetic import check_grid
+from ebpo_jax.tasks import reward, splits
 from ebpo_jax.tasks.tokenizer import DEFAULT_ALPHABET, NUM_SPECIAL, CharTokenizer
 
 TOPICS = ("carry_add", "carry_mul", "chain")
@@ -152,7 +151,7 @@ def solve(topic: str, prompt: str) -> tuple[str, str]:
 
 
 def _cell_prompts(topic: str, d: int, n: int, rng: np.random.Generator) -> list[tuple]:
-    """Up to n distinct (prompt, completion, answer) of one cell whose completion + EOS has
+    """Up to n distinct (prompt, answer, completion) of one cell whose completion + EOS has
     MIN_RESPONSE_TOKENS..MAX_RESPONSE_TOKENS tokens."""
     out, seen = [], set()
     for _ in range(50 * n):  # a bounded search: small cells return what exists
@@ -164,36 +163,17 @@ def _cell_prompts(topic: str, d: int, n: int, rng: np.random.Generator) -> list[
         if prompt in seen or not fits:
             continue
         seen.add(prompt)
-        out.append((prompt, completion, str(answer)))
+        out.append((prompt, str(answer), completion))
     return out
 
 
-def make_splits(
-    seed: int,
-    *,
-    train_per_cell: int = 400,
-    test_per_cell: int = 40,
-    topics: Sequence[str] = TOPICS,
-    difficulties: Sequence[int] = DIFFICULTIES,
-) -> tuple[list[Problem], list[Problem]]:
-    """Deterministic (train, test) problem lists with disjoint prompts.
+def _draw_cell(topic: str, d: int, n_test: int, n_train: int, rng: np.random.Generator):
+    """(n_test, rows (prompt, answer, completion)) of one cell: distinct prompts in seeded order."""
+    return n_test, _cell_prompts(topic, d, n_test + n_train, rng)
 
-    Each (topic, difficulty) cell draws distinct prompts in seeded order; the first
-    `test_per_cell` go to test, the next `train_per_cell` to train, so the test split does
-    not depend on `train_per_cell`.
-    """
-    check_grid(topics, difficulties, train_per_cell, test_per_cell, TOPICS, DIFFICULTIES)
-    train, test = [], []
-    for topic in topics:
-        topic_id = TOPICS.index(topic)
-        for d in difficulties:
-            rng = np.random.default_rng([seed, topic_id, d])
-            drawn = _cell_prompts(topic, d, test_per_cell + train_per_cell, rng)
-            for k, (prompt, completion, answer) in enumerate(drawn):
-                split, out = ("test", test) if k < test_per_cell else ("train", train)
-                pid = f"{split}/{topic}/{d}/{len(out)}"
-                out.append(Problem(prompt, answer, topic, topic_id, d, pid, completion))
-    return train, test
+
+CELLS = splits.Cells(TOPICS, DIFFICULTIES, _draw_cell, Problem)
+make_splits = functools.partial(splits.make_splits, CELLS)
 
 
 def final_answer(completion: str) -> str | None:
