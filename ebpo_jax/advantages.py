@@ -282,18 +282,31 @@ def _normalize(adv_PG, mask_PG, how: str, eps: float, fallback_std_P=None):
     raise ValueError(f"normalize must be 'batch', 'group' or 'none', got {how!r}")
 
 
-def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize, mu_glob):
+class EBOptions(NamedTuple):
+    """EBPO's options and their defaults (`eb_advantage` documents them)."""
+
+    eps: float = 1e-6
+    per_batch: bool = False
+    forgetting: float = 1.0
+    normalize: str = "batch"
+    mu_glob: str = "all_rewards"
+
+
+_EB = EBOptions()
+
+
+def _eb(rewards, state, mask, cluster_ids, opts: EBOptions):
     """EBPO core: (advantages, merged state, posterior diagnostics, prepared batch)."""
-    if not 0.0 < forgetting <= 1.0:
-        raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-    if per_batch:
+    if not 0.0 < opts.forgetting <= 1.0:
+        raise ValueError(f"forgetting must be in (0, 1], got {opts.forgetting}")
+    if opts.per_batch:
         state = jax.tree.map(jnp.zeros_like, state)
     b = _prepare(state, rewards, mask, cluster_ids)
-    new_state = _merge_prepared(state, b, forgetting)
-    diag = _posterior(new_state, b, eps, mu_glob)
+    new_state = _merge_prepared(state, b, opts.forgetting)
+    diag = _posterior(new_state, b, opts.eps, opts.mu_glob)
     adv_PG = jnp.where(b.mask_PG, b.rewards_PG - diag["baseline"][:, None], 0.0)
     prior_std_P = _dot(b.onehot_PK, jnp.sqrt(diag["sigma2"]))
-    adv_PG = _normalize(adv_PG, b.mask_PG, normalize, eps, prior_std_P)
+    adv_PG = _normalize(adv_PG, b.mask_PG, opts.normalize, opts.eps, prior_std_P)
     return jnp.where(b.mask_PG, adv_PG, 0.0), new_state, diag, b
 
 
@@ -303,11 +316,11 @@ def eb_advantage(
     *,
     mask: ArrayLike | None = None,
     cluster_ids: ArrayLike | None = None,
-    eps: float = 1e-6,
-    per_batch: bool = False,
-    forgetting: float = 1.0,
-    normalize: str = "batch",
-    mu_glob: str = "all_rewards",
+    eps: float = _EB.eps,
+    per_batch: bool = _EB.per_batch,
+    forgetting: float = _EB.forgetting,
+    normalize: str = _EB.normalize,
+    mu_glob: str = _EB.mu_glob,
 ) -> tuple[jax.Array, EBState]:
     """EBPO advantages `[P, G]` and the updated EBState (see PAPER.md).
 
@@ -316,9 +329,8 @@ def eb_advantage(
     every call and `mu_glob="group_means"` shrinks toward the mean of the group means:
     both together are the authors' released code; `forgetting` < 1 decays the history.
     """
-    adv_PG, new_state, _, _ = _eb(
-        rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize, mu_glob
-    )
+    opts = EBOptions(eps, per_batch, forgetting, normalize, mu_glob)
+    adv_PG, new_state, _, _ = _eb(rewards, state, mask, cluster_ids, opts)
     return adv_PG, new_state
 
 
@@ -424,14 +436,7 @@ def estimate(
     if fn is not eb_advantage:
         adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
         return adv_PG, new_state, {}
-    opts = {
-        "eps": 1e-6,
-        "per_batch": False,
-        "forgetting": 1.0,
-        "normalize": "batch",
-        "mu_glob": "all_rewards",
-    } | options
-    adv_PG, new_state, diag, b = _eb(rewards, state, mask, cluster_ids, **opts)
+    adv_PG, new_state, diag, b = _eb(rewards, state, mask, cluster_ids, EBOptions(**options))
     valid_P = (b.n_P > 0).astype(jnp.float32)
     row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)
     metrics = {
