@@ -20,6 +20,7 @@ from ebpo_jax import config as config_lib
 from ebpo_jax import losses, models, sampler, schema
 from ebpo_jax.models import lora
 from ebpo_jax.spec import optim_spec
+from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.state import make_optimizer
 from ebpo_jax.trainer.update import completion_logprobs
 
@@ -74,9 +75,8 @@ def _update(mc, optimizer, lora_spec, args):
     def step(train, opt_state, frozen, ro):
         def loss_fn(train):
             policy = train if lora_spec is None else lora.attach(frozen, train, lora_spec)
-            logp = completion_logprobs(
-                mc, policy, ro["prompt"], ro["plen"], ro["comp"], ro["clen"], with_entropy=False
-            )
+            mb = MicroBatch(ro["prompt"], ro["plen"], ro["comp"], ro["clen"])
+            logp = completion_logprobs(mc, policy, mb, with_entropy=False)
             mask = jnp.arange(N)[None] < ro["clen"][:, None]
             return losses.policy_loss(losses.TokenTerms(logp, ro["old"], ro["adv"], mask))[0]
 

@@ -61,15 +61,7 @@ def _grad_fn(model_config, lay, B, N):
 
     def loss_fn(params, ref_params, mb, denom):
         if lay is None:
-            logp_BN, ent_BN = completion_logprobs(
-                model_config,
-                params,
-                mb.prompt_tokens,
-                mb.prompt_lengths,
-                mb.tokens.reshape(-1, N),
-                mb.lengths.reshape(-1),
-                with_entropy=True,
-            )
+            logp_BN, ent_BN = completion_logprobs(model_config, params, mb, with_entropy=True)
         else:
             logp_BN, ent_BN = packing.packed_completion_logprobs(
                 model_config, params, mb.packed, slots=(B, N), with_entropy=True

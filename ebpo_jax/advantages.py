@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from ebpo_jax.runtime.registry import Registry
+
 
 class Welford(NamedTuple):
     """Per-cluster running (count, mean, M2) accumulators, each `[K]`."""
@@ -280,18 +282,31 @@ def _normalize(adv_PG, mask_PG, how: str, eps: float, fallback_std_P=None):
     raise ValueError(f"normalize must be 'batch', 'group' or 'none', got {how!r}")
 
 
-def _eb(rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize, mu_glob):
+class EBOptions(NamedTuple):
+    """EBPO's options and their defaults (`eb_advantage` documents them)."""
+
+    eps: float = 1e-6
+    per_batch: bool = False
+    forgetting: float = 1.0
+    normalize: str = "batch"
+    mu_glob: str = "all_rewards"
+
+
+_EB = EBOptions()
+
+
+def _eb(rewards, state, mask, cluster_ids, opts: EBOptions):
     """EBPO core: (advantages, merged state, posterior diagnostics, prepared batch)."""
-    if not 0.0 < forgetting <= 1.0:
-        raise ValueError(f"forgetting must be in (0, 1], got {forgetting}")
-    if per_batch:
+    if not 0.0 < opts.forgetting <= 1.0:
+        raise ValueError(f"forgetting must be in (0, 1], got {opts.forgetting}")
+    if opts.per_batch:
         state = jax.tree.map(jnp.zeros_like, state)
     b = _prepare(state, rewards, mask, cluster_ids)
-    new_state = _merge_prepared(state, b, forgetting)
-    diag = _posterior(new_state, b, eps, mu_glob)
+    new_state = _merge_prepared(state, b, opts.forgetting)
+    diag = _posterior(new_state, b, opts.eps, opts.mu_glob)
     adv_PG = jnp.where(b.mask_PG, b.rewards_PG - diag["baseline"][:, None], 0.0)
     prior_std_P = _dot(b.onehot_PK, jnp.sqrt(diag["sigma2"]))
-    adv_PG = _normalize(adv_PG, b.mask_PG, normalize, eps, prior_std_P)
+    adv_PG = _normalize(adv_PG, b.mask_PG, opts.normalize, opts.eps, prior_std_P)
     return jnp.where(b.mask_PG, adv_PG, 0.0), new_state, diag, b
 
 
@@ -301,11 +316,11 @@ def eb_advantage(
     *,
     mask: ArrayLike | None = None,
     cluster_ids: ArrayLike | None = None,
-    eps: float = 1e-6,
-    per_batch: bool = False,
-    forgetting: float = 1.0,
-    normalize: str = "batch",
-    mu_glob: str = "all_rewards",
+    eps: float = _EB.eps,
+    per_batch: bool = _EB.per_batch,
+    forgetting: float = _EB.forgetting,
+    normalize: str = _EB.normalize,
+    mu_glob: str = _EB.mu_glob,
 ) -> tuple[jax.Array, EBState]:
     """EBPO advantages `[P, G]` and the updated EBState (see PAPER.md).
 
@@ -314,9 +329,8 @@ def eb_advantage(
     every call and `mu_glob="group_means"` shrinks toward the mean of the group means:
     both together are the authors' released code; `forgetting` < 1 decays the history.
     """
-    adv_PG, new_state, _, _ = _eb(
-        rewards, state, mask, cluster_ids, eps, per_batch, forgetting, normalize, mu_glob
-    )
+    opts = EBOptions(eps, per_batch, forgetting, normalize, mu_glob)
+    adv_PG, new_state, _, _ = _eb(rewards, state, mask, cluster_ids, opts)
     return adv_PG, new_state
 
 
@@ -375,37 +389,29 @@ def reinforce_pp_baseline_advantage(
 # ---------------------------------------------------------------------------
 # Registry.
 
-_REGISTRY: dict[str, Callable] = {
-    "ebpo": eb_advantage,
-    "grpo": grpo_advantage,
-    "dr_grpo": dr_grpo_advantage,
-    "rloo": rloo_advantage,
-    "reinforce_pp_baseline": reinforce_pp_baseline_advantage,
-}
-_STATEFUL = {"ebpo"}
+_REGISTRY = Registry(
+    lambda name, known: KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(known)}")
+)
+_REGISTRY.add("ebpo", eb_advantage, "stateful")
+_REGISTRY.add("grpo", grpo_advantage)
+_REGISTRY.add("dr_grpo", dr_grpo_advantage)
+_REGISTRY.add("rloo", rloo_advantage)
+_REGISTRY.add("reinforce_pp_baseline", reinforce_pp_baseline_advantage)
 
 
 def register(name: str, *, stateful: bool = False) -> Callable[[Callable], Callable]:
     """Decorator adding an estimator to the registry under `name`."""
-
-    def wrap(fn):
-        _REGISTRY[name] = fn
-        (_STATEFUL.add if stateful else _STATEFUL.discard)(name)
-        return fn
-
-    return wrap
+    return _REGISTRY.register(name, *(("stateful",) if stateful else ()))
 
 
 def names() -> tuple[str, ...]:
     """All registered estimator names."""
-    return tuple(sorted(_REGISTRY))
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Callable:
     """The estimator registered as `name`."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown advantage estimator {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def estimate(
@@ -425,19 +431,12 @@ def estimate(
     fn = get(name)
     # None = the estimator's default (config.estimator_options declares every option as None).
     options = {k: v for k, v in options.items() if v is not None}
-    if name not in _STATEFUL:
+    if not _REGISTRY.marked(name, "stateful"):
         return fn(rewards, mask=mask, **options), state, {}
     if fn is not eb_advantage:
         adv_PG, new_state = fn(rewards, state, mask=mask, cluster_ids=cluster_ids, **options)
         return adv_PG, new_state, {}
-    opts = {
-        "eps": 1e-6,
-        "per_batch": False,
-        "forgetting": 1.0,
-        "normalize": "batch",
-        "mu_glob": "all_rewards",
-    } | options
-    adv_PG, new_state, diag, b = _eb(rewards, state, mask, cluster_ids, **opts)
+    adv_PG, new_state, diag, b = _eb(rewards, state, mask, cluster_ids, EBOptions(**options))
     valid_P = (b.n_P > 0).astype(jnp.float32)
     row_mean = lambda x_P: (valid_P * x_P).sum() / jnp.maximum(valid_P.sum(), 1.0)
     metrics = {

@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from ebpo_jax.runtime.registry import Registry
+
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -141,8 +143,9 @@ class CovOptions:
     kl_coef: float = 0.1  # KL-Cov: weight of |log pi - log pi_old| on those tokens
 
 
-_REGISTRY: dict[str, Callable[..., Surrogate]] = {}
-_DRAWS: set[str] = set()  # surrogates that pick tokens at random (need TokenTerms.noise_BT)
+_REGISTRY = Registry(
+    lambda name, known: KeyError(f"unknown policy loss {name!r}; known: {', '.join(known)}")
+)
 
 
 def register(name: str, *, draws: bool = False) -> Callable[[Callable], Callable]:
@@ -153,30 +156,22 @@ def register(name: str, *, draws: bool = False) -> Callable[[Callable], Callable
     CovOptions, `noise_BT` uniform [0, 1) draws (None unless `draws`: the surrogate samples).
     """
 
-    def wrap(fn):
-        _REGISTRY[name] = fn
-        if draws:
-            _DRAWS.add(name)
-        return fn
-
-    return wrap
+    return _REGISTRY.register(name, *(("draws",) if draws else ()))
 
 
 def draws(name: str) -> bool:
     """Whether surrogate `name` picks tokens at random (its TokenTerms need noise_BT)."""
-    return name in _DRAWS
+    return _REGISTRY.marked(name, "draws")
 
 
 def names() -> tuple[str, ...]:
     """All registered surrogate names."""
-    return tuple(sorted(_REGISTRY))
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Callable[..., Surrogate]:
     """The surrogate registered as `name`."""
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown policy loss {name!r}; known: {', '.join(names())}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def _clipped_pg(ratio_BT, adv_BT, clip_low, clip_high, dual_clip):

@@ -224,15 +224,26 @@ def final_answer(response: str) -> str | None:
     return predicted
 
 
-def answer_match_reward(response: str, answer: str) -> float:
-    """1.0 iff the extracted "Answer:" (or last boxed) equals `answer` after normalisation."""
+def _scored(response: str, answer: str, compare: Callable[[str, str], bool]) -> float:
+    """The rewards' shared steps: the final answer (0 without one), the percent rule, then
+    `compare(predicted, answer)`."""
     predicted = final_answer(response)
     if predicted is None:
         return 0.0
-    percent = percent_match(predicted, str(answer))
+    percent = percent_match(predicted, answer)
     if percent is not None:
         return percent
-    return float(normalize_answer(predicted) == normalize_answer(str(answer)))
+    return float(compare(predicted, answer))
+
+
+def _normalized_equal(predicted: str, answer: str) -> bool:
+    """Whether both sides are equal after `normalize_answer`."""
+    return normalize_answer(predicted) == normalize_answer(answer)
+
+
+def answer_match_reward(response: str, answer: str) -> float:
+    """1.0 iff the extracted "Answer:" (or last boxed) equals `answer` after normalisation."""
+    return _scored(response, str(answer), _normalized_equal)
 
 
 # Words an answer may contain that are not symbols of the parsed expression.
@@ -272,31 +283,30 @@ def _parse_is_whole(text: str, parsed) -> bool:
     return True
 
 
-def math_verify_reward(response: str, answer: str) -> float:
-    """1.0 iff math-verify finds the response's whole final answer equivalent to `answer`."""
+def _verified(predicted: str, answer: str) -> bool:
+    """Whether math-verify finds the whole of `predicted` equivalent to `answer`."""
     from math_verify import parse, verify  # heavy import, only in reward workers
 
-    predicted = final_answer(response)
-    if predicted is None:
-        return 0.0
-    percent = percent_match(predicted, str(answer))
-    if percent is not None:
-        return percent
-    gold_text = str(answer)
+    gold_text = answer
     if "$" not in gold_text and "\\boxed" not in gold_text:
         gold_text = f"${gold_text}$"
     value = equation_value(_math_text(predicted)[1:-1], gold_text)
     if value is None:
-        return 0.0
+        return False
     pred_text = f"${value}$"
     try:
         gold = parse(gold_text, parsing_timeout=PARSE_TIMEOUT_S)
         pred = parse(pred_text, parsing_timeout=PARSE_TIMEOUT_S)
         if not gold or not pred or not _parse_is_whole(pred_text[1:-1], pred):
-            return 0.0
-        return float(verify(gold, pred, timeout_seconds=VERIFY_TIMEOUT_S))
+            return False
+        return bool(verify(gold, pred, timeout_seconds=VERIFY_TIMEOUT_S))
     except Exception:  # noqa: BLE001  math-verify raises on malformed LaTeX: such an answer scores 0
-        return 0.0
+        return False
+
+
+def math_verify_reward(response: str, answer: str) -> float:
+    """1.0 iff math-verify finds the response's whole final answer equivalent to `answer`."""
+    return _scored(response, str(answer), _verified)
 
 
 def math_reward(response: str, answer: str) -> float:
@@ -307,9 +317,14 @@ def math_reward(response: str, answer: str) -> float:
     return float(math_rewards([response], [answer])[0])
 
 
+def _matched_or_verified(predicted: str, answer: str) -> bool:
+    """Exact match after normalisation, else math-verify (the cheap test first)."""
+    return _normalized_equal(predicted, answer) or _verified(predicted, answer)
+
+
 def _math_reward_local(response: str, answer: str) -> float:
     """`math_reward` in the calling process (what pool workers run)."""
-    return answer_match_reward(response, answer) or math_verify_reward(response, answer)
+    return _scored(response, str(answer), _matched_or_verified)
 
 
 def format_reward(response: str, answer: str = "") -> float:

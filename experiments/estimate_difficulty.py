@@ -55,7 +55,9 @@ def run() -> list[float]:
             seed=_SEED.value,
         ),
     )
-    correct, _, _ = policy_eval.score_responses(records, responses, reward=_REWARD.value)
+    correct, _, _ = policy_eval.score_responses(
+        records, responses, policy_eval.Scoring(reward=_REWARD.value)
+    )
     rates = correct.mean(1).tolist()
     out = [dataclasses.replace(r, difficulty=1.0 - p) for r, p in zip(records, rates)]
     save_records(out, _OUT.value, pass_rate=rates)

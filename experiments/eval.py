@@ -98,9 +98,8 @@ def run(argv=None) -> dict:
                 seed=_SEED.value,
             ),
         )
-        results[name] = policy_eval.evaluate_benchmark(
-            records, responses, reward=_REWARD.value, workers=_WORKERS.value
-        )
+        scoring = policy_eval.Scoring(reward=_REWARD.value, workers=_WORKERS.value)
+        results[name] = policy_eval.evaluate_benchmark(records, responses, scoring=scoring)
         print(f"{name}: {len(records)} problems x {_K.value} samples in {time.time() - t0:.0f} s")
     print(evaluation.format_table(results))
     with open(out, "w") as f:

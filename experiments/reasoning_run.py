@@ -39,8 +39,7 @@ def warm_stats(config) -> dict:
             eos_ids=task.tokenizer.eos_id,
             sampling=sampler.Sampling(spec.eval.run.eval_temperature),
         ),
-        batch_size=spec.eval.run.eval_batch_size,
-        seed=spec.run.seed,
+        policy_eval.Chunks(spec.eval.run.eval_batch_size, spec.run.seed),
     )
     rep = lambda x: np.repeat(x, k, axis=0)
     r = task.reward.fn(tokens, lengths, rep(data.answer_tokens), rep(data.answer_lengths))

@@ -258,16 +258,15 @@ def test_power_analysis_chooses_seeds_from_the_pilot():
     evals = _pilot_evals(diffs)
     from ebpo_jax.ablation import power
 
-    out = tables.choose_seeds(
-        evals, runs, effect=0.02, power=0.8, alpha=0.05, pilot=4, max_seeds=100, log=lambda *_: None
-    )
+    analysis = power.PowerAnalysis(effect=0.02, power=0.8, pilot_seeds=4, max_seeds=100)
+    out = tables.choose_seeds(evals, runs, analysis, alpha=0.05, log=lambda *_: None)
     want = max(power.seeds_needed(0.02, np.std(d, ddof=1)) for d in diffs.values())
     assert out["seeds_needed"] == out["seeds"] == want
     assert [c["pilot_sd"] for c in out["claims"]] == pytest.approx(
         [np.std(d, ddof=1) for d in diffs.values()]
     )
     capped = tables.choose_seeds(
-        evals, runs, effect=0.02, power=0.8, alpha=0.05, pilot=4, max_seeds=5, log=lambda *_: None
+        evals, runs, analysis._replace(max_seeds=5), alpha=0.05, log=lambda *_: None
     )
     assert capped["seeds"] == 5 and capped["power_at_seeds"] < 0.8
     table = tables.comparisons(evals, runs)

@@ -394,7 +394,7 @@ def test_registry_and_estimate_metrics():
         adv, state, metrics = advantages.estimate("zero_test", r, ebpo_jax.init_eb_state())
         assert metrics == {} and not adv.any() and state.reward.count[0] == 0
     finally:
-        advantages._REGISTRY.pop("zero_test")
+        advantages._REGISTRY.entries.pop("zero_test")
 
 
 def test_init_state_can_be_donated():

@@ -204,3 +204,14 @@ def test_sample_responses_and_score(tmp_path):
     assert a[0] != a[2] or a[1] != a[3]  # each chunk and row has its own randomness
     correct, _, _ = policy_eval.score_responses(records, a)
     assert correct.shape == (4, 3)
+
+
+def test_evaluate_benchmark_scores_with_its_scoring():
+    from ebpo_jax.data import Record
+    from ebpo_jax.evaluation import policy as policy_eval
+
+    records = [Record("1+1", "2", "a"), Record("2+2", "4", "b")]
+    responses = [["Answer: 2", "Answer: 3"], ["Answer: 4", "Answer: four"]]
+    scoring = policy_eval.Scoring(reward="answer_match", workers=1)
+    out = policy_eval.evaluate_benchmark(records, responses, scoring=scoring, num_resamples=10)
+    assert out["mean@2"]["value"] == 0.5 and out["pass@2"]["value"] == 1.0

@@ -8,6 +8,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ebpo_jax"
 MAX_LINES = 60  # a function's lines, decorators and docstring included
 MAX_PARAMS = 9  # a spec counts as one; self and cls do not count
+# Functions at 8 or 9 parameters: a list that wants a type. 36 on b01c5f5; the goal is 10,
+# once the crowded functions in files others were reshaping that session (losses.py's
+# surrogates, sampler/, pods/aot.py, rollout/single_turn.py, tasks/episodes.py) follow.
+MAX_CROWDED = 28
 
 # NamedTuple's public methods and fields start with an underscore.
 _NAMEDTUPLE_API = {"_fields", "_replace", "_asdict", "_make", "_field_defaults"}
@@ -51,6 +55,21 @@ def test_no_function_is_long_or_takes_many_parameters():
             if lines > MAX_LINES or params > MAX_PARAMS:
                 bad.append(f"{rel}:{fn.lineno} {fn.name}: {lines} lines, {params} parameters")
     assert not bad, "over the limits:\n" + "\n".join(bad)
+
+
+def test_few_functions_crowd_the_parameter_limit():
+    """At most MAX_CROWDED defs in ebpo_jax/ take 8 or 9 parameters (*args, **kwargs count)."""
+    crowded = [
+        f"{rel}:{fn.lineno} {fn.name}: {_size(fn)[1]} parameters"
+        for rel, tree in _modules()
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and _size(fn)[1] >= 8
+    ]
+    assert len(crowded) <= MAX_CROWDED, (
+        f"{len(crowded)} functions take 8 or 9 parameters (at most {MAX_CROWDED}); give the "
+        "arguments a type (a small frozen spec the caller has) rather than adding one:\n"
+        + "\n".join(crowded)
+    )
 
 
 def test_the_size_measure_counts_what_it_should():

@@ -15,6 +15,7 @@ from ebpo_jax import advantages, losses, models, sampler, sharding
 from ebpo_jax import config as config_lib
 from ebpo_jax.models import lora, lora_checkpoint
 from ebpo_jax.runtime.checkpoint import Checkpointer
+from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.policy import Policy
 from ebpo_jax.trainer.state import init_lora_state, state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
@@ -93,11 +94,11 @@ def _rollout(P=2, G=2, Tp=5, N=4, seed=0):
 def _loss(adapters, base, spec, ro, adv_B, *, agg="token-mean", kl_coef=0.0):
     """The trainer's loss (completion_logprobs + policy_loss) on the adapter path."""
     policy = Policy(CFG, spec).forward_params(adapters, base)
-    args = (ro["prompt"], ro["plen"], ro["comp"], ro["clen"])
-    logp = completion_logprobs(CFG, policy, *args, with_entropy=False)
+    mb = MicroBatch(ro["prompt"], ro["plen"], ro["comp"], ro["clen"])
+    logp = completion_logprobs(CFG, policy, mb, with_entropy=False)
     ref = None
     if kl_coef:  # the reference: the base with the adapters off
-        ref = jax.lax.stop_gradient(completion_logprobs(CFG, base, *args, with_entropy=False))
+        ref = jax.lax.stop_gradient(completion_logprobs(CFG, base, mb, with_entropy=False))
     mask = jnp.arange(ro["comp"].shape[1])[None] < ro["clen"][:, None]
     terms = losses.TokenTerms(logp, ro["old_logp"], adv_B, mask, ref_logp_BT=ref)
     loss, _ = losses.policy_loss(terms, losses.LossOptions(agg=agg, kl_coef=kl_coef))

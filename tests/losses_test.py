@@ -346,7 +346,7 @@ def test_register_your_own_surrogate(surrogate_batch):
         np.testing.assert_allclose(loss, (c * -a * logp).sum(), rtol=1e-5)
         np.testing.assert_allclose(grad, c * -a, rtol=1e-5, atol=1e-8)
     finally:
-        losses._REGISTRY.pop("reinforce_test")
+        losses._REGISTRY.entries.pop("reinforce_test")
     with pytest.raises(KeyError, match="known: cispo, clip_cov, gspo, gspo_token, kl_cov, ppo"):
         _policy_loss(logp, old, adv, mask, name="grpo")
 

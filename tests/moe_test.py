@@ -313,16 +313,15 @@ def _packed_logprobs(config, params, prompts, plen, gen, routing):
 def _replay_gap(spec, P=4, G=2):
     """The sampled log-probs vs the trainer's recompute, without and with routing replay, by the
     padded and the packed forward: ({"padded": (without, with), "packed": ...}, stats)."""
+    from ebpo_jax.trainer.batch import MicroBatch
     from ebpo_jax.trainer.update import completion_logprobs
 
     config, params, prompts, plen, gen, routing, stats = _sampled_with_routing(spec, P, G)
     mask = np.arange(spec.max_new_tokens)[None] < np.asarray(gen.lengths)[:, None]
 
     def padded(routing):
-        return completion_logprobs(
-            config, params, prompts, plen, gen.tokens, gen.lengths, with_entropy=False,
-            routing=routing,
-        )  # fmt: skip
+        mb = MicroBatch(prompts, plen, gen.tokens, gen.lengths, routing=routing)
+        return completion_logprobs(config, params, mb, with_entropy=False)
 
     def packed(routing):
         return _packed_logprobs(config, params, prompts, plen, gen, routing)

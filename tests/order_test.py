@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax.data import RecordOrder
+from ebpo_jax.data.order import Shard
 
 N = 103
 RNG = np.random.default_rng(0)
@@ -78,7 +79,7 @@ def test_epoch_boundary_and_state():
 
 def test_hosts_see_disjoint_equal_shards():
     for order in ("naive", "topic", "difficulty"):
-        hosts = [make(order, num_hosts=4, host_id=h) for h in range(4)]
+        hosts = [make(order, shard=Shard(h, 4)) for h in range(4)]
         shards = [set(h.next_indices(N // 4).tolist()) for h in hosts]
         assert all(len(s) == N // 4 for s in shards)
         for i in range(4):
@@ -95,11 +96,11 @@ def test_hosts_see_disjoint_equal_shards():
 
 
 def test_restore_rejects_other_data_or_sharding():
-    saved = make("topic", num_hosts=2, host_id=0).state()
+    saved = make("topic", shard=Shard(0, 2)).state()
     with pytest.raises(ValueError, match="saved for other data"):
-        make("topic", num_hosts=2, host_id=1).restore(saved)
+        make("topic", shard=Shard(1, 2)).restore(saved)
     with pytest.raises(ValueError, match="saved for other data"):
-        make("naive", num_hosts=2, host_id=0).restore(saved)
+        make("naive", shard=Shard(0, 2)).restore(saved)
     with pytest.raises(ValueError, match="out of range"):
         make("naive").restore({"epoch": 0, "position": N})
 
@@ -114,6 +115,6 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="NaN"):
         RecordOrder(3, order="difficulty", difficulty=[0.1, np.nan, 0.2])
     with pytest.raises(ValueError, match="host_id 2 not in"):
-        RecordOrder(N, num_hosts=2, host_id=2)
+        RecordOrder(N, shard=Shard(2, 2))
     with pytest.raises(ValueError, match="batch_size must be"):
         RecordOrder(N).next_indices(0)

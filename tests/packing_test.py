@@ -61,15 +61,7 @@ def _grad_fn(model_config, lay):
             return packing.packed_completion_logprobs(
                 model_config, params, mb.packed, slots=(P * G, N), with_entropy=with_entropy
             )
-        return completion_logprobs(
-            model_config,
-            params,
-            mb.prompt_tokens,
-            mb.prompt_lengths,
-            mb.tokens.reshape(-1, N),
-            mb.lengths.reshape(-1),
-            with_entropy=with_entropy,
-        )
+        return completion_logprobs(model_config, params, mb, with_entropy=with_entropy)
 
     def loss_fn(params, ref_params, mb, denom):
         denom_A, w_A = denom
@@ -179,15 +171,7 @@ def test_splash_packs_one_prompt_copy_per_sequence():
             splash, p, r, slots=(P * G, N), with_entropy=False
         )
     )(params, rows)
-    ref = completion_logprobs(
-        config,
-        params,
-        mb.prompt_tokens,
-        mb.prompt_lengths,
-        mb.tokens.reshape(-1, N),
-        mb.lengths.reshape(-1),
-        with_entropy=False,
-    )
+    ref = completion_logprobs(config, params, mb, with_entropy=False)
     np.testing.assert_allclose(np.where(mask_BN, logp, 0), np.where(mask_BN, ref, 0), atol=1e-5)
 
 

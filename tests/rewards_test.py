@@ -284,3 +284,13 @@ def test_reward_defined_in_main_is_refused(pool):
     fn.__module__ = "__main__"
     with pytest.raises(ValueError, match="defined in __main__"):
         pool.map(fn, ["a"], ["a"])
+
+
+def test_the_pooled_math_reward_is_answer_match_or_math_verify():
+    """The shared steps run once in `math_reward`'s worker form; its scores are unchanged."""
+    pairs = [(r, a) for r, a, _ in CASES[:12]] + [("Answer: 1\\%", "1"), ("Answer: x = 5", "5")]
+    for response, answer in pairs:
+        either = rewards.answer_match_reward(response, answer) or rewards.math_verify_reward(
+            response, answer
+        )
+        assert rewards._math_reward_local(response, answer) == either, (response, answer)

@@ -78,7 +78,7 @@ def test_a_spec_holds_no_configdict_and_hashes(monkeypatch):
         return advantages.grpo_advantage(rewards, mask=mask)
 
     # A custom estimator with its own option (removed from the registry after the test).
-    monkeypatch.setitem(advantages._REGISTRY, "grpo_with_option", custom)
+    monkeypatch.setitem(advantages._REGISTRY.entries, "grpo_with_option", custom)
 
     c = _micro(**{"model.lora.rank": 4, "estimator_options.forgetting": 0.9})
     c.estimator = "grpo_with_option"

@@ -74,6 +74,17 @@ def test_bad_generator_arguments_raise():
         tasks.make_splits(0, difficulties=(4,))
 
 
+def test_one_make_splits_whose_default_counts_are_the_configs():
+    from ebpo_jax import schema
+    from ebpo_jax.tasks import guess, reasoning, splits
+
+    for family in (tasks, reasoning, guess):
+        assert family.make_splits.func is splits.make_splits
+    _, test = reasoning.make_splits(0, topics=("chain",), difficulties=(1,))
+    train, _ = guess.make_splits(0, topics=("small",), difficulties=(1,))
+    assert (len(test), len(train)) == (schema.Task().test_per_cell, schema.Task().train_per_cell)
+
+
 def test_tokenizer_round_trip_and_batch(splits):
     train, _ = splits
     assert (PAD_ID, BOS_ID, EOS_ID) == (0, 1, 2)

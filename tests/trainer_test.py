@@ -24,6 +24,7 @@ from ebpo_jax.trainer import loop
 from ebpo_jax.trainer import make_rollout_fn as _make_rollout_fn
 from ebpo_jax.trainer import make_train_step as _make_train_step
 from ebpo_jax.trainer import make_update_fn as _make_update_fn
+from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.state import init_train_state
 from ebpo_jax.trainer.state import make_optimizer as _make_optimizer
 from ebpo_jax.trainer.step import multi_step
@@ -127,15 +128,13 @@ def test_sampler_logprobs_equal_training_forward(setup):
     assert int(mask_BN.sum()) > 0 and G > 1
     # The prompt once per group (as the update step calls it), and once per row.
     for reps in (1, G):
-        logp_BN = completion_logprobs(
-            mc,
-            params,
+        mb = MicroBatch(
             jnp.repeat(ro.prompt_tokens, reps, 0),
             jnp.repeat(ro.prompt_lengths, reps, 0),
             ro.tokens.reshape(-1, N),
             ro.lengths.reshape(-1),
-            with_entropy=False,
         )
+        logp_BN = completion_logprobs(mc, params, mb, with_entropy=False)
         diff = jnp.where(mask_BN, logp_BN - ro.logprobs.reshape(-1, N), 0.0)
         np.testing.assert_allclose(diff, 0.0, atol=1e-5)
 
@@ -153,10 +152,7 @@ def test_splash_packed_path_equals_grouped_path():
         name: jax.jit(completion_logprobs, static_argnums=0, static_argnames="with_entropy")(
             mc.replace(attention=name),
             params,
-            prompt_PT,
-            plen_P,
-            comp_BN,
-            clen_B,
+            MicroBatch(prompt_PT, plen_P, comp_BN, clen_B),
             with_entropy=True,
         )
         for name in ("xla", "splash")

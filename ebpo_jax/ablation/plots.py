@@ -1,6 +1,7 @@
 """PNG plots of an ablation's results with matplotlib (one set per grid block)."""
 
 import os
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -21,15 +22,22 @@ TRAIN_PANELS = (
 )
 
 
-def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> tuple[list[str], str | None]:
-    """(series axes, facet axis): axes that vary in this block; group_size facets."""
+class BlockAxes(NamedTuple):
+    """The axes that vary in a block: one line per `series` value, one panel per `facet` value."""
+
+    series: list[str]
+    facet: str | None
+
+
+def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> BlockAxes:
+    """The axes that vary in this block; group_size facets."""
     fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "val_pass@1", *CURVES}
     fixed.add("prompts_per_step")
     fixed |= set(PROVENANCE_FIELDS)  # runs adopted from other grids may differ in XLA flags
     axes = [c for c in df.columns if c not in fixed]
     varying = [a for a in axes if a not in ignore and df[a].nunique(dropna=True) > 1]
     facet = "group_size" if "group_size" in varying else None
-    return [a for a in varying if a != facet], facet
+    return BlockAxes([a for a in varying if a != facet], facet)
 
 
 def _label(key, series) -> str:
@@ -43,7 +51,9 @@ def _facets(df, facet):
     return [(None, df)] if facet is None else list(df.groupby(facet, sort=True))
 
 
-def _curve_plot(df, x, y, series, facet, path, ylabel, window=1):
+def _curve_plot(df, x, y, axes: BlockAxes, path, ylabel, window=1):
+    """One panel per facet of `y` against `x`, a line per series (a rolling mean over `window`)."""
+    series, facet = axes
     facets = _facets(df, facet)
     fig = Figure(figsize=(4 * len(facets), 3.2))
     axs = fig.subplots(1, len(facets), squeeze=False)
@@ -66,17 +76,16 @@ def _curve_plot(df, x, y, series, facet, path, ylabel, window=1):
 def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: str) -> list[str]:
     """Write this block's PNGs to out_dir; returns their paths."""
     ev, st = evals[evals.block == block], steps[steps.block == block]
-    series, facet = _axes_of(ev)
+    axes = _axes_of(ev)
+    series, facet = axes
     paths = []
 
     def path(name):
         paths.append(os.path.join(out_dir, f"{block}_{name}.png"))
         return paths[-1]
 
-    _curve_plot(ev, "step", "pass@1", series, facet, path("pass1_vs_step"), "held-out pass@1")
-    _curve_plot(
-        ev, "generated_tokens", "pass@1", series, facet, path("pass1_vs_tokens"), "held-out pass@1"
-    )
+    _curve_plot(ev, "step", "pass@1", axes, path("pass1_vs_step"), "held-out pass@1")
+    _curve_plot(ev, "generated_tokens", "pass@1", axes, path("pass1_vs_tokens"), "held-out pass@1")
     if facet:  # final pass@1 against G, one line per series, 95% intervals over seeds
         summ = summarize(ev, [*series, facet])
         fig = Figure(figsize=(5, 3.5))

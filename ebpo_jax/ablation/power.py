@@ -11,11 +11,22 @@ not a dependency here, so the formula is written out and checked by Monte Carlo 
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 from scipy import integrate, stats
 
 VERDICTS = ("reproduced", "opposite", "inconclusive")
+
+
+class PowerAnalysis(NamedTuple):
+    """Seeds by power analysis: a pilot of `pilot_seeds`, then enough seeds (at most
+    `max_seeds`) to detect `effect` with `power` (effect 0: off)."""
+
+    effect: float = 0.0
+    power: float = 0.8
+    pilot_seeds: int = 4
+    max_seeds: int = 20
 
 
 def paired_power(n: int, effect: float, sd: float, alpha: float = 0.05) -> float:

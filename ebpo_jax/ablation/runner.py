@@ -6,9 +6,9 @@ import json
 import os
 import re
 import time
-from typing import NamedTuple
 
 from ebpo_jax.ablation.executor import Executor, Job, LocalPool, Progress
+from ebpo_jax.ablation.power import PowerAnalysis
 from ebpo_jax.ablation.tables import choose_seeds, write_results
 
 WARM_STARTS = "warm_starts"  # <out_dir>/warm_starts/<sha256>.npz: committed warm starts
@@ -124,16 +124,6 @@ def _matching(runs, only: str):
     return chosen
 
 
-class PowerAnalysis(NamedTuple):
-    """Seeds by power analysis: a pilot of `pilot_seeds`, then enough seeds (at most
-    `max_seeds`) to detect `effect` with `power` (effect 0: off)."""
-
-    effect: float = 0.0
-    power: float = 0.8
-    pilot_seeds: int = 4
-    max_seeds: int = 20
-
-
 NO_POWER_ANALYSIS = PowerAnalysis()
 
 
@@ -155,10 +145,7 @@ def _power_pilot(grid, out, analysis: PowerAnalysis, *, alpha, executor, dry_run
     if failed:
         raise RuntimeError(f"power pilot: {len(failed)} runs failed ({', '.join(failed)})")
     evals, _ = record.collect(out, pilot_runs)
-    report = choose_seeds(
-        evals, pilot_runs, effect=analysis.effect, power=analysis.power, alpha=alpha,
-        pilot=analysis.pilot_seeds, max_seeds=analysis.max_seeds, log=log,
-    )  # fmt: skip
+    report = choose_seeds(evals, pilot_runs, analysis, alpha=alpha, log=log)
     with open(os.path.join(out, "power.json"), "w") as f:
         json.dump(report, f, indent=2, default=str)
     return ablation.with_seeds(grid, range(report["seeds"])), report, trained

@@ -69,13 +69,15 @@ def problem_comparisons(problems, runs):
     return table[["block", "method", *(c for c in table.columns if c not in ("block", "method"))]]
 
 
-def choose_seeds(evals, runs, *, effect, power, alpha, pilot, max_seeds, log=print) -> dict:
-    """Seeds for `power` to detect `effect` on every claim, from the pilot's difference stds."""
+def choose_seeds(evals, runs, analysis, *, alpha: float, log=print) -> dict:
+    """Seeds for `analysis.power` to detect `analysis.effect` on every claim, from the pilot's
+    difference stds (an ablation.power.PowerAnalysis)."""
     import pandas as pd
 
     from ebpo_jax import ablation
     from ebpo_jax.ablation import power as power_lib
 
+    effect, power, pilot, max_seeds = analysis
     table = comparisons(evals, runs, alpha)
     claims = table[table.direction != 0] if not table.empty else table
     if claims.empty:

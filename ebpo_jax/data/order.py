@@ -8,10 +8,18 @@ host's stream is grouped by topic, or monotone in difficulty, like the global on
 
 import zlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 ORDERS = ("naive", "topic", "difficulty")
+
+
+class Shard(NamedTuple):
+    """This host's share of the records: host `index` of `count`."""
+
+    index: int = 0
+    count: int = 1
 
 
 class RecordOrder:
@@ -33,9 +41,9 @@ class RecordOrder:
         topic_ids: Sequence[int] | None = None,
         difficulty: Sequence[float] | None = None,
         shuffle_clusters: bool = True,
-        num_hosts: int = 1,
-        host_id: int = 0,
+        shard: Shard = Shard(),
     ):
+        host_id, num_hosts = shard
         if order not in ORDERS:
             raise ValueError(f"unknown order {order!r}; known: {ORDERS}")
         if not 0 <= host_id < num_hosts:

@@ -55,9 +55,7 @@ def make_evaluator(
                 s.prompt_tokens,
                 s.prompt_lengths,
                 sampler_spec,
-                batch_size=spec.run.eval_batch_size,
-                seed=spec.run.seed,
-                key_stride=s.key_stride,
+                policy_eval.Chunks(spec.run.eval_batch_size, spec.run.seed, s.key_stride),
                 mesh=mesh,
             )
             correct = np.asarray(s.score(tokens, lengths), np.float64)  # prompt-major [n*k]

@@ -64,26 +64,34 @@ def load_policy(model_path: str, *, checkpoint: str | None = None, dtype=None):
     return model_config, params, load_tokenizer(model_path)
 
 
+class Chunks(NamedTuple):
+    """How `sample_chunks` splits the prompts: `batch_size` at a time, chunk i sampling with
+    fold_in(key(seed), i * key_stride)."""
+
+    batch_size: int
+    seed: int
+    key_stride: int = 1
+
+
 def sample_chunks(
     model_config,
     params,
     tokens_BT,
     lengths_B,
     spec: sampler.SamplerSpec,
+    chunks: Chunks,
     *,
-    batch_size: int,
-    seed: int,
-    key_stride: int = 1,
     mesh=None,
 ):
     """(tokens [n*k, N], lengths [n*k]) host arrays: k = spec.num_samples samples of each of n
     prompts.
 
-    Prompts go `batch_size` at a time; the first rows are repeated so every chunk has one
-    shape (one compile). Chunk i samples with fold_in(key(seed), i * key_stride), the same
-    draws at every call; row r inside a chunk is fold_in(., r) already (sampler).
+    The first rows are repeated so every chunk has one shape (one compile); each chunk's key
+    (`chunks`) gives the same draws at every call; row r inside a chunk is fold_in(., r)
+    already (sampler).
     """
-    n, bs = len(lengths_B), min(batch_size, len(lengths_B))
+    seed, key_stride = chunks.seed, chunks.key_stride
+    n, bs = len(lengths_B), min(chunks.batch_size, len(lengths_B))
     pad = (-n) % bs
     tokens_BT = np.concatenate([tokens_BT, tokens_BT[:pad]])
     lengths_B = np.concatenate([lengths_B, lengths_B[:pad]])
@@ -140,9 +148,8 @@ def sample_responses(
         enc.tokens,
         enc.lengths,
         sampler_spec,
-        batch_size=spec.batch_size,
-        seed=spec.seed,
-        key_stride=min(spec.batch_size, len(records)),  # chunk i folds in its first row's index
+        # chunk i folds in its first row's index
+        Chunks(spec.batch_size, spec.seed, key_stride=min(spec.batch_size, len(records))),
         mesh=mesh,
     )
     decoded = decode_completions(tokenizer, tokens, lengths)
@@ -150,13 +157,17 @@ def sample_responses(
     return [decoded[i : i + k] for i in range(0, len(decoded), k)]
 
 
+class Scoring(NamedTuple):
+    """How responses are scored: reward `reward` (ebpo_jax.rewards) in `workers` processes
+    (None: the shared pool's default), each item cut at `timeout_s` (scores 0)."""
+
+    reward: str = "math"
+    timeout_s: float = 10.0
+    workers: int | None = None
+
+
 def score_responses(
-    records: Sequence[Record],
-    responses: Sequence[Sequence[str]],
-    *,
-    reward: str = "math",
-    timeout_s: float = 10.0,
-    workers: int | None = None,
+    records: Sequence[Record], responses: Sequence[Sequence[str]], scoring: Scoring = Scoring()
 ) -> tuple[np.ndarray, list[list[str | None]], np.ndarray]:
     """(correct [num_records, k] bool, normalised extracted answers, correct for maj@k).
 
@@ -171,7 +182,7 @@ def score_responses(
         raise ValueError("every record needs the same number of responses")
     answers = [rec.answer for rec in records for _ in range(k)]
     reward_B = rewards.math_rewards(
-        flat, answers, timeout_s=timeout_s, workers=workers, reward=reward
+        flat, answers, timeout_s=scoring.timeout_s, workers=scoring.workers, reward=scoring.reward
     )
     correct_PK = reward_B.reshape(len(records), k) > 0.5
     norm = [rewards.extract_answer(r[-rewards.MAX_RESPONSE_CHARS :]) for r in flat]
@@ -192,17 +203,13 @@ def evaluate_benchmark(
     records: Sequence[Record],
     responses: Sequence[Sequence[str]],
     *,
+    scoring: Scoring = Scoring(),
     ks: Sequence[int] | None = None,
-    reward: str = "math",
-    timeout_s: float = 10.0,
-    workers: int | None = None,
     num_resamples: int = 1000,
     seed: int = 0,
 ) -> dict[str, dict[str, float]]:
     """mean@k, pass@k and maj@k, each {"value", "lo", "hi"} (bootstrap 95%), of one benchmark."""
-    correct_PK, answers_PK, maj_PK = score_responses(
-        records, responses, reward=reward, timeout_s=timeout_s, workers=workers
-    )
+    correct_PK, answers_PK, maj_PK = score_responses(records, responses, scoring)
     out = evaluation.summarize(correct_PK, ks=ks, num_resamples=num_resamples, seed=seed)
     n = correct_PK.shape[1]
     for k in ks or evaluation.default_ks(n):

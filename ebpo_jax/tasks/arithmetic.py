@@ -1,9 +1,12 @@
 """Procedurally generated arithmetic problems with topics, difficulty levels and a held-out split."""
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import numpy as np
+
+from ebpo_jax.tasks import splits
 
 TOPICS = ("addition", "subtraction", "multiplication", "modular", "comparison")
 DIFFICULTIES = (1, 2, 3)
@@ -74,37 +77,18 @@ def _cell_operands(topic: str, difficulty: int, rng: np.random.Generator):
     return a, b
 
 
-def make_splits(
-    seed: int,
-    *,
-    train_per_cell: int = 400,
-    test_per_cell: int = 40,
-    topics: Sequence[str] = TOPICS,
-    difficulties: Sequence[int] = DIFFICULTIES,
-) -> tuple[list[Problem], list[Problem]]:
-    """Deterministic (train, test) problem lists with disjoint prompts.
+def _draw_cell(topic: str, difficulty: int, n_test: int, n_train: int, rng: np.random.Generator):
+    """(tests kept, rows (prompt, answer)) of one cell: distinct operand pairs in seeded order,
+    at most a quarter of the cell to test, then `n_train` (fewer if the cell is exhausted,
+    e.g. 1-digit addition has only 100 prompts)."""
+    a_all, b_all = _cell_operands(topic, difficulty, rng)
+    n_test = min(n_test, len(a_all) // 4)
+    n = n_test + n_train
+    return n_test, [solve(topic, a, b) for a, b in zip(a_all[:n].tolist(), b_all[:n].tolist())]
 
-    Each (topic, difficulty) cell draws distinct operand pairs in seeded order; the first
-    `test_per_cell` (at most a quarter of the cell) go to test, the next `train_per_cell`
-    to train (fewer if the cell is exhausted, e.g. 1-digit addition has only 100 prompts).
-    The test split therefore does not depend on `train_per_cell`.
-    """
-    check_grid(topics, difficulties, train_per_cell, test_per_cell, TOPICS, DIFFICULTIES)
-    train, test = [], []
-    for topic in topics:
-        topic_id = TOPICS.index(topic)
-        for difficulty in difficulties:
-            rng = np.random.default_rng([seed, topic_id, difficulty])
-            a_all, b_all = _cell_operands(topic, difficulty, rng)
-            # Small cells (1-digit operands) give at most a quarter of their prompts to test.
-            n_test = min(test_per_cell, len(a_all) // 4)
-            n = n_test + train_per_cell
-            for k, (a, b) in enumerate(zip(a_all[:n].tolist(), b_all[:n].tolist())):
-                split, out = ("test", test) if k < n_test else ("train", train)
-                prompt, answer = solve(topic, a, b)
-                pid = f"{split}/{topic}/{difficulty}/{len(out)}"
-                out.append(Problem(prompt, answer, topic, topic_id, difficulty, pid))
-    return train, test
+
+CELLS = splits.Cells(TOPICS, DIFFICULTIES, _draw_cell, Problem)
+make_splits = functools.partial(splits.make_splits, CELLS)
 
 
 def max_lengths(problems: Sequence[Problem]) -> tuple[int, int]:
@@ -112,15 +96,3 @@ def max_lengths(problems: Sequence[Problem]) -> tuple[int, int]:
     if not problems:
         raise ValueError("empty problem list")
     return max(len(p.prompt) for p in problems), max(len(p.answer) for p in problems)
-
-
-def check_grid(topics, difficulties, train_per_cell, test_per_cell, known_topics, known_levels):
-    """ValueError naming the first unknown topic or difficulty, or a negative per-cell count."""
-    for t in topics:
-        if t not in known_topics:
-            raise ValueError(f"unknown topic {t!r}; known: {known_topics}")
-    for d in difficulties:
-        if d not in known_levels:
-            raise ValueError(f"unknown difficulty {d!r}; known: {known_levels}")
-    if train_per_cell < 0 or test_per_cell < 0:
-        raise ValueError(f"per-cell counts must be >= 0, got {train_per_cell}, {test_per_cell}")

@@ -11,11 +11,12 @@ The reward comes from the environment (1 when found); the task's own reward is 0
 """
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.tasks.arithmetic import check_grid
+from ebpo_jax.tasks import splits
 from ebpo_jax.tasks.envs.guess import ASK, FOUND, LESS, MORE, open_range
 from ebpo_jax.tasks.tokenizer import CharTokenizer
 
@@ -56,30 +57,24 @@ def transcript(lo: int, hi: int, secret: int, rng: np.random.Generator) -> str:
     return "".join(out)
 
 
-def make_splits(
-    seed, *, train_per_cell=400, test_per_cell=40, topics=TOPICS, difficulties=DIFFICULTIES
-):
-    """Deterministic (train, test) problems with disjoint (range, secret) triples."""
-    check_grid(topics, difficulties, train_per_cell, test_per_cell, TOPICS, DIFFICULTIES)
-    train, test = [], []
-    for topic in topics:
-        tid = TOPICS.index(topic)
-        for d in difficulties:
-            rng, seen = np.random.default_rng([seed, tid, d, 7]), set()
-            for _ in range(50 * (train_per_cell + test_per_cell)):
-                if len(seen) == train_per_cell + test_per_cell:
-                    break
-                size = int(rng.integers(_SIZES[topic][0], _SIZES[topic][1] + 1))
-                lo = int(rng.integers(*_BASE[d]))
-                hi, secret = lo + size - 1, int(rng.integers(lo, lo + size))
-                if (lo, hi, secret) in seen:
-                    continue
-                seen.add((lo, hi, secret))
-                split, out = ("test", test) if len(seen) <= test_per_cell else ("train", train)
-                comp = transcript(lo, hi, secret, rng)
-                pid = f"{split}/{topic}/{d}/{len(out)}"
-                out.append(Problem(f"{lo}-{hi}=", str(secret), topic, tid, d, pid, comp))
-    return train, test
+def _draw_cell(topic: str, d: int, n_test: int, n_train: int, rng: np.random.Generator):
+    """(n_test, rows (prompt, secret, transcript)) of one cell: distinct (range, secret) triples."""
+    seen, rows = set(), []
+    for _ in range(50 * (n_train + n_test)):
+        if len(seen) == n_train + n_test:
+            break
+        size = int(rng.integers(_SIZES[topic][0], _SIZES[topic][1] + 1))
+        lo = int(rng.integers(*_BASE[d]))
+        hi, secret = lo + size - 1, int(rng.integers(lo, lo + size))
+        if (lo, hi, secret) in seen:
+            continue
+        seen.add((lo, hi, secret))
+        rows.append((f"{lo}-{hi}=", str(secret), transcript(lo, hi, secret, rng)))
+    return n_test, rows
+
+
+CELLS = splits.Cells(TOPICS, DIFFICULTIES, _draw_cell, Problem, salt=(7,))
+make_splits = functools.partial(splits.make_splits, CELLS)
 
 
 def reward_fn(tokens_BN, lengths_B, answers_BA, answer_lengths_B, *, eos_id=2):

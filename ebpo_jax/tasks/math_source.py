@@ -18,7 +18,7 @@ from ebpo_jax import rewards
 from ebpo_jax.data.clustering import cluster_texts, topic_ids_from_field
 from ebpo_jax.data.config import validate_data_config
 from ebpo_jax.data.loading import load_records
-from ebpo_jax.data.order import RecordOrder
+from ebpo_jax.data.order import RecordOrder, Shard
 from ebpo_jax.data.prompts import render_prompt
 from ebpo_jax.data.schemas import DataError, Record
 from ebpo_jax.data.tokenize import decode_completions, encode_prompts
@@ -47,8 +47,7 @@ class MathPromptSource(BatchStream):
         *,
         seed: int = 0,
         topic_ids: Sequence[int] | None = None,
-        num_hosts: int = 1,
-        host_id: int = 0,
+        shard: Shard = Shard(),
         chat_kwargs: dict | None = None,
     ):
         data = Data() if data is None else data
@@ -66,8 +65,7 @@ class MathPromptSource(BatchStream):
             topic_ids=self.topic_ids,
             difficulty=self._ordered_difficulty(data.order),
             shuffle_clusters=data.shuffle_clusters,
-            num_hosts=num_hosts,
-            host_id=host_id,
+            shard=shard,
         )
         key = "\n".join(
             [str(self.order.fingerprint), *self.texts, *(r.answer for r in self.records)]
@@ -202,8 +200,7 @@ def source_from_config(
     batch_size: int,
     *,
     seed: int = 0,
-    num_hosts: int = 1,
-    host_id: int = 0,
+    shard: Shard = Shard(),
     log: Callable[[str], None] = print,
 ) -> tuple[MathPromptSource, Callable]:
     """(prompt source, host reward) for the data section `c`."""
@@ -222,8 +219,7 @@ def source_from_config(
         c,
         seed=seed,
         topic_ids=topic_ids,
-        num_hosts=num_hosts,
-        host_id=host_id,
+        shard=shard,
     )
     log(
         f"data: {len(source.records)} prompts from {c.path} ({source.num_dropped} over "

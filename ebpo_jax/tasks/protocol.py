@@ -2,15 +2,15 @@
 
 A family is a function `build(spec: TaskSpec, *, mesh, log) -> Task` registered under a name
 (`task.family` in the config; "" picks `math` when `data.path` is set, else `arithmetic`).
-Adding one is one new module plus an entry in `_BUILTIN` (or `@register` in user code).
+Adding one is one new module plus a built-in entry in `_REGISTRY` (or `@register` in user code).
 """
 
-import importlib
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from ebpo_jax import models
+from ebpo_jax.runtime.registry import Registry
 from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.tasks import envs, episodes
@@ -43,38 +43,31 @@ class Task(NamedTuple):
 
 
 # Built-in families, imported on first use: "module:function".
-_BUILTIN = {
-    "arithmetic": "ebpo_jax.tasks.families.arithmetic:build",
-    "calculator": "ebpo_jax.tasks.families.multiturn:build_calculator",
-    "guess": "ebpo_jax.tasks.families.multiturn:build_guess",
-    "math": "ebpo_jax.tasks.families.math_data:build",
-    "reasoning": "ebpo_jax.tasks.families.reasoning:build",
-}
-_REGISTRY: dict[str, Callable[..., Task]] = {}
+_REGISTRY = Registry(
+    lambda name, known: ConfigError(f"task.family={name!r} is not one of {known}"),
+    builtin={
+        "arithmetic": "ebpo_jax.tasks.families.arithmetic:build",
+        "calculator": "ebpo_jax.tasks.families.multiturn:build_calculator",
+        "guess": "ebpo_jax.tasks.families.multiturn:build_guess",
+        "math": "ebpo_jax.tasks.families.math_data:build",
+        "reasoning": "ebpo_jax.tasks.families.reasoning:build",
+    },
+)
 
 
 def register(name: str):
     """Decorator: `@register("mytask") def build(spec, *, mesh=None, log=print) -> Task`."""
-
-    def deco(fn):
-        _REGISTRY[name] = fn
-        return fn
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def families() -> tuple[str, ...]:
-    return tuple(sorted(set(_BUILTIN) | set(_REGISTRY)))
+    """Every family name, built-ins included."""
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Callable[..., Task]:
     """The builder of family `name`; ConfigError naming `task.family` if unknown."""
-    if name not in _REGISTRY and name in _BUILTIN:
-        module, fn = _BUILTIN[name].split(":")
-        _REGISTRY[name] = getattr(importlib.import_module(module), fn)
-    if name not in _REGISTRY:
-        raise ConfigError(f"task.family={name!r} is not one of {families()}")
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def build_task(spec: TaskSpec, *, mesh=None, log=print) -> Task:

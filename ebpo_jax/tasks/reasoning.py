@@ -16,14 +16,13 @@ fit inside the arithmetic family's cluster ids (5 topics x 3 levels).
 """
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.tasks.arithmetic import check_grid
-from ebpo_jax.tasks.reward import reward_inputs
-from ebpo_jax.tasks.tokenizer import DEFAULT_ALPHABET, EOS_ID, NUM_SPECIAL, CharTokenizer
+from ebpo_jax.tasks import reward, splits
+from ebpo_jax.tasks.tokenizer import DEFAULT_ALPHABET, NUM_SPECIAL, CharTokenizer
 
 TOPICS = ("carry_add", "carry_mul", "chain")
 DIFFICULTIES = (1, 2, 3)
@@ -152,7 +151,7 @@ def solve(topic: str, prompt: str) -> tuple[str, str]:
 
 
 def _cell_prompts(topic: str, d: int, n: int, rng: np.random.Generator) -> list[tuple]:
-    """Up to n distinct (prompt, completion, answer) of one cell whose completion + EOS has
+    """Up to n distinct (prompt, answer, completion) of one cell whose completion + EOS has
     MIN_RESPONSE_TOKENS..MAX_RESPONSE_TOKENS tokens."""
     out, seen = [], set()
     for _ in range(50 * n):  # a bounded search: small cells return what exists
@@ -164,36 +163,17 @@ def _cell_prompts(topic: str, d: int, n: int, rng: np.random.Generator) -> list[
         if prompt in seen or not fits:
             continue
         seen.add(prompt)
-        out.append((prompt, completion, str(answer)))
+        out.append((prompt, str(answer), completion))
     return out
 
 
-def make_splits(
-    seed: int,
-    *,
-    train_per_cell: int = 400,
-    test_per_cell: int = 40,
-    topics: Sequence[str] = TOPICS,
-    difficulties: Sequence[int] = DIFFICULTIES,
-) -> tuple[list[Problem], list[Problem]]:
-    """Deterministic (train, test) problem lists with disjoint prompts.
+def _draw_cell(topic: str, d: int, n_test: int, n_train: int, rng: np.random.Generator):
+    """(n_test, rows (prompt, answer, completion)) of one cell: distinct prompts in seeded order."""
+    return n_test, _cell_prompts(topic, d, n_test + n_train, rng)
 
-    Each (topic, difficulty) cell draws distinct prompts in seeded order; the first
-    `test_per_cell` go to test, the next `train_per_cell` to train, so the test split does
-    not depend on `train_per_cell`.
-    """
-    check_grid(topics, difficulties, train_per_cell, test_per_cell, TOPICS, DIFFICULTIES)
-    train, test = [], []
-    for topic in topics:
-        topic_id = TOPICS.index(topic)
-        for d in difficulties:
-            rng = np.random.default_rng([seed, topic_id, d])
-            drawn = _cell_prompts(topic, d, test_per_cell + train_per_cell, rng)
-            for k, (prompt, completion, answer) in enumerate(drawn):
-                split, out = ("test", test) if k < test_per_cell else ("train", train)
-                pid = f"{split}/{topic}/{d}/{len(out)}"
-                out.append(Problem(prompt, answer, topic, topic_id, d, pid, completion))
-    return train, test
+
+CELLS = splits.Cells(TOPICS, DIFFICULTIES, _draw_cell, Problem)
+make_splits = functools.partial(splits.make_splits, CELLS)
 
 
 def final_answer(completion: str) -> str | None:
@@ -207,37 +187,9 @@ def string_reward(completion: str, answer: str, *, has_eos: bool) -> float:
     return float(has_eos and final_answer(completion) == answer)
 
 
-def reward_fn(
-    completion_tokens_BN,
-    completion_lengths_B,
-    answer_tokens_BA,
-    answer_lengths_B,
-    *,
-    eos_id: int = EOS_ID,
-    marker_id: int = MARKER_ID,
-):
-    """Rewards [B] float32: 1.0 where the tokens between the last MARKER and the first EOS
-    (within the completion's length) spell the answer exactly; no EOS or no MARKER is 0."""
-    tok_BN, len_B, ans_BA, ans_len_B = reward_inputs(
-        completion_tokens_BN, completion_lengths_B, answer_tokens_BA, answer_lengths_B
-    )
-    N, A = tok_BN.shape[1], ans_BA.shape[1]
-    pos_N = jnp.arange(N)
-    is_eos_BN = (tok_BN == eos_id) & (pos_N[None, :] < len_B[:, None])
-    has_eos_B = is_eos_BN.any(-1)
-    content_len_B = jnp.where(has_eos_B, jnp.argmax(is_eos_BN, -1), len_B)
-    is_marker_BN = (tok_BN == marker_id) & (pos_N[None, :] < content_len_B[:, None])
-    has_marker_B = is_marker_BN.any(-1)
-    last_marker_B = N - 1 - jnp.argmax(is_marker_BN[:, ::-1], -1)
-    start_B = last_marker_B + 1
-    # Compare the answer's A slots with the completion from start on (clipped gather; slots
-    # beyond the answer's length are ignored, the length check covers them).
-    idx_BA = jnp.clip(start_B[:, None] + jnp.arange(A)[None, :], 0, N - 1)
-    got_BA = jnp.take_along_axis(tok_BN, idx_BA, axis=1)
-    in_answer_BA = jnp.arange(A)[None, :] < ans_len_B[:, None]
-    tokens_match_B = jnp.all(~in_answer_BA | (got_BA == ans_BA), axis=-1)
-    ok_B = has_eos_B & has_marker_B & (content_len_B - start_B == ans_len_B) & tokens_match_B
-    return ok_B.astype(jnp.float32)
+# Rewards [B] float32: 1.0 where the tokens between the last MARKER and the first EOS (within
+# the completion's length) spell the answer exactly; no EOS or no MARKER is 0.
+reward_fn = functools.partial(reward.reward_fn, marker_id=MARKER_ID)
 
 
 def response_lengths(problems: Sequence[Problem]) -> np.ndarray:

@@ -33,8 +33,10 @@ def reward_fn(
     *,
     eos_id: int = EOS_ID,
     require_eos: bool = True,
+    marker_id: int | None = None,
 ):
-    """Rewards [B] float32: 1.0 where the completion before its first EOS equals the answer."""
+    """Rewards [B] float32: 1.0 where the completion's content (before its first EOS within its
+    length; after its last `marker_id` when one is given, 0 without one) equals the answer."""
     tok_BN, len_B, ans_BA, ans_len_B = reward_inputs(
         completion_tokens_BN, completion_lengths_B, answer_tokens_BA, answer_lengths_B
     )
@@ -42,17 +44,23 @@ def reward_fn(
     # Pad so that position A (where the EOS must sit for the longest answer) always exists.
     W = max(N, A + 1)
     tok_BW = jnp.pad(tok_BN, ((0, 0), (0, W - N)))
-    ans_BW = jnp.pad(ans_BA, ((0, 0), (0, W - A)))
     pos_W = jnp.arange(W)
-    valid_BW = pos_W[None, :] < len_B[:, None]
-    is_eos_BW = (tok_BW == eos_id) & valid_BW
+    is_eos_BW = (tok_BW == eos_id) & (pos_W[None, :] < len_B[:, None])
+    has_eos_B = is_eos_BW.any(-1)
     # Content ends at the first valid EOS, or at the completion's length if there is none.
-    content_len_B = jnp.where(is_eos_BW.any(-1), jnp.argmax(is_eos_BW, -1), len_B)
-    in_answer_BW = pos_W[None, :] < ans_len_B[:, None]
-    tokens_match = jnp.all(~in_answer_BW | (tok_BW == ans_BW), axis=-1)
-    ok_B = tokens_match & (content_len_B == ans_len_B)
-    if require_eos:
-        ok_B &= is_eos_BW.any(-1)
+    content_len_B = jnp.where(has_eos_B, jnp.argmax(is_eos_BW, -1), len_B)
+    start_B, ok_B = jnp.zeros_like(len_B), has_eos_B | (not require_eos)
+    if marker_id is not None:
+        is_marker_BW = (tok_BW == marker_id) & (pos_W[None, :] < content_len_B[:, None])
+        start_B = W - jnp.argmax(is_marker_BW[:, ::-1], -1)  # just after the last marker
+        ok_B &= is_marker_BW.any(-1)
+    # The answer's A slots against the content from its start (a clipped gather: slots past
+    # the answer's length are ignored, the length check covers them).
+    idx_BA = jnp.clip(start_B[:, None] + jnp.arange(A)[None, :], 0, W - 1)
+    got_BA = jnp.take_along_axis(tok_BW, idx_BA, axis=1)
+    in_answer_BA = jnp.arange(A)[None, :] < ans_len_B[:, None]
+    tokens_match_B = jnp.all(~in_answer_BA | (got_BA == ans_BA), axis=-1)
+    ok_B &= tokens_match_B & (content_len_B - start_B == ans_len_B)
     return ok_B.astype(jnp.float32)
 
 

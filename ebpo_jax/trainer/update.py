@@ -36,34 +36,17 @@ def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
 
 
 def completion_logprobs(
-    model_config,
-    params,
-    prompt_PTp,
-    prompt_len_P,
-    comp_BN,
-    comp_len_B,
-    *,
-    with_entropy,
-    chunk_size=0,
-    routing=None,
+    model_config, params, mb: MicroBatch, *, with_entropy, chunk_size=0, with_router=False
 ):
-    """Per-token log-probs [B, N] (and entropy) of each completion given its prompt.
+    """Per-token log-probs [B, N] (and entropy) of each completion of a padded MicroBatch given
+    its prompt; `with_router`: also router metrics averaged over the sparse layers (of the
+    completion tokens, or under splash of the packed prompt and completion tokens).
 
-    Completion rows b*G .. b*G+G-1 continue prompt b (G = B / P; G = 1 for one prompt per
-    row). The prompt runs once per group (`forward_grouped`); the splash kernel, which only
-    does self-attention, gets packed rows instead. Mixture of experts: `routing` (the
-    sampler's, as [P, G, ...]) replays its experts (not under splash).
+    Completions ([P, G, N] or [B, N]) continue prompt b in rows b*G .. b*G+G-1 (G = B / P;
+    G = 1 for one prompt per row). The prompt runs once per group (`forward_grouped`); the
+    splash kernel, which only does self-attention, gets packed rows instead. Mixture of
+    experts: `mb.routing` (the sampler's, as [P, G, ...]) replays its experts (not under splash).
     """
-    mb = MicroBatch(prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routing=routing)
-    return _padded_logprobs(model_config, params, mb, with_entropy, chunk_size)
-
-
-def _padded_logprobs(
-    model_config, params, mb: MicroBatch, with_entropy, chunk_size, with_router=False
-):
-    """completion_logprobs of a padded MicroBatch; `with_router`: also return router metrics
-    averaged over the sparse layers (of the completion tokens, or under splash of the packed
-    prompt and completion tokens)."""
     prompt_PTp, prompt_len_P, routing = mb.prompt_tokens, mb.prompt_lengths, mb.routing
     N = mb.tokens.shape[-1]
     comp_BN, comp_len_B = mb.tokens.reshape(-1, N), mb.lengths.reshape(-1)
@@ -153,8 +136,13 @@ def logprobs(
     """Per-token log-probs [B, N] (and entropy, router metrics) of a padded or packed MicroBatch
     (packed: router metrics over the rows' prompt and completion tokens, as under splash)."""
     if mb.packed is None:
-        return _padded_logprobs(
-            model_config, params, mb, with_entropy, spec.loss.logits_chunk, with_router
+        return completion_logprobs(
+            model_config,
+            params,
+            mb,
+            with_entropy=with_entropy,
+            chunk_size=spec.loss.logits_chunk,
+            with_router=with_router,
         )
     N = spec.max_new_tokens
     out = packing.packed_completion_logprobs(
@@ -366,11 +354,7 @@ def _off_policy(spec: UpdateSpec, model_config, params, ro: Rollout, mask_PGN):
         flat(old_PGN),
         flat(ro.logprobs),
         flat(mask_PGN),
-        mode=spec.loss.is_correction,
-        level=spec.loss.is_level,
-        cap=spec.loss.is_cap,
-        low=spec.loss.is_low,
-        high=spec.loss.is_high,
+        spec.loss,
     )
     shape = lambda x: x.reshape(P, G, N)
     return old_PGN, shape(mask_BN), shape(w_BN), {**metrics, **is_metrics}

@@ -7,12 +7,12 @@ contribution and whether the episode is over. It sees only its own row. Environm
 an `EnvPool` of worker processes with a timeout per call (ebpo_jax.tasks.envs.pool).
 
 Register one like a task family: `@envs.register("mytool") class MyTool: ...`, or name a
-built-in in `_BUILTIN`.
+built-in in `_REGISTRY`.
 """
 
-import importlib
 from typing import NamedTuple, Protocol
 
+from ebpo_jax.runtime.registry import Registry
 from ebpo_jax.schema import ConfigError
 
 
@@ -43,32 +43,25 @@ class Environment(Protocol):
     def step(self, episode: Episode) -> Reply: ...
 
 
-_BUILTIN = {
-    "calculator": "ebpo_jax.tasks.envs.calculator:Calculator",
-    "guess": "ebpo_jax.tasks.envs.guess:GuessNumber",
-}
-_REGISTRY: dict[str, type] = {}
+_REGISTRY = Registry(
+    lambda name, known: ConfigError(f"environment {name!r} is not one of {known}"),
+    builtin={
+        "calculator": "ebpo_jax.tasks.envs.calculator:Calculator",
+        "guess": "ebpo_jax.tasks.envs.guess:GuessNumber",
+    },
+)
 
 
 def register(name: str):
     """Class decorator: `@register("mytool") class MyTool: ...` (built with no arguments)."""
-
-    def deco(cls):
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return _REGISTRY.register(name)
 
 
 def names() -> tuple[str, ...]:
-    return tuple(sorted(set(_BUILTIN) | set(_REGISTRY)))
+    """Every environment name, built-ins included."""
+    return _REGISTRY.names()
 
 
 def get(name: str) -> Environment:
     """A new instance of environment `name`; ConfigError naming it if unknown."""
-    if name not in _REGISTRY and name in _BUILTIN:
-        module, cls = _BUILTIN[name].split(":")
-        _REGISTRY[name] = getattr(importlib.import_module(module), cls)
-    if name not in _REGISTRY:
-        raise ConfigError(f"environment {name!r} is not one of {names()}")
-    return _REGISTRY[name]()
+    return _REGISTRY.get(name)()
