@@ -108,3 +108,21 @@ def test_aot_lowers_the_programs_a_micro_run_executes(overrides):
     for name in ran:
         assert compiled[name] == ran[name], name
     assert "while" in ran["decode"] and np.all(["dot_general" in ran[n] for n in ran])
+
+
+def test_lora_merged_weights_are_cast_for_the_sampler():
+    """LoRA with sampler.param_dtype: the merge, then the cast of the merged model's weights
+    (laid out as the model's, not as the adapters') on the trainer's mesh."""
+    c = micro.get_config()
+    c.unlock()
+    c.update_from_flattened_dict(
+        {"mesh.devices": 1, "model.lora.rank": 4, "sampler.param_dtype": "bfloat16"}
+    )
+    spec = resolve(c, jax.device_count())
+    mesh = loop.make_mesh(spec.mesh)
+    step, state, _ = aot.make_step(spec, aot.model_config_of(spec), mesh, 8)
+    names = []
+    params = step.pieces.weights.programs(state, lambda name, *_: names.append(name))
+    assert names == ["lora merge", "cast weights"]
+    assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"bfloat16"}
+    assert jax.tree.structure(params) == jax.tree.structure(step.sh.sampler_params)

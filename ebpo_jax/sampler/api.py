@@ -86,7 +86,7 @@ class Session:
         if self.spec.record_routing and not config.is_moe:
             raise ValueError("record_routing needs a mixture-of-experts config (num_experts > 0)")
         self.mesh, self.data_axes, self.turns = mesh, data_axes, turns
-        self.state, self.stats = None, None
+        self.state, self.stats, self._run = None, None, None
 
     def programs(self, num_prompts: int, prompt_len: int) -> dict:
         """The engine's programs for num_prompts prompts of width prompt_len (name -> Program)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 
-from ebpo_jax import sharding
+from ebpo_jax import models, sharding
 from ebpo_jax.models import lora as lora_lib
 from ebpo_jax.models import lora_checkpoint
 from ebpo_jax.schema import ConfigError
@@ -71,8 +71,6 @@ class Policy:
         """The (abstract) weights the sampler runs, for their shardings."""
         if not self.is_lora:
             return abstract_state.params
-        from ebpo_jax import models
-
         return models.abstract_params(self.model_config)
 
     def checkpoint_tree(self, state: TrainState) -> dict:
@@ -107,9 +105,8 @@ class SamplerWeights:
     def __init__(self, policy: Policy, param_dtype: str, sh):
         self.sh, self.is_lora = sh, policy.is_lora
         self.sampled = jax.jit(policy.sampled) if policy.is_lora else policy.sampled
-        cast = lambda p: jax.tree.map(lambda x: x.astype(param_dtype), p)
         # On the trainer's devices: half the bytes to move from float32 master weights.
-        self.cast = jax.jit(cast, out_shardings=sh.state.params) if param_dtype else None
+        self.cast = _cast(policy, param_dtype, sh) if param_dtype else None
 
     def __call__(self, params):
         """The sampler's copy of `sampled` params (dispatched, not waited for)."""
@@ -145,6 +142,17 @@ class SamplerWeights:
             params = run("reshard weights", sh.sampler_mesh, "onto the sampler's mesh", move,
                          params)  # fmt: skip
         return sharding.abstract(params, sh.sampler_params)
+
+
+def _cast(policy: Policy, dtype: str, sh):
+    """The sampled weights in `dtype`, laid out as they are on the trainer's mesh (LoRA: the
+    merged model's layout, not the adapters')."""
+    laid_out = sh.state.params
+    if policy.is_lora:
+        mc = policy.model_config
+        laid_out = sharding.param_shardings(mc, models.abstract_params(mc), sh.mesh)
+    cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
+    return jax.jit(cast, out_shardings=laid_out)
 
 
 def of(spec, model_config) -> Policy:
