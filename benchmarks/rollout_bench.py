@@ -19,8 +19,8 @@ temp module: it is no part of the package.
 4. update: update tokens/s padded vs packed (benchmarks/packed_bench.py, long-tail case).
 5. turns: multi-turn episodes (`--turns` turns of `--turn-tokens` drawn tokens, each but the
    last followed by `--obs-tokens` observation tokens), rows keeping their KV pages
-   (sampler.TurnSession) vs every turn prefilling the episode so far (generate): tokens the
-   model runs per episode token (prompt + episode) for each, and seconds per batch.
+   (sampler.Session with turns) vs every turn prefilling the episode so far (generate): tokens
+   the model runs per episode token (prompt + episode) for each, and seconds per batch.
 6. rows: a decode step's cost per live row at 1-256 rows, and the static-vs-continuous
    ratio that curve predicts (not in the default parts).
 Compile time is excluded (one warm-up call each).
@@ -170,10 +170,11 @@ def tail(config, params, old, args):
     run_old = lambda: old._generate_with_stats(
         config, params, tokens, lengths, slots=args.slots, **old_kw
     )
-    run_new = lambda: sampler.generate_with_stats(
+    run_new = lambda: sampler.generate(
         config, params, tokens, lengths, spec, rng=key, row_limits=limits
     )
-    (g_old, s_old), (g_new, s_new) = run_old(), run_new()
+    (g_old, s_old), g_new = run_old(), run_new()
+    s_new = g_new.stats
     assert np.array_equal(np.asarray(g_new.lengths), limits), "row limits not imposed"
     same = bool(np.array_equal(g_old.tokens, g_new.tokens))  # both ran: the warm-up
     a_s, b_s, ratios = pairs(run_old, run_new, args.pairs, warm_up=False)
@@ -364,18 +365,18 @@ def _observations(config, rows: int, N: int):
 
 
 def _kept_turns(config, params, tokens, lengths, spec, args):
-    """The episodes on one TurnSession, and the tokens the model ran (prefill + decode feeds)."""
+    """The episodes on one multi-turn sampler.Session, and the tokens the model ran (prefill + decode feeds)."""
     B, N, T = len(lengths), spec.max_new_tokens, args.turn_tokens
     obs_BN = _observations(config, B, N)
-    session = sampler.TurnSession(config, spec)
-    gen = session.start(params, tokens, lengths, np.full(B, T), rng=jax.random.key(0))
-    ran = int(lengths.sum()) + int(session.stats.busy)
+    session = sampler.Session(config, spec, turns=True)
+    gen = session.start(params, tokens, lengths, rng=jax.random.key(0), row_limits=np.full(B, T))
+    ran = int(lengths.sum()) + int(gen.stats.busy)
     for start, O in _episode_plan(args)[:-1]:
         mask = np.zeros((B, N), bool)
         mask[:, start + T : start + T + O] = True
         limit = np.full(B, start + T + O + T)
         gen = session.resume(params, obs_BN, mask, np.ones(B, bool), limit)
-        ran += int(session.stats.busy)
+        ran += int(gen.stats.busy)
     return gen, ran
 
 
@@ -388,10 +389,8 @@ def _reprefilled_turns(config, params, tokens, lengths, spec, args):
     turn_spec, ran = spec._replace(max_new_tokens=T), 0
     for k, (start, O) in enumerate(_episode_plan(args)):
         key = jax.random.fold_in(jax.random.key(0), k)
-        gen, stats = sampler.generate_with_stats(
-            config, params, ctx, lengths + start, turn_spec, rng=key
-        )
-        ran += int(lengths.sum()) + B * start + int(stats.busy)
+        gen = sampler.generate(config, params, ctx, lengths + start, turn_spec, rng=key)
+        ran += int(lengths.sum()) + B * start + int(gen.stats.busy)
         new = np.asarray(gen.tokens)
         for b in range(B):  # the turn, then its observation, after the episode so far
             at = lengths[b] + start

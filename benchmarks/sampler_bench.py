@@ -132,15 +132,15 @@ def decode_throughput(config, params, batch, prompt_len, new_tokens, runs):
     prompts = jnp.ones((batch, prompt_len), jnp.int32)
     lengths = jnp.full((batch,), prompt_len, jnp.int32)
     spec = sampler.SamplerSpec(max_new_tokens=new_tokens, sampling=sampler.Sampling(0.0))
-    static = {"config": config, "spec": spec, "plan": engine.make_plan(spec, batch, prompt_len)}
+    programs = sampler.Session(config, spec).programs(batch, prompt_len)
     eos = jnp.zeros((0,), jnp.int32)
     times = []
     for _ in range(runs + 1):
-        state = engine.prefill_jit(params, prompts, lengths, jax.random.key(0), **static)
+        state = programs["prefill"](params, prompts, lengths, jax.random.key(0))
         jax.block_until_ready(state)
         key = jax.random.key(0)
         state = engine.Prefilled(*state)
-        seconds, _ = timed(engine.decode_jit, params, state, lengths, key, eos, **static)
+        seconds, _ = timed(programs["decode"], params, state, lengths, key, eos)
         times.append(seconds)
     return batch * decode_flops(config, prompt_len, new_tokens) / statistics.median(times[1:])
 

@@ -154,8 +154,8 @@ def _sampler_and_update(c, preset: str) -> None:
 
 def _multiturn(c) -> None:
     """Episodes with the calculator tool: 4 model turns of up to 2048 tokens in the same
-    8192-token budget. A continued row keeps its KV pages (sampler.TurnSession): every row of
-    a call reserves its whole episode (96 pages of 128 tokens), so a call is 256 prompts x 4
+    8192-token budget. A continued row keeps its KV pages (a multi-turn sampler.Session): every
+    row of a call reserves its whole episode (96 pages of 128 tokens), so a call is 256 prompts x 4
     (32 rows per row shard, 3072 pages, 54 GiB per chip on the dense models' dp-attention
     layout) and a step 2 calls; for Qwen3-8B the first turn (prefill's pages + the pool + the
     train state) peaks at 78.4 of 95 GiB per chip on v5p-64; 512 prompts per call would need

@@ -221,3 +221,23 @@ def constrain(x, names: Sequence[str | None], rules=None):
         if x.shape[d] % math.prod(mesh.shape[a] for a in axes_t):
             spec[d] = None
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def abstract(tree, shardings):
+    """ShapeDtypeStruct leaves of `tree` carrying `shardings` (a matching pytree or one)."""
+    if shardings is None or isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree
+        )
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+    )
+
+
+def abstract_outputs(traced, compiled=None):
+    """A traced program's outputs as ShapeDtypeStructs, with the compiled one's shardings."""
+    out = traced.out_info
+    if compiled is None:
+        return out
+    leaves = jax.tree.leaves(compiled.output_shardings)
+    return jax.tree.unflatten(jax.tree.structure(out), abstract(jax.tree.leaves(out), leaves))

@@ -96,8 +96,9 @@ def compile_tiny_decode(mesh, attention: str, dp_attention: bool = False):
         kv_pages=8192, attention=attention, dp_attention=dp_attention,
     )  # fmt: skip
     with jax.default_matmul_precision("default"):
-        _, decode, plan = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
-    return decode, plan.pages * aot.page_bytes_per_chip(mc, 16, tp=aot.pool_tp(mesh, spec))
+        programs = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
+    plan = programs["plan"]
+    return programs["decode"][2], plan.pages * aot.page_bytes_per_chip(mc, 16, tp=aot.pool_tp(mesh, spec))
 
 
 def start_trainers(workdir, *flags, processes: int = 2, wrap=None) -> list:

@@ -280,9 +280,8 @@ def _sampled_with_routing(spec, P=4, G=2):
     prompts = jax.random.randint(jax.random.key(1), (P, 5), 1, config.vocab_size)
     plen = jnp.array([5, 3, 4, 2])[:P]
     spec = spec._replace(num_samples=G, record_routing=True)
-    (gen, recorded), stats = sampler.generate_with_stats(
-        config, params, prompts, plen, spec, rng=jax.random.key(2)
-    )
+    gen = sampler.generate(config, params, prompts, plen, spec, rng=jax.random.key(2))
+    recorded, stats = gen.routing, gen.stats
     assert recorded["comp"].shape == (P * G, 2, N, 2)
     assert recorded["prompt"].shape == (P * G, 2, 5, 2)
     # The trainer's router differs by a rounding-sized amount that breaks the tie the other

@@ -45,7 +45,7 @@ def test_full_fine_tuning_trains_the_params_against_a_frozen_copy():
     assert view.trained(state) is state.params and view.frozen(state) is state.ref_params
     assert _shapes(state.ref_params) == _shapes(params)
     assert view.forward_params(state.params, state.ref_params) is state.params
-    assert view.sampled(state) is state.params and view.sampler_fn()(state) is state.params
+    assert view.sampled(state) is state.params
     assert view.abstract_sampled(state) is state.params
     assert set(view.checkpoint_tree(state)) == set(state._fields) - {"base"}
     assert view.checkpoint_extra(_model_section(0), "src") == {}
@@ -64,7 +64,7 @@ def test_lora_trains_adapters_on_a_frozen_base_that_is_the_reference():
     want = lora.attach(state.base, state.params, SPEC)
     assert jax.tree.structure(fwd) == jax.tree.structure(want)
     # The sampler runs base + A B merged in the compute dtype: full-model weights.
-    merged = jax.eval_shape(view.sampler_fn(), state)
+    merged = jax.eval_shape(view.sampled, state)
     assert _shapes(merged) == _shapes(view.abstract_sampled(state)) == _shapes(params)
     tree = view.checkpoint_tree(state)
     assert "base" not in tree and "ref_params" not in tree

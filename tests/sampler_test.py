@@ -60,7 +60,7 @@ def reference(params, tokens, prompts, lengths, num_samples=1):
 
 def check_against_forward(params, gen, prompts, lengths, num_samples=1, atol=1e-4):
     """Each row's log-probs agree with a full forward pass; padding is 0."""
-    tokens, logprobs, gen_len = map(np.asarray, gen)
+    tokens, logprobs, gen_len = map(np.asarray, gen[:3])
     real = np.arange(tokens.shape[1])[None] < gen_len[:, None]
     assert np.all((gen_len >= 1) & (gen_len <= tokens.shape[1]))
     np.testing.assert_array_equal(tokens[~real], 0)
@@ -125,8 +125,8 @@ def run(params, prompts=PROMPTS, lengths=LENGTHS, *, rng=None, mesh=None, stats=
     s = {k: kw.pop(k) for k in ("temperature", "top_k", "top_p") if k in kw}
     spec = sampler.SamplerSpec(**({"max_new_tokens": N} | kw), sampling=sampler.Sampling(**s))
     rng = jax.random.key(0) if rng is None else rng
-    out = sampler.generate_with_stats(CONFIG, params, prompts, lengths, spec, rng=rng, mesh=mesh)
-    return out if stats else out[0]
+    gen = sampler.generate(CONFIG, params, prompts, lengths, spec, rng=rng, mesh=mesh)
+    return (gen, gen.stats) if stats else gen
 
 
 def greedy(params, prompts=PROMPTS, lengths=LENGTHS, **kw):

@@ -1,4 +1,4 @@
-"""TurnSession: rows continued over several calls with their pages kept draw the tokens a
+"""sampler.Session with turns: rows continued over several calls with their pages kept draw the tokens a
 full forward pass over the episode redraws with the row-and-token keys; given tokens are
 fed, not drawn, and stop nothing; sharded equals unsharded."""
 
@@ -29,9 +29,9 @@ def _session(params, *, mesh=None, rng=None, eos_ids=(), temperature=1.0, **layo
     3 more tokens; row 0 alone decodes on to N. Returns (generations, given mask)."""
     sampling = sampler.Sampling(temperature, 6 if temperature else 0)
     spec = sampler.SamplerSpec(max_new_tokens=N, eos_ids=eos_ids, sampling=sampling, **layout)
-    session = sampler.TurnSession(CONFIG, spec, mesh=mesh)
+    session = sampler.Session(CONFIG, spec, mesh=mesh, turns=True)
     rng = jax.random.key(3) if rng is None else rng
-    g1 = session.start(params, PROMPTS, LENGTHS, np.array([3, 5, 2, N]), rng=rng)
+    g1 = session.start(params, PROMPTS, LENGTHS, rng=rng, row_limits=np.array([3, 5, 2, N]))
     len1 = np.asarray(g1.lengths)
     given, mask = np.zeros((4, N), np.int32), np.zeros((4, N), bool)
     for b in range(3):

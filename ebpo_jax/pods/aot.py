@@ -1,8 +1,10 @@
 """Ahead-of-time compilation of the real programs for a TPU topology, on a CPU host.
 
-The programs are the trainer's own update (`make_update_fn`) and the sampler's own jitted
-prefill/decode, lowered with abstract inputs (`jax.ShapeDtypeStruct` + sharding): no weights
-are ever allocated. The report (memory per device, analytic FLOPs) is in aot_report.
+The programs are the loop's own: its runner's update, its weight move (trainer/policy.py's
+SamplerWeights: LoRA merge, cast, reshard) and the sampler's programs for a call
+(sampler.Session: prefill and decode, or the turns), lowered with abstract inputs
+(`jax.ShapeDtypeStruct` + sharding): no weights are ever allocated. The report (memory per
+device, analytic FLOPs) is in aot_report.
 """
 
 import dataclasses
@@ -13,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from ebpo_jax import models
+from ebpo_jax import sampler
 from ebpo_jax.pods.aot_report import (
     DAPO_GENERATED_PER_KEPT,
     ProgramReport,
@@ -29,8 +31,7 @@ from ebpo_jax.pods.aot_report import (
 )
 from ebpo_jax.pods.hardware import GiB
 from ebpo_jax.rollout.single_turn import make_rollout_fn, sampler_spec_of
-from ebpo_jax.sampler import engine
-from ebpo_jax.sharding import make_mesh
+from ebpo_jax.sharding import abstract, make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.tasks import episodes
 from ebpo_jax.tasks.protocol import Reward, Task, model_config_from
@@ -39,26 +40,22 @@ from ebpo_jax.trainer.shardings import make_sampler_mesh, make_shardings
 from ebpo_jax.trainer.state import make_optimizer
 
 
-def abstract(tree, shardings):
-    """ShapeDtypeStruct leaves carrying `shardings` (a matching pytree or one sharding)."""
-    if isinstance(shardings, jax.sharding.Sharding):
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree
-        )
-    return jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
-    )
-
-
-def model_config_of(spec: RunSpec):
-    """The policy ModelConfig the trainer would build (the preset's own vocabulary by default)."""
+def model_config_of(spec: RunSpec, vocab_size: int = 0):
+    """The policy ModelConfig the trainer would build for a tokenizer of `vocab_size` ids (0:
+    the preset's own, as the pods' HF checkpoints have; a synthetic family's char tokenizer
+    has fewer): AOT has no data, so the vocabulary, like the prompt width, is an input."""
     from ebpo_jax import models
 
-    vocab = models.PRESETS[spec.task.model.preset]["vocab_size"]
+    vocab = vocab_size or models.PRESETS[spec.task.model.preset]["vocab_size"]
     return model_config_from(spec.task.model, vocab)
 
 
-def shape_task(spec: RunSpec, mc, params) -> Task:
+# What only a run's data says, which AOT (with none) takes as given: a math run's answer width
+# and stop ids (their count shapes the programs, not their values), as keywords of make_step.
+MATH_DATA = {"answer_len": 64, "stop_ids": (1,)}  # short answers: no memory moves with them
+
+
+def shape_task(spec: RunSpec, mc, params, stop_ids=MATH_DATA["stop_ids"]) -> Task:
     """A Task with the shapes and reward kind of a math run, and no data: what the loop's
     step builder needs to make the programs the loop runs."""
     from ebpo_jax.tasks.families import math_data as task_math
@@ -71,12 +68,12 @@ def shape_task(spec: RunSpec, mc, params) -> Task:
         reward=Reward(None, jittable=False),  # host reward: rewards are filled in between jits
         cluster_ids=functools.partial(task_math.cluster_ids, spec.task.run.eb_clusters),
         num_clusters=1,
-        stop_ids=(1,),
+        stop_ids=stop_ids,
         evaluate=None,
     )
 
 
-def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
+def abstract_inputs(spec: RunSpec, mc, prompt_len: int, *, answer_len: int, stop_ids):
     """(abstract TrainState, abstract Rollout, optimizer) at the spec's shapes: no allocation."""
     from ebpo_jax import models, tasks
     from ebpo_jax.trainer import policy
@@ -87,24 +84,25 @@ def abstract_inputs(spec: RunSpec, mc, prompt_len: int):
     state = jax.eval_shape(init, params)
     n = spec.rollout.batch_prompts
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
-    answer_len = 64  # answers are short; their width does not move the memory
     batch = tasks.PromptBatch(
         i32(n, prompt_len), i32(n), i32(n, answer_len), i32(n), i32(n), i32(n), i32(n)
     )
-    task = shape_task(spec, mc, params)
+    task = shape_task(spec, mc, params, stop_ids)
     rollout = make_rollout_fn(spec.rollout, mc, None, task.stop_ids, task.cluster_ids)
     ro = jax.eval_shape(rollout, params, batch, jax.random.key(0))
     return state, ro, optimizer
 
 
-def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
+def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None, **data):
     """The loop's own runner (jitted rollout and update with the run's shardings), abstractly.
 
     `devices`: every device of the topology (a split run's sampler takes those after the mesh).
+    `data`: answer_len and stop_ids when not a math run's (MATH_DATA).
     """
-    state, ro, optimizer = abstract_inputs(spec, mc, prompt_len)
+    data = MATH_DATA | data
+    state, ro, optimizer = abstract_inputs(spec, mc, prompt_len, **data)
     sh = make_shardings(spec, mc, optimizer, state, mesh, devices)
-    step = make_runner(spec, shape_task(spec, mc, state.params), optimizer, sh)
+    step = make_runner(spec, shape_task(spec, mc, state.params, data["stop_ids"]), optimizer, sh)
     # Inputs carry the loop's shardings, as its placed arrays do: the same program is traced.
     return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 
@@ -116,72 +114,10 @@ def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
         return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
 
 
-def _sampler_inputs(spec, mc, mesh, prompts: int, prompt_len: int):
-    """The plan and abstract (rng, prompts, lengths, stop ids) of one sampler call on mesh."""
-    plan = engine.make_plan(spec, prompts, prompt_len, mesh, None, mc.sharding_rules)
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    prompt_sh = plan.prompt_lead or rep
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    rng = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep)
-    prompt_PT = jax.ShapeDtypeStruct((prompts, prompt_len), np.int32, sharding=prompt_sh)
-    lengths_P = jax.ShapeDtypeStruct((prompts,), np.int32, sharding=prompt_sh)
-    eos = jax.ShapeDtypeStruct((len(spec.eos_ids),), np.int32, sharding=rep)
-    return plan, (rng, prompt_PT, lengths_P, eos)
-
-
-def _outputs(lowered, compiled):
-    """A compiled program's outputs as abstract arrays with their shardings."""
-    out = lowered.out_info
-    leaves = [
-        jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sh)
-        for o, sh in zip(jax.tree.leaves(out), jax.tree.leaves(compiled.output_shardings))
-    ]
-    return jax.tree.unflatten(jax.tree.structure(out), leaves)
-
-
-def _compile_prefill(params, prompt_PT, lengths_P, rng, static):
-    """The engine's prefill compiled, and its outputs as the abstract `Prefilled` decode takes."""
-    lowered = engine.prefill_jit.lower(params, prompt_PT, lengths_P, rng, **static)
-    prefill = lowered.compile()
-    return prefill, engine.Prefilled(*_outputs(lowered, prefill))
-
-
-def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int):
-    """The engine's jitted prefill and decode (sampler.SamplerSpec `spec`) on `mesh`.
-
-    Returns (prefill, decode, plan): the Plan says the pool's pages per shard and the slots.
-    """
-    plan, (rng, prompt_PT, lengths_P, eos) = _sampler_inputs(spec, mc, mesh, prompts, prompt_len)
-    static = {"config": mc, "spec": spec, "plan": plan}
-    with jax.set_mesh(mesh):
-        prefill, prefilled = _compile_prefill(params, prompt_PT, lengths_P, rng, static)
-        decode = engine.decode_jit.lower(params, prefilled, lengths_P, rng, eos, **static)
-        decode = decode.compile()
-    return prefill, decode, plan
-
-
-def compile_turns(spec, mc, mesh, params, rows: int, prompt_len: int):
-    """The multi-turn sampler (sampler.TurnSession, one row per prompt) on `mesh`: its
-    prefill, first turn and continued turn, compiled. Returns (prefill, begin, resume, plan)."""
-    plan, (rng, prompt_PT, lengths_P, eos) = _sampler_inputs(spec, mc, mesh, rows, prompt_len)
-    engine.check_turns(spec, plan)
-    static = {"config": mc, "spec": spec, "plan": plan}
-    per_row = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=lengths_P.sharding)
-    N = spec.max_new_tokens
-    with jax.set_mesh(mesh):
-        prefill, prefilled = _compile_prefill(params, prompt_PT, lengths_P, rng, static)
-        limit_R = per_row((rows,), np.int32)
-        lowered = engine.begin_turns_jit.lower(
-            params, prefilled, lengths_P, rng, eos, limit_R, **static
-        )
-        begin = lowered.compile()
-        turns = _outputs(lowered, begin)[0]
-        given = engine.Given(
-            per_row((rows,), bool), limit_R, per_row((rows, N), np.int32), per_row((rows, N), bool)
-        )
-        resume = engine.continue_turns_jit.lower(params, turns, rng, eos, given, **static)
-        resume = resume.compile()
-    return prefill, begin, resume, plan
+def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int, *, turns=False):
+    """The sampler's own programs for a call of `prompts` prompts (sampler.Session.compile):
+    name -> (Traced, Lowered, Compiled), and "plan" -> the Plan (pages per shard, slots)."""
+    return sampler.Session(mc, spec, mesh=mesh, turns=turns).compile(params, prompts, prompt_len)
 
 
 def pool_tp(mesh, spec) -> int:
@@ -233,28 +169,6 @@ def paged_note(plan, spec, mc, mesh) -> str:
     )
 
 
-def compile_lora_merge(state, state_sh, dst_shardings, mesh, spec, dtype):
-    """LoRA's weights for the sampler: base + scale A B, in `dtype`, onto the sampler's mesh."""
-    from ebpo_jax.models import lora
-
-    merge = lambda base, adapters: lora.merge(base, adapters, spec, dtype=dtype)
-    with jax.set_mesh(mesh):
-        jitted = jax.jit(merge, out_shardings=dst_shardings)
-        args = abstract(state.base, state_sh.base), abstract(state.params, state_sh.params)
-        return jitted.lower(*args).compile()
-
-
-def compile_reshard(params, src_shardings, dst_shardings, mesh, dtype):
-    """Weights from the trainer's mesh to the sampler's, device to device, in the compute dtype.
-
-    The cast halves what every decoded token reads when the master weights are float32.
-    """
-    cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
-    with jax.set_mesh(mesh):
-        jitted = jax.jit(cast, out_shardings=dst_shardings)
-        return jitted.lower(abstract(params, src_shardings)).compile()
-
-
 def resolve_for(config, topology: str, *, sampler_mesh="", trainer_devices: int = 0) -> RunSpec:
     """The RunSpec of `config` on `topology`'s devices, with the sampler layout under test.
 
@@ -294,6 +208,13 @@ def _attempter(reports: list, hbm: int, peak: float, log):
         return compiled
 
     return attempt
+
+
+def _compiler(attempt):
+    """build(name, mesh, note, traced) for SamplerWeights.programs: compiled under `attempt`."""
+    return lambda name, on, note, traced: attempt(
+        name, on, 0, note, lambda: traced.lower().compile()
+    )
 
 
 def _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept):
@@ -355,8 +276,8 @@ def run(
     if update_only:
         log("update_only: no weight move or sampler programs compiled")
         return reports, meta
-    params = _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh)
-    abstract_params = abstract(params, step.sh.sampler_params)
+    # The loop's own weight move (trainer/policy.py decides LoRA merge, cast and reshard).
+    abstract_params = step.pieces.weights.programs(state, _compiler(attempt))
     prompts = sampler_prompts or spec.rollout.prompts_per_call
     paged = _compile_sampler_programs(
         attempt, reports, spec.rollout, mc, (s_mesh, abstract_params), prompts, prompt_len
@@ -366,83 +287,42 @@ def run(
     return reports, meta
 
 
-def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
-    """Compile the sampler's prefill and decode on `on` = (sampler mesh, abstract params);
-    returns the paged KV cache's report fields (None when prefill does not fit)."""
+def sampler_call(ro, prompts: int):
+    """(SamplerSpec, rows, turns) of one sampler call of `prompts` prompts as the rollout makes
+    it (multi-turn: a Session of prompts x G episodes); the stop id's value changes no program."""
     if ro.rollout.max_turns > 1:
-        return _compile_turn_programs(attempt, reports, ro, mc, on, prompts, prompt_len)
+        return episodes.session_spec(ro, 1, ()), prompts * ro.group_size, True
+    return sampler_spec_of(ro, 1), prompts, False
+
+
+def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
+    """Compile the sampler's programs (sampler.Session's) on `on` = (sampler mesh, abstract
+    params); returns the paged KV cache's report fields (None when prefill does not fit).
+    Multi-turn episodes: prefill, first and continued turn (the host turn loop runs between)."""
     s_mesh, params = on
     calls = math.ceil(ro.prompts / prompts)
-    note = f"{prompts} prompts x {ro.group_size} per call, {calls} call(s) per step"
-    s_spec = sampler_spec_of(ro, 1)  # the stop id's value does not change the program
-    sflops = sampler_flops(mc, prompts, ro.group_size, prompt_len, ro.max_new_tokens)
-    compiled = {}
-
-    def sampler_programs():
-        compiled["prefill"], compiled["decode"], compiled["plan"] = compile_sampler(
-            s_spec, mc, s_mesh, params, prompts, prompt_len
-        )
-        return compiled["prefill"]
-
-    if attempt("sampler prefill", s_mesh, sflops["prefill"], note, sampler_programs) is None:
-        return None
-    attempt("sampler decode", s_mesh, sflops["decode"], note, lambda: compiled["decode"])
-    reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
-    return paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
-
-
-def _compile_turn_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
-    """Multi-turn episodes: the TurnSession's prefill, first and continued turn on `on`, for
-    a call of prompts x G rows (the host turn loop runs between them)."""
-    s_mesh, params = on
-    rows = prompts * ro.group_size
-    note = f"{rows} episodes per call, {math.ceil(ro.prompts / prompts)} call(s) per step"
-    s_spec = episodes.session_spec(ro, 1, ())
-    sflops = sampler_flops(mc, rows, 1, prompt_len, ro.max_new_tokens)
+    s_spec, rows, turns = sampler_call(ro, prompts)
+    if turns:
+        note = f"{rows} episodes per call, {calls} call(s) per step"
+        names = [("begin", "sampler first turn", note), ("resume", "sampler decode",
+                 "a continued turn: " + note)]  # fmt: skip
+    else:
+        note = f"{prompts} prompts x {ro.group_size} per call, {calls} call(s) per step"
+        names = [("decode", "sampler decode", note)]
+    G = s_spec.num_samples
+    sflops = sampler_flops(mc, rows, G, prompt_len, ro.max_new_tokens)
     compiled = {}
 
     def programs():
-        names = ("prefill", "begin", "resume", "plan")
-        compiled.update(zip(names, compile_turns(s_spec, mc, s_mesh, params, rows, prompt_len)))
-        return compiled["prefill"]
+        compiled.update(compile_sampler(s_spec, mc, s_mesh, params, rows, prompt_len, turns=turns))
+        return compiled["prefill"][2]
 
     if attempt("sampler prefill", s_mesh, sflops["prefill"], note, programs) is None:
         return None
-    attempt("sampler first turn", s_mesh, sflops["decode"], note, lambda: compiled["begin"])
-    attempt("sampler decode", s_mesh, sflops["decode"], "a continued turn: " + note,
-            lambda: compiled["resume"])  # fmt: skip
+    for key, name, what in names:
+        attempt(name, s_mesh, sflops["decode"], what, lambda key=key: compiled[key][2])
     reports[-1].note += "; " + paged_note(compiled["plan"], s_spec, mc, s_mesh)
     return paged_meta(compiled["plan"], s_spec, mc, s_mesh, reports)
-
-
-def _compile_weight_move(attempt, spec, mc, step, state, mesh, s_mesh):
-    """Compile the sampler's weights from the train state (LoRA merge, or reshard / cast when
-    the sampler has its own mesh); returns the sampler's abstract params."""
-    params = state.params
-    train_sh, samp_sh = step.sh.state.params, step.sh.sampler_params
-    l_spec = spec.update.lora
-    if l_spec is not None:  # the sampler runs LoRA's merged weights in the compute dtype
-        merged = models.abstract_params(mc)
-        attempt(
-            "lora merge",
-            s_mesh,
-            0,
-            f"base + A B to {mc.dtype}",
-            lambda: compile_lora_merge(state, step.sh.state, samp_sh, s_mesh, l_spec, mc.dtype),
-        )
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), merged)
-    if s_mesh is mesh:
-        return params
-    split = spec.mesh.disjoint  # cast where the weights are; the copy is a transfer
-    dst, on = (train_sh, mesh) if split else (samp_sh, s_mesh)
-    attempt(
-        "cast weights" if split else "reshard weights",
-        on,
-        0,
-        f"to {mc.dtype}" + (", then copied to the sampler's slice" if split else ""),
-        lambda: compile_reshard(params, train_sh, dst, on, mc.dtype),
-    )
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, mc.dtype), params)
 
 
 def _estimate(spec, mc, hw, s_mesh, prompt_len):

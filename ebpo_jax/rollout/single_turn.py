@@ -31,7 +31,7 @@ class Rollout(NamedTuple):
     # [P, G, N] bool: True on tokens the policy sampled, False on environment observations
     # (multi-turn episodes): only actions get loss, KL, entropy and count in normalisers.
     action_mask: jax.Array
-    # Routing replay (mixture of experts): the sampler's experts per token, sampler.generate's
+    # Routing replay (mixture of experts): the sampler's experts per token, the Generation's
     # routing as [P, G, ...] ({"prompt", "comp"}); None when not recorded.
     routing: Any = None
 
@@ -83,9 +83,10 @@ def _sample(spec: RolloutSpec, model_config, stop_ids, mesh, params, b, rng):
     sampler_spec = sampler_spec_of(spec, stop_ids)
 
     def call(tokens, lengths, key):
-        return sampler.generate(
+        gen = sampler.generate(
             model_config, params, tokens, lengths, sampler_spec, rng=key, mesh=mesh
         )
+        return gen._replace(stats=None)  # per row only: the chunks stack on rows
 
     if chunks == 1:
         return call(b.prompt_tokens, b.prompt_lengths, rng)
@@ -104,7 +105,6 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
     b = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0), batch)
     gen = sample(params, b, jax.random.fold_in(rng, r))
-    gen, routing = gen if spec.moe.routing_replay else (gen, None)
     rep = lambda x: jnp.repeat(x, G, axis=0)
     if reward_fn is None:  # a host reward fills these in between the two jits
         rewards_PG = jnp.zeros((P, G), jnp.float32)
@@ -126,7 +126,7 @@ def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, bat
         generated_tokens=gen.lengths.sum().astype(jnp.int32),
         all_same_frac=all_same(rewards_PG).mean(),
         action_mask=jnp.ones((P, G, N), bool),
-        routing=jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), routing),
+        routing=jax.tree.map(lambda x: x.reshape(P, G, *x.shape[1:]), gen.routing),
     )
 
 

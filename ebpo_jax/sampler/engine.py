@@ -538,6 +538,31 @@ def turns_generation(turns: Turns, *, spec, plan) -> Generation:
     return _generation(turns.out, plan, spec.max_new_tokens)
 
 
+class Program(NamedTuple):
+    """An engine program with its static arguments bound: what a call runs and AOT lowers."""
+
+    jitted: object  # one of the module's jitted programs below
+    static: dict  # config, spec, plan
+
+    def __call__(self, *args):
+        return self.jitted(*args, **self.static)
+
+    def trace(self, *args):
+        return self.jitted.trace(*args, **self.static)
+
+
+def programs(config, spec: SamplerSpec, plan: Plan, turns: bool = False) -> dict:
+    """The programs of a call, in the order they run: prefill and decode, or (multi-turn
+    rows) prefill, the first turn and a continued turn."""
+    static = {"config": config, "spec": spec, "plan": plan}
+    names = {"prefill": prefill_jit}
+    if turns:
+        names |= {"begin": begin_turns_jit, "resume": continue_turns_jit}
+    else:
+        names["decode"] = decode_jit
+    return {name: Program(jitted, static) for name, jitted in names.items()}
+
+
 prefill_jit = jax.jit(prefill, static_argnames=("config", "spec", "plan"))
 decode_jit = jax.jit(decode, static_argnames=("config", "spec", "plan"))
 begin_turns_jit = jax.jit(begin_turns, static_argnames=("config", "spec", "plan"))

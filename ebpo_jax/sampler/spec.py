@@ -51,7 +51,7 @@ class SamplerSpec(NamedTuple):
     # per shard) that holds its live rows, so a step with few live rows computes few; each
     # size compiles its own forward. 1: every slot at every step.
     live_buckets: int = 1
-    # Mixture of experts: generate returns (Generation, routing), every input token's experts.
+    # Mixture of experts: the Generation's routing holds every input token's experts.
     record_routing: bool = False
 
 
@@ -61,6 +61,10 @@ class Generation(NamedTuple):
     tokens: jax.Array  # [rows, N] int32
     logprobs: jax.Array  # [rows, N] float32
     lengths: jax.Array  # [rows] int32, generated tokens including the stop id
+    stats: object = None  # engine.Stats of the decode that made it
+    # spec.record_routing: {"prompt": [rows, sparse layers, Tp, k], "comp": [rows, sparse
+    # layers, N, k]}, every input token's experts; None when not recorded.
+    routing: object = None
 
 
 def check_int(name, value, minimum):

@@ -10,9 +10,9 @@ or on an environment stop sequence (the environment answers; `rollout.max_turns`
 at most). The sampler stops on the last token of each stop sequence; a stop on that token
 without the whole sequence (`<calc>` for `</calc>`) continues the same turn in the next call.
 Rows finish independently: each sampler call decodes the live rows. Two ways to run the
-model turns: `KeptKV` (`rollout.keep_kv`, the default) continues every row on a
-`sampler.TurnSession`, whose rows keep their KV pages across calls, so a turn feeds only the
-new observation through the model; `Reprefill` prefills each row's prompt and episode so far
+model turns: `KeptKV` (`rollout.keep_kv`, the default) continues every row on a multi-turn
+`sampler.Session`, whose rows keep their KV pages across calls, so a turn feeds only the new
+observation through the model; `Reprefill` prefills each row's prompt and episode so far
 on every call (finished rows get a one-token limit). `episode/forward_token_ratio` measures
 what each costs: tokens the model ran per episode token.
 """
@@ -157,18 +157,18 @@ class Reprefill:
 
 
 class KeptKV:
-    """Model turns on a `sampler.TurnSession`: the first call prefills the prompts, later ones
-    feed each row's new observation tokens and decode on from its kept pages. Row b's episode
-    token t is drawn with fold_in(fold_in(key, b), t)."""
+    """Model turns on a multi-turn `sampler.Session`: the first call prefills the prompts,
+    later ones feed each row's new observation tokens and decode on from its kept pages. Row
+    b's episode token t is drawn with fold_in(fold_in(key, b), t)."""
 
-    def __init__(self, session: sampler.TurnSession, params):
+    def __init__(self, session: sampler.Session, params):
         self.session, self.params, self.fed_B = session, params, None
 
     def __call__(self, rows: _Rows, prompts: "EpisodePrompts", limit_B, key, call: int) -> Turn:
         upto_B = (rows.used + limit_B).astype(np.int32)
         if self.fed_B is None:
             g = self.session.start(
-                self.params, prompts.tokens_BT, prompts.lengths_B, upto_B, rng=key
+                self.params, prompts.tokens_BT, prompts.lengths_B, rng=key, row_limits=upto_B
             )
             fed = int(prompts.lengths_B.sum())
         else:
@@ -193,7 +193,7 @@ def _since(g: sampler.Generation, used_B) -> sampler.Generation:
 
 
 def session_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.SamplerSpec:
-    """A TurnSession's sampler spec: one row per episode, the episode's whole budget."""
+    """A multi-turn Session's sampler spec: one row per episode, the episode's whole budget."""
     return turn_sampler_spec(spec, eos_ids, extra_stops)._replace(
         max_new_tokens=spec.max_new_tokens
     )
@@ -204,13 +204,13 @@ def make_turns(spec: RolloutSpec, model_config, params, eos_ids, extra_stops, *,
     decodes the whole episode budget, or Reprefill on `generate`, a turn per call."""
     if spec.rollout.keep_kv:
         s_spec = session_spec(spec, eos_ids, extra_stops)
-        return KeptKV(sampler.TurnSession(model_config, s_spec, mesh=mesh), params)
+        return KeptKV(sampler.Session(model_config, s_spec, mesh=mesh, turns=True), params)
     s_spec = turn_sampler_spec(spec, eos_ids, extra_stops)
 
     def generate(ctx_BT, len_B, limit_B, key):
-        return sampler.generate_with_stats(
+        return sampler.generate(
             model_config, params, ctx_BT, len_B, s_spec, rng=key, mesh=mesh, row_limits=limit_B
-        )[0]
+        )
 
     return Reprefill(generate)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 
+from ebpo_jax import models, sharding
 from ebpo_jax.models import lora as lora_lib
 from ebpo_jax.models import lora_checkpoint
 from ebpo_jax.schema import ConfigError
@@ -66,16 +67,10 @@ class Policy:
             return state.params
         return lora_lib.merge(state.base, state.params, self.lora, dtype=self.model_config.dtype)
 
-    def sampler_fn(self):
-        """`sampled` as the step calls it: a plain read, or one jitted merge per step."""
-        return jax.jit(self.sampled) if self.is_lora else self.sampled
-
     def abstract_sampled(self, abstract_state: TrainState):
         """The (abstract) weights the sampler runs, for their shardings."""
         if not self.is_lora:
             return abstract_state.params
-        from ebpo_jax import models
-
         return models.abstract_params(self.model_config)
 
     def checkpoint_tree(self, state: TrainState) -> dict:
@@ -100,6 +95,64 @@ class Policy:
                 f"the checkpoint holds LoRA adapters (model.lora.rank={saved.get('rank')}); "
                 "resume with the same model.lora settings"
             )
+
+
+class SamplerWeights:
+    """The sampler's copy of the policy, made one way for the run and for AOT: `sampled` (the
+    params, or LoRA's one jitted merge per step), cast to sampler.param_dtype on the trainer's
+    mesh, then moved device to device onto the sampler's mesh when it has its own."""
+
+    def __init__(self, policy: Policy, param_dtype: str, sh):
+        self.sh, self.is_lora = sh, policy.is_lora
+        self.sampled = jax.jit(policy.sampled) if policy.is_lora else policy.sampled
+        # On the trainer's devices: half the bytes to move from float32 master weights.
+        self.cast = _cast(policy, param_dtype, sh) if param_dtype else None
+
+    def __call__(self, params):
+        """The sampler's copy of `sampled` params (dispatched, not waited for)."""
+        sh = self.sh
+        if self.cast is not None:
+            with jax.set_mesh(sh.mesh):
+                params = self.cast(params)
+        if sh.sampler_mesh is not sh.mesh:  # weights move device to device, not via the host
+            params = jax.device_put(params, sh.sampler_params)
+        return params
+
+    def programs(self, state, build=None):
+        """What `__call__(sampled(state))` runs, on the abstract `state`: each program traced
+        and handed to `build(name, mesh, note, traced) -> Compiled or None` (None: lowered
+        only), in order; returns the sampler's abstract params. The move onto a sampler mesh
+        over the same devices is the resharding copy device_put compiles; onto other devices
+        (rollout.max_staleness=1) it is a transfer, no program."""
+        sh, params = self.sh, state.params
+        devices = lambda mesh: {d.id for d in mesh.devices.flat}
+        build = build or (lambda *_: None)
+
+        def run(name, mesh, note, jitted, *args):
+            with jax.set_mesh(mesh):
+                traced = jitted.trace(*args)
+                return sharding.abstract_outputs(traced, build(name, mesh, note, traced))
+
+        if self.is_lora:
+            params = run("lora merge", sh.mesh, "base + A B", self.sampled, state)
+        if self.cast is not None:
+            params = run("cast weights", sh.mesh, "to sampler.param_dtype", self.cast, params)
+        if sh.sampler_mesh is not sh.mesh and devices(sh.sampler_mesh) & devices(sh.mesh):
+            move = jax.jit(lambda p: p, out_shardings=sh.sampler_params)
+            params = run("reshard weights", sh.sampler_mesh, "onto the sampler's mesh", move,
+                         params)  # fmt: skip
+        return sharding.abstract(params, sh.sampler_params)
+
+
+def _cast(policy: Policy, dtype: str, sh):
+    """The sampled weights in `dtype`, laid out as they are on the trainer's mesh (LoRA: the
+    merged model's layout, not the adapters')."""
+    laid_out = sh.state.params
+    if policy.is_lora:
+        mc = policy.model_config
+        laid_out = sharding.param_shardings(mc, models.abstract_params(mc), sh.mesh)
+    cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
+    return jax.jit(cast, out_shardings=laid_out)
 
 
 def of(spec, model_config) -> Policy:

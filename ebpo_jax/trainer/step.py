@@ -81,7 +81,6 @@ class Pieces:
         self.refill = None  # DAPO's dynamic sampling scored on the host: trainer/refill.py
         if spec.rollout.dapo.dynamic_sampling and (self.episodes or not task.reward.jittable):
             self._host_rounds(spec, task, sh)
-        self.cast = _cast_fn(spec.rollout.sampler.param_dtype, sh)
         self.update = jax.jit(
             update,
             in_shardings=(sh.state, sh.rollout),
@@ -89,8 +88,10 @@ class Pieces:
             donate_argnums=0,
         )
         self.view = policy_lib.of(spec, mc)
-        # The sampler's weights: state.params itself, or (LoRA) one merge per step.
-        self.policy = self.view.sampler_fn()
+        # The sampler's weights: state.params itself, or (LoRA) one merge per step; then
+        # their cast and move (AOT compiles the same programs from `weights`).
+        self.weights = policy_lib.SamplerWeights(self.view, spec.rollout.sampler.param_dtype, sh)
+        self.policy = self.weights.sampled
         self.scan_body = functools.partial(train_step, rollout, update, self.view.sampled)
 
     def _host_rounds(self, spec: RunSpec, task, sh: Shardings):
@@ -120,13 +121,7 @@ class Pieces:
 
     def sampler_weights(self, params):
         """The sampler's copy of `params`: cast, and moved to its mesh (dispatched, not waited)."""
-        sh = self.sh
-        if self.cast is not None:  # on the trainer's devices: half the bytes to move
-            with jax.set_mesh(sh.mesh):
-                params = self.cast(params)
-        if sh.sampler_mesh is not sh.mesh:  # weights move device to device, not via the host
-            params = jax.device_put(params, sh.sampler_params)
-        return params
+        return self.weights(params)
 
     def sample(self, params, batch, key, round_: int = 0, *, moved: bool = False):
         """Dispatch a rollout (round `round_` of a host-refilled step) on the sampler mesh
@@ -169,14 +164,6 @@ class Pieces:
         """Dispatch the update on the trainer mesh: (state, metrics), nothing waited for."""
         with jax.set_mesh(self.sh.mesh):
             return self.update(state, ro)
-
-
-def _cast_fn(dtype, sh: Shardings):
-    """sampler.param_dtype: the sampler's copy of the weights in another dtype (bfloat16)."""
-    if not dtype:
-        return None
-    cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
-    return jax.jit(cast, out_shardings=sh.state.params)
 
 
 def first(batches):

@@ -1,0 +1,128 @@
+"""AOT lowers the programs a run executes: for configs/micro.py, the sampler's prefill and
+decode (inside the run's jitted rollout), the sampler's weights and the update, traced by the
+loop's own pieces on its own task and by pods/aot.py from the spec alone, are the same."""
+
+import re
+
+import jax
+import jax.extend
+import numpy as np
+import pytest
+
+from configs import micro
+from ebpo_jax import sampler, sharding
+from ebpo_jax.pods import aot
+from ebpo_jax.spec import resolve
+from ebpo_jax.tasks.protocol import build_task
+from ebpo_jax.trainer import loop
+from ebpo_jax.trainer.runners import make_runner
+from ebpo_jax.trainer.step import first, put
+
+
+def _normal(jaxpr) -> str:
+    """A jaxpr's text up to the numbering of shared sub-jaxprs (`_where3`), which depends on
+    what was traced before."""
+    return re.sub(r"\b(_[A-Za-z_]+?)\d+\b", r"\1", str(jaxpr))
+
+
+def _nested(jaxpr, names: set) -> dict:
+    """name -> the jaxpr of each nested jit called `name` inside `jaxpr` (any depth)."""
+    found = {}
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pjit", "jit") and eqn.params["name"] in names:
+            found.setdefault(eqn.params["name"], eqn.params["jaxpr"])
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found = _nested(sub, names) | found
+    return found
+
+
+def _run_programs(spec, mesh):
+    """The run's programs as the loop builds them: name -> jaxpr text; the data's shapes; the
+    sampler's weights' dtypes."""
+    task = build_task(spec.task, mesh=mesh, log=lambda *_: None)
+    optimizer = loop.make_optimizer(spec.optim)
+    state, sh = loop._init_state(spec, task, optimizer, mesh)
+    pieces = make_runner(spec, task, optimizer, sh).pieces
+    batches = task.source.next_batches(1)
+    batch = first(put(batches, sh.batches(batches)))
+    weights = pieces.sampler_weights(pieces.policy(state))
+    key = jax.random.key(0)
+    with jax.set_mesh(sh.sampler_mesh):
+        rollout = pieces.rollout.trace(weights, batch, key)
+    ran = {k: _normal(v) for k, v in _nested(rollout.jaxpr.jaxpr, {"prefill", "decode"}).items()}
+    ro = sharding.abstract(rollout.out_info, sh.rollout)  # placed as pieces.to_trainer places it
+    with jax.set_mesh(mesh):
+        ran["update"] = _normal(pieces.update.trace(state, ro).jaxpr)
+        ran["update text"] = pieces.update.lower(state, ro).as_text()
+        if pieces.weights.is_lora:
+            ran["lora merge"] = _normal(pieces.policy.trace(state).jaxpr)
+    task.close()
+    data = {"answer_len": batch.answer_tokens.shape[1], "stop_ids": task.stop_ids}
+    shapes = batch.prompt_tokens.shape[1], task.model_config.vocab_size, data
+    return ran, shapes, jax.tree.map(lambda x: x.dtype, weights)
+
+
+def _aot_programs(spec, mesh, shapes):
+    """The programs pods/aot.py lowers for the spec on the same devices: name -> jaxpr text.
+    `shapes`: what only the data says: prompt width, vocabulary, answer width and stop ids."""
+    prompt_len, vocab_size, data = shapes
+    mc = aot.model_config_of(spec, vocab_size)
+    step, state, ro = aot.make_step(spec, mc, mesh, prompt_len, **data)
+    with jax.set_mesh(mesh):
+        out = {
+            "update": _normal(step.update.trace(state, ro).jaxpr),
+            "update text": step.update.lower(state, ro).as_text(),
+        }
+    weights = {}
+    params = step.pieces.weights.programs(
+        state, lambda name, _on, _note, traced: weights.update({name: traced})
+    )
+    out |= {name: _normal(traced.jaxpr) for name, traced in weights.items()}
+    s_spec, rows, turns = aot.sampler_call(spec.rollout, spec.rollout.prompts_per_call)
+    session = sampler.Session(mc, s_spec, mesh=step.sh.sampler_mesh, turns=turns)
+    programs = session.compile(params, rows, prompt_len, lower_only=True)
+    out |= {name: _normal(programs[name][0].jaxpr) for name in ("prefill", "decode")}
+    return out, jax.tree.map(lambda x: x.dtype, params)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({}, id="micro"),
+        pytest.param({"model.lora.rank": 4}, marks=pytest.mark.slow, id="lora"),
+    ],
+)
+def test_aot_lowers_the_programs_a_micro_run_executes(overrides):
+    c = micro.get_config()
+    c.unlock()
+    c.mesh.devices = 1  # micro's mesh, on one of the 8 test devices
+    c.update_from_flattened_dict(overrides)
+    spec = resolve(c, jax.device_count())
+    mesh = loop.make_mesh(spec.mesh)
+    ran, shapes, ran_dtypes = _run_programs(spec, mesh)
+    compiled, aot_dtypes = _aot_programs(spec, mesh, shapes)
+    assert ran_dtypes == aot_dtypes  # the sampler runs the weights AOT compiles it for
+    assert set(ran) == {"prefill", "decode", "update", "update text"} | set(
+        overrides and ["lora merge"]
+    )
+    for name in ran:
+        assert compiled[name] == ran[name], name
+    assert "while" in ran["decode"] and np.all(["dot_general" in ran[n] for n in ran])
+
+
+def test_lora_merged_weights_are_cast_for_the_sampler():
+    """LoRA with sampler.param_dtype: the merge, then the cast of the merged model's weights
+    (laid out as the model's, not as the adapters') on the trainer's mesh."""
+    c = micro.get_config()
+    c.unlock()
+    c.update_from_flattened_dict(
+        {"mesh.devices": 1, "model.lora.rank": 4, "sampler.param_dtype": "bfloat16"}
+    )
+    spec = resolve(c, jax.device_count())
+    mesh = loop.make_mesh(spec.mesh)
+    step, state, _ = aot.make_step(spec, aot.model_config_of(spec), mesh, 8)
+    names = []
+    params = step.pieces.weights.programs(state, lambda name, *_: names.append(name))
+    assert names == ["lora merge", "cast weights"]
+    assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"bfloat16"}
+    assert jax.tree.structure(params) == jax.tree.structure(step.sh.sampler_params)
