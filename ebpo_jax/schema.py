@@ -559,6 +559,11 @@ def _fields(cls):
     return dataclasses.fields(cls)
 
 
+def default_of(cls) -> Callable[[str], Any]:
+    """name -> the declared default of that field of section `cls` (for a library's spec)."""
+    return lambda name: cls.__dataclass_fields__[name].default
+
+
 @functools.cache
 def _hints(cls) -> dict:
     return typing.get_type_hints(cls)

@@ -249,16 +249,22 @@ def _math_trainer(c: Config) -> None:
         c.run.eb_clusters != "cell",
         "eb_clusters='cell' needs the synthetic tasks; with data.path use 'topic' or 'none'",
     )
-    # Math answers are verified on the host (jit -> host -> jit), one step per call.
-    need(
-        c.run.steps_per_jit == 1,
-        f"steps_per_jit={c.run.steps_per_jit}: data.path is scored by a host reward, so it must be 1",
-    )
+    _host_steps(c.run.steps_per_jit, "data.path is scored by a host reward")
     _host_dynamic_sampling(c, "data.path is scored by a host reward")
     need(
         c.sft.steps == 0,
         f"sft.steps={c.sft.steps}: the SFT warm start is for the synthetic tasks, not data.path",
     )
+
+
+def _host_steps(steps_per_jit: int, why: str) -> None:
+    """What runs on the host between two jits (jit -> host -> jit) needs one step per call."""
+    need(steps_per_jit == 1, f"steps_per_jit={steps_per_jit}: {why}, so it must be 1")
+
+
+def host_reward_steps(steps_per_jit: int) -> None:
+    """train(host_reward=...): a Python reward on host arrays, one step per call."""
+    _host_steps(steps_per_jit, "a host_reward scores each rollout on the host")
 
 
 def _host_dynamic_sampling(c: Config, why: str) -> None:
@@ -305,6 +311,12 @@ def _staleness(c: Config, num_devices: int | None) -> None:
         "devices after the trainer's",
     )
     if num_devices is not None:
+        import jax  # late: this module stays free of jax; the run has its devices by now
+
+        need(
+            jax.process_count() == 1,
+            f"rollout.max_staleness=1 runs in one process only, not {jax.process_count()}",
+        )
         trainer = mesh_devices(c, num_devices)
         sizes = [n for _, n in sampler]
         rest = num_devices - trainer
@@ -337,7 +349,46 @@ def _turns(c: Config) -> None:
         return
     what = f"task.env={c.task.env!r}" if c.task.env else f"task.family={c.task.family!r}"
     need(c.rollout.max_turns >= 2, f"{what} is multi-turn: set rollout.max_turns >= 2")
+    _host_steps(c.run.steps_per_jit, f"{what} runs its episodes on the host")
     _host_dynamic_sampling(c, f"{what} runs its episodes on the host")
+    _turn_sampler(c, what)
+
+
+def _turn_sampler(c: Config, what: str) -> None:
+    """The sampler and MoE settings the turn loop cannot honour (tasks/episodes.py)."""
+    need(
+        not c.model.moe.routing_replay,
+        f"model.moe.routing_replay: {what} records no experts (an episode's tokens come from "
+        "several sampler calls); set it False",
+    )
+    if not c.rollout.keep_kv:
+        return  # each turn is a `generate` call: slots and pages as in a single-turn run
+    for name in ("slots", "kv_pages"):
+        value = getattr(c.sampler, name)
+        need(
+            value == 0,
+            f"sampler.{name}={value}: {what} keeps each row's KV pages across turns "
+            "(rollout.keep_kv), which needs every row at once with its pages reserved (0); "
+            "set rollout.keep_kv=False for turns that re-prefill with it",
+        )
+
+
+def _replay_attention(c: Config, num_devices: int | None) -> None:
+    """Routing replay through a padded forward (the padded update, the old-log-prob recompute)
+    needs a model attention that takes the recorded experts: not splash."""
+    loss = c.loss
+    padded = loss.tokens_per_microbatch == 0 or loss.recompute_old_logprobs
+    name = c.model.overrides.get("attention", "xla")
+    if not (c.model.moe.routing_replay and padded) or (name == "auto" and num_devices is None):
+        return  # "auto" is the platform's kernel: known once the run has its devices
+    from ebpo_jax.models import attention  # late: this module stays free of jax
+
+    need(
+        attention.resolve(name) != "splash",
+        f"model.moe.routing_replay with model.overrides.attention={name!r} (splash): the padded "
+        "forward (loss.tokens_per_microbatch=0 or loss.recompute_old_logprobs) needs 'xla' or "
+        "'cudnn'",
+    )
 
 
 def _lora_targets(c: Config) -> None:
@@ -373,6 +424,12 @@ def _devices(c: Config, num_devices: int) -> None:
         f"sampler.dp_attention: the {per_call} x {c.run.group_size} rows of a sampler call "
         f"must split over the sampler mesh's {row_shards} data x tp chips",
     )
+    pages = c.sampler.kv_pages
+    need(
+        pages % row_shards == 0,
+        f"sampler.kv_pages={pages} must be a multiple of the sampler mesh's {row_shards} row "
+        "shards (each holds its share of the pages)",
+    )
     slots = c.sampler.slots
     if not slots:
         return
@@ -395,6 +452,7 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _estimator_options(c)
     _staleness(c, num_devices)
     _turns(c)
+    _replay_attention(c, num_devices)
     _lora_targets(c)
     if num_devices is not None:
         _devices(c, num_devices)
