@@ -354,7 +354,7 @@ _share = must(lambda v: 0 < v <= 1, "in (0, 1]")
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """The policy loss and the PPO update; also the options object losses.policy_loss reads."""
+    """The policy loss and the PPO update (losses.LossOptions.from_config reads the loss's)."""
 
     name: str = setting(
         "ppo",

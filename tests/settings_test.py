@@ -123,6 +123,11 @@ RULES = [
         None,
         r"sampler.kv_pages=64: task.env='calculator' keeps each row's KV pages",
     ),
+    (  # was the sampler's ValueError when the rollout was traced
+        {"model.moe.routing_replay": True},
+        None,
+        r"model.moe.routing_replay needs a mixture-of-experts policy: model.preset='tiny' has",
+    ),
     (  # was trainer/update.py's ValueError when the update was traced
         {**MOE, "model.overrides.attention": "splash"},
         None,

@@ -118,6 +118,12 @@ CASES = {
         ["--config=configs/guess.py", *GUESS, "--config.rollout.keep_kv=False"],
         {},
     ),
+    # The same through 8 decode slots per call (the turn loop dropped sampler.slots before).
+    "guess_reprefill_slots": (
+        ["--config=configs/guess.py", *GUESS, "--config.rollout.keep_kv=False"]
+        + ["--config.sampler.slots=8"],
+        {},
+    ),
 }
 
 

@@ -54,25 +54,31 @@ def mesh_shape(c: Config, num_devices: int) -> tuple[int, ...]:
         raise ConfigError(f"mesh.shape: {e}") from None
 
 
-def model_max_positions(c: Config) -> int | None:
-    """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
+def model_setting(c: Config, name: str, hf_names: tuple[str, ...] = (), hf_absent=None):
+    """ModelConfig field `name` as the config gives it: model.overrides, else the HF
+    checkpoint's config.json (its first key of `hf_names`, default `name`; `hf_absent` when it
+    has none, None when it cannot be read) or the preset's value, else the field's default."""
     m = c.model
+    if name in m.overrides:
+        return m.overrides[name]
     if m.hf_path:
         from ebpo_jax.runtime import storage  # late: gs:// clients only when a path needs them
 
-        path = os.path.join(m.hf_path, "config.json")
         try:
-            value = json.loads(storage.read_text(path)).get("max_position_embeddings")
-        except (OSError, ValueError, AttributeError):
+            hf = json.loads(storage.read_text(os.path.join(m.hf_path, "config.json")))
+            return next((hf[k] for k in hf_names or (name,) if k in hf), hf_absent)
+        except (OSError, ValueError, AttributeError, TypeError):
             return None  # models.hf names the broken file when the task is built
-        return m.overrides.get("max_position_embeddings", value)
     from ebpo_jax.models.config import PRESETS, ModelConfig
 
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r} is not one of {sorted(PRESETS)}")
-    default = ModelConfig.__dataclass_fields__["max_position_embeddings"].default
-    default = PRESETS[m.preset].get("max_position_embeddings", default)
-    return m.overrides.get("max_position_embeddings", default)
+    return PRESETS[m.preset].get(name, ModelConfig.__dataclass_fields__[name].default)
+
+
+def model_max_positions(c: Config) -> int | None:
+    """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
+    return model_setting(c, "max_position_embeddings")
 
 
 def _overrides(c: Config) -> None:
@@ -373,6 +379,22 @@ def _turn_sampler(c: Config, what: str) -> None:
         )
 
 
+def _replay_model(c: Config) -> None:
+    """Routing replay records and replays experts: the policy must have some."""
+    if not c.model.moe.routing_replay:
+        return
+    experts = model_setting(c, "num_experts", ("num_experts", "num_local_experts"), 0)
+    source = (
+        f"model.hf_path={c.model.hf_path!r}"
+        if c.model.hf_path
+        else f"model.preset={c.model.preset!r}"
+    )
+    need(
+        experts != 0,
+        f"model.moe.routing_replay needs a mixture-of-experts policy: {source} has no experts",
+    )
+
+
 def _replay_attention(c: Config, num_devices: int | None) -> None:
     """Routing replay through a padded forward (the padded update, the old-log-prob recompute)
     needs a model attention that takes the recorded experts: not splash."""
@@ -452,6 +474,7 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _estimator_options(c)
     _staleness(c, num_devices)
     _turns(c)
+    _replay_model(c)
     _replay_attention(c, num_devices)
     _lora_targets(c)
     if num_devices is not None:
