@@ -135,7 +135,7 @@ class Surrogate(NamedTuple):
 _config = schema.default_of(schema.Loss)  # the defaults are the config's, declared once
 
 # CovOptions field -> its `loss.*` setting.
-COV_SETTINGS = {
+_COV_SETTINGS = {
     "clip_ratio": "clip_cov_ratio",
     "clip_lb": "clip_cov_lb",
     "clip_ub": "clip_cov_ub",
@@ -435,7 +435,7 @@ class LossOptions:
         """The options the config's `loss` section gives; its other fields (`UNCARRIED`) are
         the update's, not the loss function's."""
         own = {f.name: getattr(loss, f.name) for f in dataclasses.fields(cls) if f.name != "cov"}
-        cov = CovOptions(**{f: getattr(loss, name) for f, name in COV_SETTINGS.items()})
+        cov = CovOptions(**{f: getattr(loss, name) for f, name in _COV_SETTINGS.items()})
         return cls(**own, cov=cov)
 
 
