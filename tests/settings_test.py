@@ -155,6 +155,18 @@ def test_multi_turn_honours_slots_and_pages_when_turns_reprefill():
     validate(_micro(**MOE, **packed_replay))  # the packed update takes splash with replay
 
 
+def test_splash_block_widths_of_math_records():
+    """Was tasks/families/math_data.py's error once the task's model was built (the rule alone
+    here: validate would want the data files)."""
+    splash = {"data.path": "train.jsonl", "model.overrides.attention": "splash"}
+    with_prompt = lambda n: schema.parse(_micro(**splash, **{"data.max_prompt_len": n}))
+    with pytest.raises(ConfigError, match="data.max_prompt_len = 600: attention 'splash' needs"):
+        checks._splash_widths(with_prompt(600), None)
+    with pytest.raises(ConfigError, match=r"data.max_prompt_len \+ sampler.max_new_tokens = 514"):
+        checks._splash_widths(with_prompt(510), None)
+    checks._splash_widths(with_prompt(508), None)  # 508 + 4 = one block
+
+
 def test_stale_pipeline_in_several_processes_and_host_reward_steps(monkeypatch):
     """Was trainer/shardings.py's error when the sampler's mesh was made, and trainer/loop.py's."""
     stale = {

@@ -395,22 +395,46 @@ def _replay_model(c: Config) -> None:
     )
 
 
+def splash_attention(c: Config, num_devices: int | None) -> bool:
+    """The model's full-sequence attention is splash: `model.overrides.attention`, or "auto"
+    once the run has its devices (the platform's kernel); False when that is not known yet."""
+    from ebpo_jax.models import attention  # late: this module stays free of jax
+
+    name = c.model.overrides.get("attention", "xla")
+    return not (name == "auto" and num_devices is None) and attention.resolve(name) == "splash"
+
+
 def _replay_attention(c: Config, num_devices: int | None) -> None:
     """Routing replay through a padded forward (the padded update, the old-log-prob recompute)
     needs a model attention that takes the recorded experts: not splash."""
     loss = c.loss
     padded = loss.tokens_per_microbatch == 0 or loss.recompute_old_logprobs
     name = c.model.overrides.get("attention", "xla")
-    if not (c.model.moe.routing_replay and padded) or (name == "auto" and num_devices is None):
-        return  # "auto" is the platform's kernel: known once the run has its devices
-    from ebpo_jax.models import attention  # late: this module stays free of jax
-
     need(
-        attention.resolve(name) != "splash",
+        not (c.model.moe.routing_replay and padded and splash_attention(c, num_devices)),
         f"model.moe.routing_replay with model.overrides.attention={name!r} (splash): the padded "
         "forward (loss.tokens_per_microbatch=0 or loss.recompute_old_logprobs) needs 'xla' or "
         "'cudnn'",
     )
+
+
+def _splash_widths(c: Config, num_devices: int | None) -> None:
+    """Splash runs over the prompt width (the sampler's prefill) and prompt + completion (the
+    update): each at most a block or a multiple of it (math records: data.max_prompt_len)."""
+    if not (c.data.path and splash_attention(c, num_devices)):
+        return
+    from ebpo_jax.models.splash import BLOCK  # Pallas TPU import, only when asked for
+
+    prompt = c.data.max_prompt_len
+    for name, width in (
+        ("data.max_prompt_len", prompt),
+        ("data.max_prompt_len + sampler.max_new_tokens", prompt + c.sampler.max_new_tokens),
+    ):
+        need(
+            width <= BLOCK or width % BLOCK == 0,
+            f"{name} = {width}: attention 'splash' needs at most {BLOCK} tokens or a multiple "
+            f"of {BLOCK}",
+        )
 
 
 def _lora_targets(c: Config) -> None:
@@ -476,6 +500,7 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _turns(c)
     _replay_model(c)
     _replay_attention(c, num_devices)
+    _splash_widths(c, num_devices)
     _lora_targets(c)
     if num_devices is not None:
         _devices(c, num_devices)
