@@ -398,10 +398,12 @@ def _replay_model(c: Config) -> None:
 def splash_attention(c: Config, num_devices: int | None) -> bool:
     """The model's full-sequence attention is splash: `model.overrides.attention`, or "auto"
     once the run has its devices (the platform's kernel); False when that is not known yet."""
-    from ebpo_jax.models import attention  # late: this module stays free of jax
-
     name = c.model.overrides.get("attention", "xla")
-    return not (name == "auto" and num_devices is None) and attention.resolve(name) == "splash"
+    if name == "auto" and num_devices is not None:
+        from ebpo_jax.models import attention  # late: this module stays free of jax
+
+        name = attention.resolve(name)
+    return name == "splash"
 
 
 def _replay_attention(c: Config, num_devices: int | None) -> None:

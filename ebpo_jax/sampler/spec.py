@@ -68,12 +68,8 @@ class SamplerSpec(NamedTuple):
         eos_ids=(),
         max_new_tokens: int = 0,
     ) -> "SamplerSpec":
-        """One sampler call as the config's `sampler` and `model.moe` sections say.
-
-        Every `sampler.*` field named like a spec field is carried; `max_new_tokens` > 0
-        replaces `sampler.max_new_tokens` (a multi-turn run's turn). The rest of the section
-        is not the call's: `UNCARRIED`.
-        """
+        """One call as the `sampler` and `model.moe` sections say (all but `UNCARRIED`);
+        `max_new_tokens` > 0 replaces sampler.max_new_tokens (a multi-turn run's turn)."""
         carried = {f: getattr(sampler, f) for f in cls._fields if hasattr(sampler, f)}
         carried["max_new_tokens"] = max_new_tokens or sampler.max_new_tokens
         return cls(
