@@ -19,32 +19,52 @@ from ebpo_jax.tasks.envs.pool import EnvPool
 _OTHER = {"attention": "xla", "name": "gspo", "agg": "seq-mean-token-sum", "kl_estimator": "k1"}
 
 
-def _other(name: str, value):
-    """A value of the same type that differs from `value`."""
+def _other(name: str, value, i: int):
+    """A value of the same type that differs from `value` (numbers: by 3 + i, unique per field)."""
     if isinstance(value, bool):
         return not value
     if isinstance(value, int | float):
-        return value + 3
+        return value + 3 + i
     return _OTHER.get(name, f"{value}_other")
 
 
-def _leaves(x) -> list:
-    """Every value in a (nested) NamedTuple or dataclass spec."""
-    if dataclasses.is_dataclass(x):
-        x = [getattr(x, f.name) for f in dataclasses.fields(x)]
-    if isinstance(x, tuple | list):
-        return [leaf for v in x for leaf in _leaves(v)]
-    return [x]
+def _named(spec, prefix: str = "") -> dict:
+    """Every value of a (nested) NamedTuple or dataclass spec by its dotted field name."""
+    if hasattr(spec, "_asdict"):
+        fields = spec._asdict()
+    else:
+        fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    out = {}
+    for k, v in fields.items():
+        nested = hasattr(v, "_asdict") or dataclasses.is_dataclass(v)
+        out |= _named(v, f"{prefix}{k}.") if nested else {prefix + k: v}
+    return out
+
+
+# Where a setting lands in its spec when the spec names it otherwise.
+_PLACE = {
+    **{k: f"sampling.{k}" for k in ("temperature", "top_k", "top_p")},
+    "routing_replay": "record_routing",
+    "clip_cov_ratio": "cov.clip_ratio",
+    "clip_cov_lb": "cov.clip_lb",
+    "clip_cov_ub": "cov.clip_ub",
+    "kl_cov_ratio": "cov.kl_ratio",
+    "kl_cov_coef": "cov.kl_coef",
+}
 
 
 def _uncarried(section, build) -> list[str]:
-    """The fields of `section` whose change `build(section)` does not carry into the spec."""
-    base, out = build(section), []
-    for f in dataclasses.fields(section):
-        value = _other(f.name, getattr(section, f.name))
-        spec = build(dataclasses.replace(section, **{f.name: value}))
-        if spec == base or value not in _leaves(spec):
+    """The fields of `section` whose change leaves `build(section)` as it was; every other
+    field's new value must land at its own place in the spec, and nowhere else."""
+    base, out = _named(build(section)), []
+    for i, f in enumerate(dataclasses.fields(section)):
+        value = _other(f.name, getattr(section, f.name), i)
+        spec = _named(build(dataclasses.replace(section, **{f.name: value})))
+        place = _PLACE.get(f.name, f.name)
+        if spec == base:
             out.append(f.name)
+        else:
+            assert {k: v for k, v in spec.items() if v != base[k]} == {place: value}, f.name
     return out
 
 
