@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from ebpo_jax import schema
 from ebpo_jax.runtime.registry import Registry
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -132,15 +133,27 @@ class Surrogate(NamedTuple):
     selected_BT: jax.Array | None = None  # bool: Clip-/KL-Cov's chosen tokens (actor/cov_frac)
 
 
+_config = schema.default_of(schema.Loss)  # the defaults are the config's, declared once
+
+# CovOptions field -> its `loss.*` setting.
+_COV_SETTINGS = {
+    "clip_ratio": "clip_cov_ratio",
+    "clip_lb": "clip_cov_lb",
+    "clip_ub": "clip_cov_ub",
+    "kl_ratio": "kl_cov_ratio",
+    "kl_coef": "kl_cov_coef",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class CovOptions:
     """Clip-Cov / KL-Cov knobs (Cui et al. 2025), with verl's `policy_loss.*` defaults."""
 
-    clip_ratio: float = 2e-4  # Clip-Cov: share of the tokens whose gradient is dropped
-    clip_lb: float = 1.0  # Clip-Cov: candidates have clip_lb < Cov < clip_ub
-    clip_ub: float = 5.0
-    kl_ratio: float = 2e-4  # KL-Cov: share of the tokens (largest Cov) that get the penalty
-    kl_coef: float = 0.1  # KL-Cov: weight of |log pi - log pi_old| on those tokens
+    clip_ratio: float = _config("clip_cov_ratio")  # Clip-Cov: share of tokens whose grad drops
+    clip_lb: float = _config("clip_cov_lb")  # Clip-Cov: candidates have clip_lb < Cov < clip_ub
+    clip_ub: float = _config("clip_cov_ub")
+    kl_ratio: float = _config("kl_cov_ratio")  # KL-Cov: share of tokens (largest Cov) penalised
+    kl_coef: float = _config("kl_cov_coef")  # KL-Cov: weight of |log pi - log pi_old| on them
 
 
 _REGISTRY = Registry(
@@ -395,14 +408,14 @@ class TokenTerms(NamedTuple):
 class LossOptions:
     """The knobs of `policy_loss`, named as the config's `loss.*` fields."""
 
-    name: str = "ppo"  # a registered surrogate
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float = 0.0  # > 1 bounds a negative-advantage token's loss; 0 = off
-    agg: str = "token-mean"  # one of AGG_MODES
-    kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    name: str = _config("name")  # a registered surrogate
+    clip_low: float = _config("clip_low")
+    clip_high: float = _config("clip_high")
+    dual_clip: float = _config("dual_clip")  # > 1 bounds a negative-advantage token's loss
+    agg: str = _config("agg")  # one of AGG_MODES
+    kl_coef: float = _config("kl_coef")
+    kl_estimator: str = _config("kl_estimator")
+    entropy_coef: float = _config("entropy_coef")
     cov: CovOptions = CovOptions()  # clip_cov / kl_cov only
 
     def __post_init__(self):
@@ -410,6 +423,32 @@ class LossOptions:
             raise ValueError(f"agg must be one of {AGG_MODES}, got {self.agg!r}")
         if self.dual_clip and self.dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1 (or 0: off), got {self.dual_clip}")
+
+    @classmethod
+    def from_config(cls, loss: schema.Loss) -> "LossOptions":
+        """The options the config's `loss` section gives; its other fields (`UNCARRIED`) are
+        the update's, not the loss function's."""
+        own = {f.name: getattr(loss, f.name) for f in dataclasses.fields(cls) if f.name != "cov"}
+        cov = CovOptions(**{f: getattr(loss, name) for f, name in _COV_SETTINGS.items()})
+        return cls(**own, cov=cov)
+
+
+# `loss.*` fields `policy_loss` does not read: the update's batching, packing, old log-probs
+# and importance weights (trainer/update.py, ebpo_jax.importance).
+UNCARRIED = (
+    "ppo_epochs",
+    "num_minibatches",
+    "num_microbatches",
+    "logits_chunk",
+    "recompute_old_logprobs",
+    "is_correction",
+    "is_level",
+    "is_cap",
+    "is_low",
+    "is_high",
+    "tokens_per_microbatch",
+    "pack_row_len",
+)
 
 
 DEFAULT_OPTIONS = LossOptions()

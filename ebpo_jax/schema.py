@@ -354,7 +354,7 @@ _share = must(lambda v: 0 < v <= 1, "in (0, 1]")
 
 @dataclasses.dataclass(frozen=True)
 class Loss:
-    """The policy loss and the PPO update; also the options object losses.policy_loss reads."""
+    """The policy loss and the PPO update (losses.LossOptions.from_config reads the loss's)."""
 
     name: str = setting(
         "ppo",
@@ -557,6 +557,11 @@ FLAT = ("run",)
 
 def _fields(cls):
     return dataclasses.fields(cls)
+
+
+def default_of(cls) -> Callable[[str], Any]:
+    """name -> the declared default of that field of section `cls` (for a library's spec)."""
+    return lambda name: cls.__dataclass_fields__[name].default
 
 
 @functools.cache

@@ -9,6 +9,7 @@ version renders `ArrayLike`, and the tunix adapter is documented without tunix i
 
 import argparse
 import ast
+import functools
 import pathlib
 import sys
 
@@ -60,13 +61,49 @@ def function_entry(fn: ast.FunctionDef, prefix: str = "", level: str = "###") ->
     return [f"{level} `{prefix}{fn.name}`", "", *code, "", doc(fn), ""]
 
 
-def class_entry(cls: ast.ClassDef) -> list[str]:
+@functools.cache
+def schema_defaults() -> dict[str, dict[str, str]]:
+    """Each ebpo_jax.schema section's fields and their defaults, as `setting(default, ...)`
+    writes them."""
+    out = {}
+    for node in ast.parse(path_of("ebpo_jax.schema").read_text()).body:
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {
+                f.target.id: ast.unparse(f.value.args[0])
+                for f in node.body
+                if isinstance(f, ast.AnnAssign) and _calls(f.value, "setting")
+            }
+    return out
+
+
+def _calls(node, name: str) -> bool:
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == name
+
+
+def default_readers(tree: ast.Module) -> dict[str, str]:
+    """Module-level `reader = schema.default_of(schema.Section)`: reader -> Section."""
+    return {
+        node.targets[0].id: ast.unparse(node.value.args[0]).split(".")[-1]
+        for node in tree.body
+        if isinstance(node, ast.Assign) and _calls(node.value, "schema.default_of")
+    }
+
+
+def default_text(value: ast.expr, readers: dict[str, str]) -> str:
+    """A field's default as written, or for `reader("field")` the schema's, which it reads."""
+    if isinstance(value, ast.Call) and ast.unparse(value.func) in readers:
+        section = readers[ast.unparse(value.func)]
+        return schema_defaults()[section][ast.literal_eval(value.args[0])]
+    return ast.unparse(value)
+
+
+def class_entry(cls: ast.ClassDef, readers: dict[str, str]) -> list[str]:
     """The class line, its fields and its public methods."""
     bases = ", ".join(ast.unparse(b) for b in cls.bases)
     lines = [f"### `{cls.name}`", "", "```python", f"class {cls.name}({bases})"]
     for node in cls.body:
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            default = f" = {ast.unparse(node.value)}" if node.value else ""
+            default = f" = {default_text(node.value, readers)}" if node.value else ""
             lines.append(f"    {node.target.id}: {ast.unparse(node.annotation)}{default}")
     lines += ["```", "", doc(cls), ""]
     for node in cls.body:
@@ -93,7 +130,7 @@ def module_section(module: str, stability: str) -> list[str]:
         if isinstance(node, ast.FunctionDef) and is_public(node.name):
             lines += function_entry(node)
         elif isinstance(node, ast.ClassDef) and is_public(node.name):
-            lines += class_entry(node)
+            lines += class_entry(node, default_readers(tree))
     return lines
 
 

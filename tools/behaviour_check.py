@@ -118,11 +118,16 @@ CASES = {
         ["--config=configs/guess.py", *GUESS, "--config.rollout.keep_kv=False"],
         {},
     ),
-    # Settings a multi-turn run used to drop silently: the slot count, and MoE routing replay.
-    "guess_slots": (["--config=configs/guess.py", *GUESS, "--config.sampler.slots=4"], {}),
-    "guess_moe_replay": (
+    # The same through 8 decode slots per call (the turn loop dropped sampler.slots before).
+    "guess_reprefill_slots": (
+        ["--config=configs/guess.py", *GUESS, "--config.rollout.keep_kv=False"]
+        + ["--config.sampler.slots=8"],
+        {},
+    ),
+    # A mixture-of-experts policy in the turn loop (routing replay there is now refused).
+    "guess_moe": (
         ["--config=configs/guess.py", *GUESS, "--config.model.preset=tiny_moe"]
-        + ["--config.moe.routing_replay=True", "--config.model.overrides.scan_unroll=1"],
+        + ["--config.model.overrides.scan_unroll=1"],
         {},
     ),
 }

@@ -8,6 +8,7 @@ check are declared once, in `ebpo_jax.schema`; the checks that need several sect
 
 import dataclasses
 import os
+import typing
 
 import ml_collections
 
@@ -17,9 +18,19 @@ from ebpo_jax.schema import OPEN_DICTS, ConfigError
 
 __all__ = ["OPEN_DICTS", "ConfigError", "default_config", "finalize", "load_sibling", "validate"]
 
-# The built-in estimators' keyword options and their types: typed None placeholders, so that
-# `--config.estimator_options.forgetting=0.95` works from the command line.
-ESTIMATOR_OPTIONS = {"per_batch": bool, "forgetting": float, "normalize": str, "eps": float}
+
+def _optional_type(hint) -> type:
+    """X of a declared `X | None`."""
+    return next(t for t in typing.get_args(hint) if t is not type(None))
+
+
+# The built-in estimators' keyword options and their types (X of schema.EstimatorOptions'
+# `X | None`): typed None placeholders, so `--config.estimator_options.forgetting=0.95` works.
+ESTIMATOR_OPTIONS = {
+    name: _optional_type(hint)
+    for name, hint in typing.get_type_hints(schema.EstimatorOptions).items()
+    if name != "extra"
+}
 
 
 def _leaf(cls, f):

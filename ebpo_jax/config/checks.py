@@ -54,25 +54,31 @@ def mesh_shape(c: Config, num_devices: int) -> tuple[int, ...]:
         raise ConfigError(f"mesh.shape: {e}") from None
 
 
-def model_max_positions(c: Config) -> int | None:
-    """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
+def model_setting(c: Config, name: str, hf_names: tuple[str, ...] = (), hf_absent=None):
+    """ModelConfig field `name` as the config gives it: model.overrides, else the HF
+    checkpoint's config.json (its first key of `hf_names`, default `name`; `hf_absent` when it
+    has none, None when it cannot be read) or the preset's value, else the field's default."""
     m = c.model
+    if name in m.overrides:
+        return m.overrides[name]
     if m.hf_path:
         from ebpo_jax.runtime import storage  # late: gs:// clients only when a path needs them
 
-        path = os.path.join(m.hf_path, "config.json")
         try:
-            value = json.loads(storage.read_text(path)).get("max_position_embeddings")
-        except (OSError, ValueError, AttributeError):
+            hf = json.loads(storage.read_text(os.path.join(m.hf_path, "config.json")))
+            return next((hf[k] for k in hf_names or (name,) if k in hf), hf_absent)
+        except (OSError, ValueError, AttributeError, TypeError):
             return None  # models.hf names the broken file when the task is built
-        return m.overrides.get("max_position_embeddings", value)
     from ebpo_jax.models.config import PRESETS, ModelConfig
 
     if m.preset not in PRESETS:
         raise ConfigError(f"model.preset={m.preset!r} is not one of {sorted(PRESETS)}")
-    default = ModelConfig.__dataclass_fields__["max_position_embeddings"].default
-    default = PRESETS[m.preset].get("max_position_embeddings", default)
-    return m.overrides.get("max_position_embeddings", default)
+    return PRESETS[m.preset].get(name, ModelConfig.__dataclass_fields__[name].default)
+
+
+def model_max_positions(c: Config) -> int | None:
+    """The model's max_position_embeddings as the config gives it (hf config.json or preset)."""
+    return model_setting(c, "max_position_embeddings")
 
 
 def _overrides(c: Config) -> None:
@@ -249,16 +255,22 @@ def _math_trainer(c: Config) -> None:
         c.run.eb_clusters != "cell",
         "eb_clusters='cell' needs the synthetic tasks; with data.path use 'topic' or 'none'",
     )
-    # Math answers are verified on the host (jit -> host -> jit), one step per call.
-    need(
-        c.run.steps_per_jit == 1,
-        f"steps_per_jit={c.run.steps_per_jit}: data.path is scored by a host reward, so it must be 1",
-    )
+    _host_steps(c.run.steps_per_jit, "data.path is scored by a host reward")
     _host_dynamic_sampling(c, "data.path is scored by a host reward")
     need(
         c.sft.steps == 0,
         f"sft.steps={c.sft.steps}: the SFT warm start is for the synthetic tasks, not data.path",
     )
+
+
+def _host_steps(steps_per_jit: int, why: str) -> None:
+    """What runs on the host between two jits (jit -> host -> jit) needs one step per call."""
+    need(steps_per_jit == 1, f"steps_per_jit={steps_per_jit}: {why}, so it must be 1")
+
+
+def host_reward_steps(steps_per_jit: int) -> None:
+    """train(host_reward=...): a Python reward on host arrays, one step per call."""
+    _host_steps(steps_per_jit, "a host_reward scores each rollout on the host")
 
 
 def _host_dynamic_sampling(c: Config, why: str) -> None:
@@ -305,6 +317,12 @@ def _staleness(c: Config, num_devices: int | None) -> None:
         "devices after the trainer's",
     )
     if num_devices is not None:
+        import jax  # late: this module stays free of jax; the run has its devices by now
+
+        need(
+            jax.process_count() == 1,
+            f"rollout.max_staleness=1 runs in one process only, not {jax.process_count()}",
+        )
         trainer = mesh_devices(c, num_devices)
         sizes = [n for _, n in sampler]
         rest = num_devices - trainer
@@ -337,7 +355,88 @@ def _turns(c: Config) -> None:
         return
     what = f"task.env={c.task.env!r}" if c.task.env else f"task.family={c.task.family!r}"
     need(c.rollout.max_turns >= 2, f"{what} is multi-turn: set rollout.max_turns >= 2")
+    _host_steps(c.run.steps_per_jit, f"{what} runs its episodes on the host")
     _host_dynamic_sampling(c, f"{what} runs its episodes on the host")
+    _turn_sampler(c, what)
+
+
+def _turn_sampler(c: Config, what: str) -> None:
+    """The sampler and MoE settings the turn loop cannot honour (tasks/episodes.py)."""
+    need(
+        not c.model.moe.routing_replay,
+        f"model.moe.routing_replay: {what} records no experts (an episode's tokens come from "
+        "several sampler calls); set it False",
+    )
+    if not c.rollout.keep_kv:
+        return  # each turn is a `generate` call: slots and pages as in a single-turn run
+    for name in ("slots", "kv_pages"):
+        value = getattr(c.sampler, name)
+        need(
+            value == 0,
+            f"sampler.{name}={value}: {what} keeps each row's KV pages across turns "
+            "(rollout.keep_kv), which needs every row at once with its pages reserved (0); "
+            "set rollout.keep_kv=False for turns that re-prefill with it",
+        )
+
+
+def _replay_model(c: Config) -> None:
+    """Routing replay records and replays experts: the policy must have some."""
+    if not c.model.moe.routing_replay:
+        return
+    experts = model_setting(c, "num_experts", ("num_experts", "num_local_experts"), 0)
+    source = (
+        f"model.hf_path={c.model.hf_path!r}"
+        if c.model.hf_path
+        else f"model.preset={c.model.preset!r}"
+    )
+    need(
+        experts != 0,
+        f"model.moe.routing_replay needs a mixture-of-experts policy: {source} has no experts",
+    )
+
+
+def splash_attention(c: Config, num_devices: int | None) -> bool:
+    """The model's full-sequence attention is splash: `model.overrides.attention`, or "auto"
+    once the run has its devices (the platform's kernel); False when that is not known yet."""
+    name = c.model.overrides.get("attention", "xla")
+    if name == "auto" and num_devices is not None:
+        from ebpo_jax.models import attention  # late: this module stays free of jax
+
+        name = attention.resolve(name)
+    return name == "splash"
+
+
+def _replay_attention(c: Config, num_devices: int | None) -> None:
+    """Routing replay through a padded forward (the padded update, the old-log-prob recompute)
+    needs a model attention that takes the recorded experts: not splash."""
+    loss = c.loss
+    padded = loss.tokens_per_microbatch == 0 or loss.recompute_old_logprobs
+    name = c.model.overrides.get("attention", "xla")
+    need(
+        not (c.model.moe.routing_replay and padded and splash_attention(c, num_devices)),
+        f"model.moe.routing_replay with model.overrides.attention={name!r} (splash): the padded "
+        "forward (loss.tokens_per_microbatch=0 or loss.recompute_old_logprobs) needs 'xla' or "
+        "'cudnn'",
+    )
+
+
+def _splash_widths(c: Config, num_devices: int | None) -> None:
+    """Splash runs over the prompt width (the sampler's prefill) and prompt + completion (the
+    update): each at most a block or a multiple of it (math records: data.max_prompt_len)."""
+    if not (c.data.path and splash_attention(c, num_devices)):
+        return
+    from ebpo_jax.models.splash import BLOCK  # Pallas TPU import, only when asked for
+
+    prompt = c.data.max_prompt_len
+    for name, width in (
+        ("data.max_prompt_len", prompt),
+        ("data.max_prompt_len + sampler.max_new_tokens", prompt + c.sampler.max_new_tokens),
+    ):
+        need(
+            width <= BLOCK or width % BLOCK == 0,
+            f"{name} = {width}: attention 'splash' needs at most {BLOCK} tokens or a multiple "
+            f"of {BLOCK}",
+        )
 
 
 def _lora_targets(c: Config) -> None:
@@ -373,6 +472,12 @@ def _devices(c: Config, num_devices: int) -> None:
         f"sampler.dp_attention: the {per_call} x {c.run.group_size} rows of a sampler call "
         f"must split over the sampler mesh's {row_shards} data x tp chips",
     )
+    pages = c.sampler.kv_pages
+    need(
+        pages % row_shards == 0,
+        f"sampler.kv_pages={pages} must be a multiple of the sampler mesh's {row_shards} row "
+        "shards (each holds its share of the pages)",
+    )
     slots = c.sampler.slots
     if not slots:
         return
@@ -395,6 +500,9 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _estimator_options(c)
     _staleness(c, num_devices)
     _turns(c)
+    _replay_model(c)
+    _replay_attention(c, num_devices)
+    _splash_widths(c, num_devices)
     _lora_targets(c)
     if num_devices is not None:
         _devices(c, num_devices)

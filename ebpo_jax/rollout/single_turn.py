@@ -6,7 +6,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ebpo_jax import sampler
 from ebpo_jax.spec import RolloutSpec
@@ -59,19 +58,8 @@ def compact(buffer: Rollout, filled_P, new: Rollout, keep_P) -> tuple[Rollout, j
 
 def sampler_spec_of(spec: RolloutSpec, stop_ids) -> sampler.SamplerSpec:
     """What one sampler call of the rollout draws: G samples per prompt, its slots and pages."""
-    eos = tuple(int(e) for e in np.atleast_1d(stop_ids))
-    return sampler.SamplerSpec(
-        max_new_tokens=spec.max_new_tokens,
-        num_samples=spec.group_size,
-        eos_ids=eos,
-        sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
-        slots=spec.sampler.slots,
-        page_size=spec.sampler.page_size,
-        kv_pages=spec.sampler.kv_pages,
-        attention=spec.sampler.attention,
-        dp_attention=spec.sampler.dp_attention,
-        live_buckets=spec.sampler.live_buckets,
-        record_routing=spec.moe.routing_replay,
+    return sampler.SamplerSpec.from_config(
+        spec.sampler, spec.moe, num_samples=spec.group_size, eos_ids=stop_ids
     )
 
 

@@ -13,18 +13,22 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
+from ebpo_jax import schema
 from ebpo_jax.sampler import selection
 
 PAD_ID = 0
 ATTENTION_IMPLS = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 
 
+_config = schema.default_of(schema.Sampler)  # the defaults are the config's, declared once
+
+
 class Sampling(NamedTuple):
     """How a token is chosen from the logits; temperature 0 is greedy."""
 
-    temperature: float = 1.0
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
+    temperature: float = _config("temperature")
+    top_k: int = _config("top_k")  # 0 = off
+    top_p: float = _config("top_p")
 
 
 class SamplerSpec(NamedTuple):
@@ -40,19 +44,46 @@ class SamplerSpec(NamedTuple):
     num_samples: int = 1
     eos_ids: tuple = ()  # stop ids (an int or None are accepted too)
     sampling: Sampling = Sampling()
-    slots: int = 0
-    page_size: int = 16
-    kv_pages: int = 0
-    attention: str = "auto"  # paged decode attention: sampler.attention.IMPLS or "auto"
+    slots: int = _config("slots")
+    page_size: int = _config("page_size")
+    kv_pages: int = _config("kv_pages")
+    attention: str = _config("attention")  # paged decode attention: attention.IMPLS or "auto"
     # Rows and their pages split over the mesh's tp axis too (attention data-parallel over
     # the tp chips, each holding every kv head of its rows); the weights stay split over tp.
-    dp_attention: bool = False
+    dp_attention: bool = _config("dp_attention")
     # A decode step runs on the smallest of `live_buckets` batch sizes (slots x j / buckets
     # per shard) that holds its live rows, so a step with few live rows computes few; each
     # size compiles its own forward. 1: every slot at every step.
-    live_buckets: int = 1
+    live_buckets: int = _config("live_buckets")
     # Mixture of experts: the Generation's routing holds every input token's experts.
-    record_routing: bool = False
+    record_routing: bool = schema.default_of(schema.Moe)("routing_replay")
+
+    @classmethod
+    def from_config(
+        cls,
+        sampler: schema.Sampler,
+        moe: schema.Moe = schema.Moe(),
+        *,
+        num_samples: int = 1,
+        eos_ids=(),
+        max_new_tokens: int = 0,
+    ) -> "SamplerSpec":
+        """One call as the `sampler` and `model.moe` sections say (all but `UNCARRIED`);
+        `max_new_tokens` > 0 replaces sampler.max_new_tokens (a multi-turn run's turn)."""
+        carried = {f: getattr(sampler, f) for f in cls._fields if hasattr(sampler, f)}
+        carried["max_new_tokens"] = max_new_tokens or sampler.max_new_tokens
+        return cls(
+            **carried,
+            num_samples=num_samples,
+            eos_ids=tuple(int(e) for e in np.atleast_1d(eos_ids)),
+            sampling=Sampling(sampler.temperature, sampler.top_k, sampler.top_p),
+            record_routing=moe.routing_replay,
+        )
+
+
+# `sampler.*` fields a call does not take: the rollout's chunking, the sampler's mesh and its
+# copy of the weights are the trainer's (trainer/shardings.py, trainer/step.py).
+UNCARRIED = ("prompts_per_call", "mesh", "param_dtype")
 
 
 class Generation(NamedTuple):

@@ -63,14 +63,9 @@ def stop_token_ids(tokenizer, env: Environment) -> tuple[int, ...]:
 
 def turn_sampler_spec(spec: RolloutSpec, eos_ids, extra_stops) -> sampler.SamplerSpec:
     """One sampler call of the turn loop: one sample per row, up to turn_tokens tokens."""
-    return sampler.SamplerSpec(
-        max_new_tokens=spec.rollout.turn_tokens or spec.max_new_tokens,
-        eos_ids=tuple(int(e) for e in np.atleast_1d(eos_ids)) + tuple(extra_stops),
-        sampling=sampler.Sampling(spec.sampler.temperature, spec.sampler.top_k, spec.sampler.top_p),
-        page_size=spec.sampler.page_size,
-        attention=spec.sampler.attention,
-        dp_attention=spec.sampler.dp_attention,
-        live_buckets=spec.sampler.live_buckets,
+    stops = (*np.atleast_1d(eos_ids), *extra_stops)
+    return sampler.SamplerSpec.from_config(
+        spec.sampler, spec.moe, eos_ids=stops, max_new_tokens=spec.rollout.turn_tokens
     )
 
 

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ebpo_jax.config import default_config
+from ebpo_jax.config import checks, default_config
 from ebpo_jax.evaluation.evaluator import write_per_problem
 from ebpo_jax.runtime import distributed, tracing
 from ebpo_jax.runtime import metrics as metrics_lib
@@ -19,7 +19,6 @@ from ebpo_jax.runtime import progress as progress_lib
 from ebpo_jax.runtime import watchdog as watchdog_lib
 from ebpo_jax.runtime import workdir as workdir_lib
 from ebpo_jax.runtime.checkpoint import Checkpointer, PreemptionGuard
-from ebpo_jax.schema import ConfigError
 from ebpo_jax.sharding import make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.tasks import episodes
@@ -73,8 +72,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     `stop_after=n` stops after n steps of this call as SIGTERM would (checkpoint, return).
     """
     spec = resolve(config, jax.device_count())
-    if host_reward is not None and spec.run.steps_per_jit != 1:
-        raise ConfigError("a host reward needs steps_per_jit=1 (jit -> host -> jit)")
+    if host_reward is not None:
+        checks.host_reward_steps(spec.run.steps_per_jit)
     main = distributed.is_main_process()
     if not main:  # process 0 alone speaks and writes metrics
         log = _silent

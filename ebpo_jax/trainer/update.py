@@ -162,27 +162,6 @@ def _router_metrics(route):
     return {f"router/{k}": jnp.mean(route[k]) for k in ("lb_loss", "load_max", "entropy")}
 
 
-def loss_options(spec: UpdateSpec) -> losses.LossOptions:
-    """The policy loss's knobs from the update's spec."""
-    return losses.LossOptions(
-        name=spec.loss.name,
-        clip_low=spec.loss.clip_low,
-        clip_high=spec.loss.clip_high,
-        dual_clip=spec.loss.dual_clip,
-        agg=spec.loss.agg,
-        kl_coef=spec.loss.kl_coef,
-        kl_estimator=spec.loss.kl_estimator,
-        entropy_coef=spec.loss.entropy_coef,
-        cov=losses.CovOptions(
-            clip_ratio=spec.loss.clip_cov_ratio,
-            clip_lb=spec.loss.clip_cov_lb,
-            clip_ub=spec.loss.clip_cov_ub,
-            kl_ratio=spec.loss.kl_cov_ratio,
-            kl_coef=spec.loss.kl_cov_coef,
-        ),
-    )
-
-
 def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, denom):
     """One micro-batch's policy loss (normalised by the mini-batch's `denom`) and metrics.
 
@@ -212,7 +191,9 @@ def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, den
         is_weights_BT=is_w_BN,
         noise_BT=noise_BN,
     )
-    loss, metrics = losses.policy_loss(terms, loss_options(spec), denominator=denom)
+    loss, metrics = losses.policy_loss(
+        terms, losses.LossOptions.from_config(spec.loss), denominator=denom
+    )
     # Local token-mean metrics become exact mini-batch means once weighted by token share.
     share = mask_BN.sum() / jnp.maximum(mb.mb_tokens, 1.0)
     if spec.moe.lb_coef:

@@ -18,7 +18,6 @@ from ebpo_jax.data import (
 from ebpo_jax.data.config import eval_sets
 from ebpo_jax.evaluation import policy as policy_eval
 from ebpo_jax.evaluation.evaluator import EvalSet, make_evaluator
-from ebpo_jax.models import attention
 from ebpo_jax.models.hf import config_from_hf_dict
 from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import TaskSpec
@@ -62,7 +61,8 @@ def hf_model_config(model_spec) -> models.ModelConfig:
 
 
 def check_model(spec: TaskSpec, model_config, tokenizer) -> None:
-    """Positions, splash block widths and vocabulary against the data: ConfigError if not."""
+    """Positions and vocabulary against the data: ConfigError if not (splash block widths:
+    config.checks)."""
     d, m = spec.data, spec.model
     need_pos = d.max_prompt_len + spec.max_new_tokens
     if need_pos > model_config.max_position_embeddings:
@@ -70,19 +70,6 @@ def check_model(spec: TaskSpec, model_config, tokenizer) -> None:
             f"data.max_prompt_len + sampler.max_new_tokens = {need_pos} exceeds the model's "
             f"max_position_embeddings={model_config.max_position_embeddings}"
         )
-    if attention.resolve(model_config.attention) == "splash":
-        from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
-
-        # The sampler's prefill runs the kernel over the prompt width, the update over rows.
-        for name, width in (
-            ("data.max_prompt_len", d.max_prompt_len),
-            ("data.max_prompt_len + sampler.max_new_tokens", need_pos),
-        ):
-            if width > splash.BLOCK and width % splash.BLOCK:
-                raise ConfigError(
-                    f"{name} = {width}: attention 'splash' needs at most {splash.BLOCK} "
-                    f"tokens or a multiple of {splash.BLOCK}"
-                )
     if len(tokenizer) > model_config.vocab_size:
         raise ConfigError(
             f"the tokenizer of {m.hf_path or m.tokenizer_path!r} has {len(tokenizer)} tokens, "
