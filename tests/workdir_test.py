@@ -56,7 +56,7 @@ def test_lock_is_exclusive_and_names_the_owner(tmp_path):
     with W.WorkdirLock(str(tmp_path)):
         # Another process (flock locks are per open file, so a second process is the test).
         code = (
-            "import sys; from ebpo_jax import workdir as W\n"
+            "import sys; from ebpo_jax.runtime import workdir as W\n"
             "try:\n    W.WorkdirLock(sys.argv[1]).acquire()\n"
             "except W.WorkdirError as e:\n    print(e)\n"
         )
@@ -98,7 +98,7 @@ def test_lock_file_is_removed_on_release_and_a_lock_on_a_removed_file_is_not_tak
 
 
 def test_lock_of_a_killed_process_is_free(tmp_path):
-    code = "import sys, os; from ebpo_jax import workdir as W\nW.WorkdirLock(sys.argv[1]).acquire()\nos._exit(0)\n"
+    code = "import sys, os; from ebpo_jax.runtime import workdir as W\nW.WorkdirLock(sys.argv[1]).acquire()\nos._exit(0)\n"
     subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
         check=True,
@@ -174,7 +174,11 @@ def test_a_field_added_since_the_run_was_saved_at_its_default_is_no_change(tmp_p
     old = c.to_dict()
     del old["log_every_s"], old["sft"]["seed"]  # as a config.json written before they existed
     (tmp_path / "config.json").write_text(json.dumps(old))
-    assert W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, log=print) == []
+    defaults = default_config().to_dict()  # what the loop passes
+    got = W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, defaults=defaults)
+    assert got == []
+    with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> 0"):  # no defaults given
+        W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, write=False)
     c.sft.seed = 3  # not the default: a real change, refused as before
     with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> 3"):
-        W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, log=print)
+        W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, defaults=defaults)
