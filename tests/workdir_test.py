@@ -177,7 +177,7 @@ def test_a_field_added_since_the_run_was_saved_at_its_default_is_no_change(tmp_p
     defaults = default_config().to_dict()  # what the loop passes
     got = W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, defaults=defaults)
     assert got == []
-    with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> 0"):  # no defaults given
+    with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> -1"):  # no defaults given
         W.reconcile_config(str(tmp_path), c.to_dict(), resuming=True, write=False)
     c.sft.seed = 3  # not the default: a real change, refused as before
     with pytest.raises(W.WorkdirError, match=r"sft.seed: '<absent>' -> 3"):
