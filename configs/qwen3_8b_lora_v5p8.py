@@ -36,7 +36,8 @@ def lora_recipe(preset, variant, *, chips: int, data_shards: int):
     # One prompt's G=4 rows per micro-batch row-group: rows / chips = 1 row per chip.
     c.loss.num_microbatches = c.prompts_per_step // c.loss.num_minibatches * 4 // chips
     c.sampler.prompts_per_call = 64 * data_shards
-    c.sampler.slots = 32 * data_shards
+    if c.rollout.max_turns == 1:  # kept-KV turns run every row of a call at once
+        c.sampler.slots = 32 * data_shards
     c.sampler.mesh = f"data={data_shards},tp=4"
     return c
 

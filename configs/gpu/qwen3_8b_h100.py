@@ -61,7 +61,8 @@ def node_recipe(
     c.loss.num_microbatches = microbatches
     c.sampler.prompts_per_call = prompts_per_call
     c.sampler.mesh = f"data={nodes},tp=8"
-    c.sampler.kv_pages = nodes * kv_pages  # one data shard per node
+    if c.rollout.max_turns == 1:  # kept-KV turns reserve each row's episode instead of a pool
+        c.sampler.kv_pages = nodes * kv_pages  # one data shard per node
     c.sampler.attention = "xla"
     return c
 
