@@ -14,8 +14,6 @@ jittable; weights carry no gradient.
 import jax
 import jax.numpy as jnp
 
-from ebpo_jax.schema import Loss
-
 IS_MODES = ("none", "tis", "mis")
 IS_LEVELS = ("token", "sequence", "geometric")
 # exp(20) ~ 4.9e8: weights stay finite in float32 (verl's SAFETY_BOUND).
@@ -74,18 +72,20 @@ def is_correction(
     trainer_old_logp_BT: jax.Array,
     sampler_logp_BT: jax.Array,
     mask_BT: jax.Array,
-    loss: Loss = Loss(),
+    *,
+    mode: str = "none",
+    level: str = "token",
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Importance weights for tokens sampled from the sampler: (weights_BT, mask_BT, metrics).
 
-    Read from the `loss` section: mode `is_correction`, `is_level`, `is_cap`, `is_low`,
-    `is_high`. "tis": weight min(pi_trainer / pi_sampler, cap), the mask unchanged. "mis":
-    the mask drops the tokens (token level) or whole sequences (sequence levels) whose ratio
-    leaves [low, high]; the kept ones are weighted by their ratio. "none": weights 1. Weights
-    are 0 wherever the returned mask is; use that mask as the loss mask (and for denominators).
+    "tis": weight min(pi_trainer / pi_sampler, cap), the mask unchanged. "mis": the mask
+    drops the tokens (token level) or whole sequences (sequence levels) whose ratio leaves
+    [low, high]; the kept ones are weighted by their ratio. "none": weights 1. Weights are 0
+    wherever the returned mask is; use that mask as the loss mask (and for the denominators).
     """
-    mode, level, cap = loss.is_correction, loss.is_level, loss.is_cap
-    low, high = loss.is_low, loss.is_high
     _check(mode, level, cap, low, high)
     mask_BT = mask_BT.astype(bool)
     log_r_BT = jnp.where(mask_BT, trainer_old_logp_BT - sampler_logp_BT, 0.0)

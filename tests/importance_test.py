@@ -7,12 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import config, importance, losses, schema
-
-
-def _is(mode="none", **kw):
-    """The loss section with IS mode `mode` and `is_<name>` from kw (level, cap, low, high)."""
-    return schema.Loss(is_correction=mode, **{f"is_{k}": v for k, v in kw.items()})
+from ebpo_jax import config, importance, losses
 
 
 def _np_is(trainer, sampler, mask, mode, level, cap=2.0, low=0.5, high=2.0):
@@ -56,7 +51,7 @@ def logps():
 @pytest.mark.parametrize("mode", importance.IS_MODES)
 def test_is_correction_matches_float64(logps, mode, level):
     trainer, sampler, mask = logps
-    fn = functools.partial(importance.is_correction, loss=_is(mode, level=level, cap=1.5, low=0.6))
+    fn = functools.partial(importance.is_correction, mode=mode, level=level, cap=1.5, low=0.6)
     w, keep, metrics = jax.jit(fn)(trainer, sampler, mask)
     want_w, want_keep = _np_is(trainer, sampler, mask, mode, level, cap=1.5, low=0.6)
     np.testing.assert_array_equal(keep, want_keep)
@@ -76,21 +71,21 @@ def test_is_correction_matches_float64(logps, mode, level):
 
 def test_sequence_levels_reject_whole_sequences(logps):
     trainer, sampler, mask = logps
-    _, keep, _ = importance.is_correction(trainer, sampler, mask, _is("mis", level="sequence"))
+    _, keep, _ = importance.is_correction(trainer, sampler, mask, mode="mis", level="sequence")
     assert not keep[4].any()  # product e^1.2 > 2
-    _, keep, _ = importance.is_correction(trainer, sampler, mask, _is("mis", level="geometric"))
+    _, keep, _ = importance.is_correction(trainer, sampler, mask, mode="mis", level="geometric")
     np.testing.assert_array_equal(keep[4], mask[4])  # mean e^0.2 inside [1/2, 2]
-    _, keep, _ = importance.is_correction(trainer, sampler, mask, _is("mis", level="token"))
+    _, keep, _ = importance.is_correction(trainer, sampler, mask, mode="mis", level="token")
     assert keep[6, 1:5].all() and not keep[6, 0]  # only the exploded token goes
 
 
 def test_weights_carry_no_gradient_and_scale_the_policy_term(logps):
     trainer, sampler, mask = logps
     g = jax.grad(
-        lambda t: importance.is_correction(t, sampler, mask, _is("tis", level="token"))[0].sum()
+        lambda t: importance.is_correction(t, sampler, mask, mode="tis", level="token")[0].sum()
     )(jnp.asarray(trainer))
     np.testing.assert_array_equal(g, 0.0)
-    w, keep, _ = importance.is_correction(trainer, sampler, mask, _is("tis"))
+    w, keep, _ = importance.is_correction(trainer, sampler, mask, mode="tis")
     logp = jnp.asarray(np.where(mask, sampler, 0.0))
     adv = jnp.linspace(-1.0, 1.0, mask.shape[0])
     loss_fn = lambda lp, w=None: losses.policy_loss(
@@ -125,11 +120,11 @@ def test_bad_arguments_and_config_fields():
     x = np.zeros((2, 3), np.float32)
     mask = np.ones((2, 3), bool)
     with pytest.raises(ValueError, match="mode must be one of"):
-        importance.is_correction(x, x, mask, _is("clip"))
+        importance.is_correction(x, x, mask, mode="clip")
     with pytest.raises(ValueError, match="level must be one of"):
-        importance.is_correction(x, x, mask, _is("tis", level="seq"))
+        importance.is_correction(x, x, mask, mode="tis", level="seq")
     with pytest.raises(ValueError, match="MIS band"):
-        importance.is_correction(x, x, mask, _is("mis", low=1.5, high=2.0))
+        importance.is_correction(x, x, mask, mode="mis", low=1.5, high=2.0)
     c = config.default_config()
     bad = [
         ({"is_correction": "tis"}, "needs loss.recompute_old_logprobs=True"),

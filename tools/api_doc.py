@@ -11,6 +11,7 @@ import argparse
 import ast
 import functools
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,10 +45,30 @@ def is_public(name: str) -> bool:
     return not name.startswith("_")
 
 
-def signature(fn: ast.FunctionDef, prefix: str = "") -> str:
-    """`name(args) -> returns`, as written in the source."""
+def signature(fn: ast.FunctionDef, prefix: str = "", instances: dict | None = None) -> str:
+    """`name(args) -> returns`, as written in the source; a default read from a module-level
+    options instance (`eps=_EB.eps`) is shown as that class's default."""
     returns = f" -> {ast.unparse(fn.returns)}" if fn.returns else ""
-    return f"{prefix}{fn.name}({ast.unparse(fn.args)}){returns}"
+    args = ast.unparse(fn.args)
+    for name, fields in (instances or {}).items():
+        args = re.sub(rf"\b{name}\.(\w+)", lambda m, f=fields: f.get(m.group(1), m.group(0)), args)
+    return f"{prefix}{fn.name}({args}){returns}"
+
+
+def option_instances(tree: ast.Module) -> dict[str, dict[str, str]]:
+    """Module-level `_X = Cls()` of a class defined here: _X -> {field: default as written}."""
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    out = {}
+    for node in tree.body:
+        call = node.value if isinstance(node, ast.Assign) else None
+        if isinstance(call, ast.Call) and not call.args and ast.unparse(call.func) in classes:
+            cls = classes[ast.unparse(call.func)]
+            out[node.targets[0].id] = {
+                f.target.id: ast.unparse(f.value)
+                for f in cls.body
+                if isinstance(f, ast.AnnAssign) and isinstance(f.target, ast.Name) and f.value
+            }
+    return out
 
 
 def doc(node: ast.AST) -> str:
@@ -55,9 +76,11 @@ def doc(node: ast.AST) -> str:
     return ast.get_docstring(node) or "(no docstring)"
 
 
-def function_entry(fn: ast.FunctionDef, prefix: str = "", level: str = "###") -> list[str]:
+def function_entry(
+    fn: ast.FunctionDef, prefix: str = "", level: str = "###", instances: dict | None = None
+) -> list[str]:
     """A heading, the signature in a code block and the docstring."""
-    code = ["```python", signature(fn, prefix), "```"]
+    code = ["```python", signature(fn, prefix, instances), "```"]
     return [f"{level} `{prefix}{fn.name}`", "", *code, "", doc(fn), ""]
 
 
@@ -128,7 +151,7 @@ def module_section(module: str, stability: str) -> list[str]:
     lines = [f"## `{module}` ({stability})", "", doc(tree), ""] + constant_entries(tree)
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and is_public(node.name):
-            lines += function_entry(node)
+            lines += function_entry(node, instances=option_instances(tree))
         elif isinstance(node, ast.ClassDef) and is_public(node.name):
             lines += class_entry(node, default_readers(tree))
     return lines

@@ -335,7 +335,11 @@ def _off_policy(spec: UpdateSpec, model_config, params, ro: Rollout, mask_PGN):
         flat(old_PGN),
         flat(ro.logprobs),
         flat(mask_PGN),
-        spec.loss,
+        mode=spec.loss.is_correction,
+        level=spec.loss.is_level,
+        cap=spec.loss.is_cap,
+        low=spec.loss.is_low,
+        high=spec.loss.is_high,
     )
     shape = lambda x: x.reshape(P, G, N)
     return old_PGN, shape(mask_BN), shape(w_BN), {**metrics, **is_metrics}
