@@ -257,7 +257,13 @@ def accumulate(spec: UpdateSpec, model_config, grad_fn, params, frozen, mb: Micr
     """(grads, loss, metrics) of mini-batch `mb` summed over its micro-batches: U padded ones,
     or packed token rows (loss.tokens_per_microbatch > 0: packing.accumulate)."""
     width = mb.prompt_tokens.shape[1]
-    lay = packing.layout(spec, model_config, width, batch_shards=_batch_shards(model_config))
+    lay = packing.layout(
+        spec,
+        model_config,
+        width,
+        batch_shards=_batch_shards(model_config),
+        context=sharding.shards_of("seq", model_config.sharding_rules),
+    )
     if lay is None:
         return _scan_accumulate(spec.loss.num_microbatches, grad_fn, params, frozen, mb, denom)
     return packing.accumulate(grad_fn, params, frozen, mb, denom, lay)
