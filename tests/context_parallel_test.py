@@ -18,7 +18,8 @@ TP, N, ROW = 7, 6, 16  # rows of 16 slots: 8 chunks of 2 at context=4, so sequen
 
 def _grad_fn(model_config, B):
     """The update's grad_fn on a token-mean PPO loss with an entropy term (log-probs padded, or
-    packed when the micro-batch has rows); packing_test covers KL and the other aggregations."""
+    packed when the micro-batch has rows, through the chunked head); packing_test covers KL
+    and the other aggregations."""
     opts = losses.LossOptions(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
 
     def loss_fn(params, mb, denom):
@@ -29,7 +30,7 @@ def _grad_fn(model_config, B):
             )
         else:
             out = packing.packed_completion_logprobs(
-                model_config, params, mb.packed, slots=(B, N), with_entropy=True
+                model_config, params, mb.packed, slots=(B, N), with_entropy=True, chunk_size=8
             )
         logp_BN, ent_BN = out
         old_BN, mask_BN = mb.logprobs.reshape(B, N), mb.loss_mask.reshape(B, N)
@@ -74,7 +75,7 @@ def _on_mesh(tree, mesh):
 
 def _compare(preset, mesh_axes, packed, with_lora=False):
     """The update on `mesh_axes` (8 devices) equals the single-device one to float32 rounding."""
-    model_config = models.get_config(preset)
+    model_config = models.get_config(preset, remat="full")  # the pod configs' policy
     mesh = sharding.make_mesh(mesh_axes)
     context = dict(mesh_axes)["context"]
     budget = 2 * ROW if packed else 0
