@@ -190,7 +190,7 @@ def rows_spec(mesh: Mesh, rows: int, rules=None, axis: int = 0) -> P:
 
 
 def shards_of(name: str, rules=None, mesh=None) -> int:
-    """Devices the logical axis `name` is split over on `mesh` (default: the ambient one; 1 without)."""
+    """Devices logical axis `name` is split over on `mesh` (default: the ambient one, else 1)."""
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty:
         return 1

@@ -74,9 +74,11 @@ def _on_mesh(tree, mesh):
 
 
 def _compare(preset, mesh_axes, packed, with_lora=False):
-    """The update on `mesh_axes` (8 devices) equals the single-device one to float32 rounding."""
+    """The update on `mesh_axes` (4 or 8 devices) equals the one-device update to float32
+    rounding."""
     model_config = models.get_config(preset, remat="full")  # the pod configs' policy
-    mesh = sharding.make_mesh(mesh_axes)
+    n = np.prod([size for _, size in mesh_axes])
+    mesh = sharding.make_mesh(mesh_axes, devices=jax.devices()[:n])
     context = dict(mesh_axes)["context"]
     budget = 2 * ROW if packed else 0
     config = _config(budget=budget, row_len=ROW if packed else 0, N=N)
@@ -91,7 +93,8 @@ def _compare(preset, mesh_axes, packed, with_lora=False):
         on = lambda t: _on_mesh(t, mesh)
         compiled = _run(model_config, lay_c, B).lower(on(params), on(mb)).compile()
         got = compiled(on(params), on(mb))
-    assert "all-gather" in compiled.as_text()  # keys and values gathered over the context shards
+    if packed:  # keys and values gathered over the context shards (models/attention.py)
+        assert "all-gather" in compiled.as_text()
     close = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
     jax.tree.map(close, got, want)
     norm = sum(float(jnp.sum(jnp.square(g))) for g in jax.tree.leaves(want[1]))
@@ -112,7 +115,7 @@ def test_packed_update_over_context_4_equals_one_device_with_lora():
     [
         ("tiny_moe", [("data", 2), ("context", 2), ("tp", 2)], True),
         ("tiny", [("fsdp", 4), ("context", 2)], False),
-        ("tiny_moe", [("context", 4), ("fsdp", 2)], False),
+        ("tiny_moe", [("context", 4)], False),  # 4 devices
     ],
 )
 def test_update_over_context_equals_one_device(preset, axes, packed):

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ebpo_jax import losses, models, sharding
 from ebpo_jax.models import attention
@@ -333,8 +334,6 @@ def accumulate(grad_fn, params, frozen, mb: MicroBatch, denom, lay: Layout):
 def attention_pairs(segment_ids_L, prefix_ids_L=None):
     """Keys each slot of one packed row attends (its segment's slots up to it, plus its shared
     prefix), as numpy [L]: the work a kernel that skips masked blocks does per query."""
-    import numpy as np
-
     seg_L = np.asarray(segment_ids_L)
     pre_L = seg_L if prefix_ids_L is None else np.asarray(prefix_ids_L)
     pairs_L = np.zeros(seg_L.shape, np.int64)
@@ -349,8 +348,6 @@ def attention_pairs(segment_ids_L, prefix_ids_L=None):
 def shard_balance(pairs_L, context: int, order_L=None) -> float:
     """max / mean over `context` shards of the attention pairs of their queries, the row's
     slots split contiguously after `order_L` (None: in slot order; zigzag_order: balanced)."""
-    import numpy as np
-
     pairs_L = np.asarray(pairs_L) if order_L is None else np.asarray(pairs_L)[order_L]
     per_shard = pairs_L.reshape(context, -1).sum(1)
     return float(per_shard.max() / max(per_shard.mean(), 1e-9))
