@@ -187,3 +187,29 @@ def test_context_balance_script_measures_a_packed_minibatch():
     assert out["one_full_row"] == {"contiguous": pytest.approx(1.75, rel=0.05), "zigzag": 1.0}
     assert 1.0 <= out["zigzag_within_rows"] <= out["contiguous_within_rows"]
     assert 0.0 < out["row_fill"] <= 1.0
+
+
+def test_packed_logprobs_over_context_4_equal_one_device():
+    """Log-probs and entropies of zig-zag rows on fsdp=2 x context=4 equal the plain rows'."""
+    model_config = models.get_config("tiny")
+    config = _config(budget=2 * ROW, row_len=ROW, N=N)
+    lay_1 = _layout(config, model_config, TP)
+    lay_4 = _layout(config, model_config, TP, batch_shards=2, context=4)
+    mb, _ = _rollout(seed=2, Tp=TP, N=N)
+    pl = packing.plan(lay_1, mb.prompt_lengths, packing.loss_span(mb.loss_mask.reshape(-1, N)))
+    args = (pl, mb.prompt_tokens, mb.prompt_lengths, mb.tokens.reshape(-1, N), 0)
+    params = models.init_params(model_config, jax.random.key(3))
+    B = mb.lengths.size
+
+    def logprobs(lay):
+        rows = packing.micro_batch(lay, *args)
+        return packing.packed_completion_logprobs(
+            model_config, params, rows, slots=(B, N), with_entropy=True
+        )
+
+    want = jax.jit(logprobs, static_argnums=0)(lay_1)
+    mesh = sharding.make_mesh([("fsdp", 2), ("context", 4)])
+    with jax.set_mesh(mesh):
+        got = jax.jit(logprobs, static_argnums=0)(lay_4)
+    assert float(jnp.abs(want[0]).sum()) > 0
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, want)
