@@ -168,10 +168,12 @@ def test_row_length_must_split_into_zigzag_chunks():
     [
         (36, "xla", "loss.pack_row_len=36 must be a multiple of 2 x"),
         (32, "splash", "attention='splash' with a context mesh axis"),
+        (32, "xla", "mesh.axes has context=4: set sampler.mesh"),
     ],
 )
 def test_context_config_errors_name_the_setting(row_len, attention, message):
-    """The mode rules refuse a row that does not split into zig-zag chunks, and splash."""
+    """The mode rules refuse a row that does not split into zig-zag chunks, splash, and
+    sampling on the trainer's mesh (its context chips would decode the same rows)."""
     c = _config(budget=64, row_len=row_len, N=N)
     c.mesh.shape, c.mesh.axes = (2, 4), ("fsdp", "context")
     c.model.overrides.attention = attention

@@ -402,6 +402,11 @@ def _context(c: Config) -> None:
         "model.overrides.attention='splash' with a context mesh axis and packed rows: the "
         "zig-zag rows need causality by slot; use 'xla' or 'auto'",
     )
+    need(
+        bool(c.sampler.mesh),
+        f"mesh.axes has context={context}: set sampler.mesh (e.g. 'data=4,tp=8'); on the "
+        "trainer's mesh the context chips would all decode the same rows",
+    )
 
 
 def check(c: Config, num_devices: int | None = None) -> None:
