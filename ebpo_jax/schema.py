@@ -447,7 +447,9 @@ class Mesh:
     """The trainer's device mesh."""
 
     shape: tuple[int, ...] = setting((1,), "-1 = the remaining devices")
-    axes: tuple[str, ...] = setting(("data",), "the mesh axes' names, one per shape entry")
+    axes: tuple[str, ...] = setting(
+        ("data",), "the mesh axes' names, one per shape entry: data, fsdp, context, tp"
+    )
     devices: int = setting(0, "0 = every device; n = the first n devices of this process")
 
 

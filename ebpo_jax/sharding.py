@@ -3,7 +3,9 @@
 Parameters carry logical axis names (`nnx.Param(..., axes=("embed", "mlp"))`); activations are
 named where they are made (`constrain(x, ("batch", "seq", "act_embed"), rules)`). The rules
 table alone decides the parallelism: the default is FSDP over `fsdp`, tensor parallelism over
-`tp`, and rows over `data` x `fsdp`. Knows nothing of the model.
+`tp`, rows over `data` x `fsdp` and, where the mesh has a `context` axis, each row's tokens
+over it (context parallelism: attention gathers the keys and values of the whole row, `kv_seq`).
+Knows nothing of the model.
 """
 
 import math
@@ -15,14 +17,15 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tp")
+MESH_AXES = ("data", "fsdp", "context", "tp")
 
 # Logical name -> mesh axis, tuple of mesh axes, or None (replicated). Activation names are
 # separate from parameter names because FSDP shards the `embed` dim of weights, not of the
 # residual stream (which is already split over rows).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("data", "fsdp")),
-    ("seq", None),
+    ("seq", "context"),  # a mesh without a `context` axis leaves the sequence whole
+    ("kv_seq", None),  # keys and values as attention reads them: the whole row on each chip
     ("layers", None),
     ("vocab", "tp"),
     ("embed", "fsdp"),
@@ -184,6 +187,26 @@ def rows_spec(mesh: Mesh, rows: int, rules=None, axis: int = 0) -> P:
     entry = spec[axis]
     axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
     return spec if rows % math.prod(mesh.shape[a] for a in axes) == 0 else P()
+
+
+def shards_of(name: str, rules=None, mesh=None) -> int:
+    """Devices logical axis `name` is split over on `mesh` (default: the ambient one, else 1)."""
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh.empty:
+        return 1
+    entry = logical_to_spec((name,), rules, mesh)[0]
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def zigzag_order(length: int, shards: int) -> np.ndarray:
+    """Slot order [length] whose contiguous split over `shards` gives shard i the row's chunks
+    i and 2*shards-1-i of 2*shards: each shard then holds as many causal (query, key) pairs."""
+    if length % (2 * shards):
+        raise ValueError(f"a row of {length} tokens does not split into 2 x {shards} equal chunks")
+    chunks = np.arange(length).reshape(2 * shards, -1)
+    pairs = [np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)]
+    return np.concatenate(pairs)
 
 
 def batch_sharded(tree, mesh: Mesh, rows: int, rules=None, axis: int = 0, strict: bool = True):

@@ -32,6 +32,7 @@ SCRIPT_TESTS = {
     "experiments/aot_compile.py": "aot_test",
     "experiments/claims.py": "claims_test",
     "experiments/cluster_topics.py": "scripts_test",
+    "experiments/context_balance.py": "context_parallel_test",
     "experiments/convert_hf.py": "hf_test",
     "experiments/estimate_check.py": "estimate_check_test",
     "experiments/estimate_difficulty.py": "scripts_test",

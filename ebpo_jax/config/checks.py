@@ -488,6 +488,32 @@ def _devices(c: Config, num_devices: int) -> None:
     )
 
 
+def _context(c: Config) -> None:
+    """Context parallelism (a `context` mesh axis): packed rows split into 2 x context chunks,
+    and attention that orders keys by slot (XLA; splash masks by array order only)."""
+    sizes = dict(zip(c.mesh.axes, c.mesh.shape, strict=False))
+    context = int(sizes.get("context", 1))
+    if context in (1, -1):  # -1: resolved against the devices; packing.layout checks the row
+        return
+    row = c.loss.pack_row_len
+    need(
+        row % (2 * context) == 0,
+        f"loss.pack_row_len={row} must be a multiple of 2 x the mesh's context axis "
+        f"({2 * context}): each context shard holds two equal chunks of a row",
+    )
+    attention = dict(c.model.overrides).get("attention", "auto")
+    need(
+        attention != "splash" or c.loss.tokens_per_microbatch == 0,
+        "model.overrides.attention='splash' with a context mesh axis and packed rows: the "
+        "zig-zag rows need causality by slot; use 'xla' or 'auto'",
+    )
+    need(
+        bool(c.sampler.mesh),
+        f"mesh.axes has context={context}: set sampler.mesh (e.g. 'data=4,tp=8'); on the "
+        "trainer's mesh the context chips would all decode the same rows",
+    )
+
+
 def check(c: Config, num_devices: int | None = None) -> None:
     """Every cross-section rule; ConfigError (one line) on the first broken one."""
     _batch_split(c)
@@ -504,5 +530,6 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _replay_attention(c, num_devices)
     _splash_widths(c, num_devices)
     _lora_targets(c)
+    _context(c)
     if num_devices is not None:
         _devices(c, num_devices)

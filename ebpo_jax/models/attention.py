@@ -20,6 +20,8 @@ and an arbitrary per-slot mask that cuDNN's length masks cannot express.
 import jax
 import jax.numpy as jnp
 
+from ebpo_jax import sharding
+
 KERNELS = ("xla", "splash", "cudnn")
 CHOICES = (*KERNELS, "auto")
 # The `implementation` the "cudnn" kernel passes to jax.nn.dot_product_attention. Tests set it
@@ -87,20 +89,27 @@ def segment_mask(segment_ids_BT, prefix_ids_BT=None):
     return allowed_BTS
 
 
-def make_attend(config, mask_BT, segment_ids_BT=None, prefix_ids_BT=None):
+def make_attend(config, mask_BT, segment_ids_BT=None, prefix_ids_BT=None, slots_BT=None):
     """attend(attn, q, k, v) -> [B, T, D]: causal self-attention, keys masked by mask_BT.
 
     The splash and cuDNN kernels need right-padded rows (mask_BT a prefix of each row). With
     segment ids (packed rows) a query sees the keys of its own segment and, XLA only, those
-    of segment prefix_ids[q] (its group's shared prompt); causal by slot either way. cuDNN
-    takes no segment ids through jax.nn.dot_product_attention, so packed rows use XLA there.
+    of segment prefix_ids[q] (its group's shared prompt); causal by slot either way, the
+    slots being `slots_BT` where given (XLA only). cuDNN takes no segment ids through
+    jax.nn.dot_product_attention, so packed rows use XLA there. Under a mesh whose `context`
+    axis splits the sequence, keys and values are gathered whole (`kv_seq`) for each layer.
     """
     kernel = resolve(config.attention)
+    if kernel == "splash" and slots_BT is not None and config.attention == "auto":
+        kernel = "xla"  # splash cannot order keys by slot; "auto" picks what can
     if kernel == "splash":
         from ebpo_jax.models import splash  # Pallas TPU import, only when asked for
 
-        if prefix_ids_BT is not None:
-            raise ValueError("splash attention masks by segment only: prefix_ids needs 'xla'")
+        if prefix_ids_BT is not None or slots_BT is not None:
+            raise ValueError(
+                "splash attention masks by segment and array order only: prefix_ids and "
+                "slots (shared prompts, context parallelism) need attention 'xla'"
+            )
         seg_BT = mask_BT if segment_ids_BT is None else segment_ids_BT
 
         # splash picks interpret mode itself: off when compiling for TPU (AOT from a CPU host
@@ -118,12 +127,32 @@ def make_attend(config, mask_BT, segment_ids_BT=None, prefix_ids_BT=None):
             return attn.output(out.astype(attn.dtype))
 
         return attend
-    causal_1TS = _causal_allowed(mask_BT.shape[1])[None]
-    if segment_ids_BT is not None:
-        allowed_BTS = causal_1TS & segment_mask(segment_ids_BT, prefix_ids_BT)
+    if slots_BT is None:
+        causal_BTS = _causal_allowed(mask_BT.shape[1])[None]
     else:
-        allowed_BTS = causal_1TS & mask_BT[:, None, :]
-    return lambda attn, q, k, v: attn.attend(q, k, v, allowed_BTS)
+        causal_BTS = slots_BT[:, None, :] <= slots_BT[:, :, None]
+    if segment_ids_BT is not None:
+        allowed_BTS = causal_BTS & segment_mask(segment_ids_BT, prefix_ids_BT)
+    else:
+        allowed_BTS = causal_BTS & mask_BT[:, None, :]
+    if sharding.shards_of("seq", config.sharding_rules) == 1:
+        return lambda attn, q, k, v: attn.attend(q, k, v, allowed_BTS)
+    return _context_attend(config.sharding_rules, allowed_BTS)
+
+
+def _context_attend(rules, allowed_BTS):
+    """XLA attention over a sequence split on the `context` axis: queries stay on their
+    shard, each layer all-gathers the row's keys and values (the backward reduce-scatters
+    their gradients), so the scores of a shard are [T / context, T]."""
+    whole = ("batch", "kv_seq", "act_kv_heads", None)
+    allowed_BTS = sharding.constrain(allowed_BTS, ("batch", "seq", "kv_seq"), rules)
+
+    def attend(attn, q_BTHd, k_BTKd, v_BTKd):
+        k_BSKd = sharding.constrain(k_BTKd, whole, rules)
+        v_BSKd = sharding.constrain(v_BTKd, whole, rules)
+        return attn.attend(q_BTHd, k_BSKd, v_BSKd, allowed_BTS)
+
+    return attend
 
 
 def _completion_flash(attn, q_BNHd, k_BSKd, v_BSKd, L_B, n_B):

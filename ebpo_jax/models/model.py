@@ -197,11 +197,11 @@ def _layer_scan(
     mask,
     *,
     with_kv=False,
-    segment_ids=None,
-    prefix_ids=None,
+    segments=None,
     routing=None,
 ):
     """Embedding and the layer scans of `forward`: (x [B, T, D], k/v [L, B, T, K, d], route)."""
+    segment_ids, prefix_ids, slots = (None, None, None) if segments is None else segments
     _check_tokens(config, tokens_BT)
     B, T = tokens_BT.shape
     _check_replay(config, routing, (B, T))
@@ -209,17 +209,21 @@ def _layer_scan(
     if segment_ids is not None:
         if mask is not None:
             raise ValueError("pass mask or segment_ids (0 = padding), not both")
-        for name, ids in (("segment_ids", segment_ids), ("prefix_ids", prefix_ids)):
+        for name, ids in (
+            ("segment_ids", segment_ids),
+            ("prefix_ids", prefix_ids),
+            ("slots", slots),
+        ):
             if ids is not None:
                 _check_shape(name, ids, (B, T))
         mask = segment_ids != 0
-    elif prefix_ids is not None:
-        raise ValueError("prefix_ids needs segment_ids")
+    elif prefix_ids is not None or slots is not None:
+        raise ValueError("prefix_ids and slots need segment_ids")
     mask_BT = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     _check_shape("positions", positions_BT, (B, T))
     _check_shape("mask", mask_BT, (B, T))
     rope = rope_cos_sin(config, positions_BT)
-    attend = attention.make_attend(config, mask_BT, segment_ids, prefix_ids)
+    attend = attention.make_attend(config, mask_BT, segment_ids, prefix_ids, slots)
 
     def layer(x_BTD, block, ffn, replay_BTk):
         kv = []
@@ -238,10 +242,13 @@ def _layer_scan(
 
 class Segments(NamedTuple):
     """Packed rows' segments: ids [B, T] int (0 = padding) confine attention to a query's own
-    segment; prefix_ids [B, T] (XLA attention only) also open segment prefix_ids[b, t] to it."""
+    segment; prefix_ids [B, T] (XLA attention only) also open segment prefix_ids[b, t] to it;
+    slots [B, T] (XLA only), each token's place in its row before a permutation (context
+    parallelism's zig-zag), is the order causality follows (None = the array's own order)."""
 
     ids: jax.Array
     prefix_ids: jax.Array | None = None
+    slots: jax.Array | None = None
 
 
 def forward(
@@ -264,16 +271,8 @@ def forward(
     `with_router` returns (out, route): route["experts"] [sparse layers, B, T, k] compact
     ints and per-layer router stats [sparse layers] ("lb_loss", "load_max", "entropy").
     """
-    segment_ids, prefix_ids = (None, None) if segments is None else segments
     x_BTD, _, route = _layer_scan(
-        config,
-        params,
-        tokens_BT,
-        positions,
-        mask,
-        segment_ids=segment_ids,
-        prefix_ids=prefix_ids,
-        routing=routing,
+        config, params, tokens_BT, positions, mask, segments=segments, routing=routing
     )
     out = _head(config, params, x_BTD, return_hidden)
     return (out, route) if with_router else out

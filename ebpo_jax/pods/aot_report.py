@@ -339,6 +339,13 @@ class Lengths:
     sigma: float = 1.0
     seed: int = 0
 
+    def scaled_to(self, limit: int, paper_limit: int = 8192) -> "Lengths":
+        """The stated distribution for responses up to `limit`: above the paper's 8192, the
+        mean stretched in proportion (a long-reasoning run writes longer), the rest kept."""
+        if limit <= paper_limit:
+            return self
+        return dataclasses.replace(self, response_mean=self.response_mean * limit / paper_limit)
+
     def draw(self, rows: int, limit: int):
         """at_limit of the rows at `limit`, the rest lognormal below it; mean response_mean."""
         import numpy as np
@@ -589,7 +596,7 @@ def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
 
 
 def step_time_estimate(
-    run_spec, mc, spec, *, prompt_len, shards, tp, lengths=Lengths(), block=256,
+    run_spec, mc, spec, *, prompt_len, shards, tp, lengths=None, block=256,
     dp_attention=False,
 ):  # fmt: skip
     """Seconds per RL step (decode and update), for today's samplers and the paged engine.
@@ -604,6 +611,7 @@ def step_time_estimate(
     split over shards x tp (before and slots_blocked keep heads split over tp).
     """
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
+    lengths = Lengths().scaled_to(N) if lengths is None else lengths
     cost = decode_cost(mc, tp)
     per_call = run_spec.rollout.prompts_per_call
     rows = lengths.draw(P * G, N)

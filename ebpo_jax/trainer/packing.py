@@ -28,8 +28,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ebpo_jax import losses, models
+from ebpo_jax import losses, models, sharding
 from ebpo_jax.models import attention
 from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import UpdateSpec
@@ -47,24 +48,34 @@ class Layout:
     rows: int  # R rows per micro-batch
     num_micro: int  # micro-batches the row buffer holds (the worst case: one unit per row)
     share_prompt: bool  # one prefix per group and row (XLA), else one per unit (splash)
+    context: int = 1  # shards of a row's tokens (the mesh's `context` axis): zig-zag order if > 1
 
     @property
     def num_rows(self) -> int:
         return self.rows * self.num_micro
 
 
-def layout(spec: UpdateSpec, model_config, prompt_width: int, *, batch_shards: int = 1):
+def layout(
+    spec: UpdateSpec, model_config, prompt_width: int, *, batch_shards: int = 1, context: int = 1
+):
     """The Layout for `spec` (None when loss.tokens_per_microbatch == 0: padded update).
 
     `prompt_width` is the rollout's prompt array width; `batch_shards` the devices rows are
-    split over (rows per micro-batch are rounded down to a multiple of it).
+    split over (rows per micro-batch are rounded down to a multiple of it); `context` the
+    devices a row's tokens are split over (its length a multiple of 2 x context: zig-zag).
     """
     budget = spec.loss.tokens_per_microbatch
     if budget == 0:
         return None
     P, G = spec.prompts // spec.loss.num_minibatches, spec.group_size
     N = spec.max_new_tokens
-    L = spec.loss.pack_row_len or prompt_width + N
+    chunks = 2 * context if context > 1 else 1
+    L = spec.loss.pack_row_len or _round_up(prompt_width + N, chunks)
+    if L % chunks:
+        raise ConfigError(
+            f"loss.pack_row_len={L} must be a multiple of 2 x the mesh's context axis "
+            f"({2 * context}): each context shard holds two equal chunks of a row"
+        )
     if L < prompt_width + N - 1:
         raise ConfigError(
             f"loss.pack_row_len={L} is shorter than the longest sequence "
@@ -83,7 +94,11 @@ def layout(spec: UpdateSpec, model_config, prompt_width: int, *, batch_shards: i
             f"needs at least {batch_shards} (one per batch shard)"
         )
     rows = min(rows, -(-P * G // batch_shards) * batch_shards)  # more than B rows stay empty
-    return Layout(P, G, N, L, rows, -(-P * G // rows), share_prompt=not splash)
+    return Layout(P, G, N, L, rows, -(-P * G // rows), share_prompt=not splash, context=context)
+
+
+def _round_up(n: int, k: int) -> int:
+    return -(-n // k) * k
 
 
 class Plan(NamedTuple):
@@ -199,6 +214,17 @@ def micro_batch(lay: Layout, pl: Plan, prompt_PT, prompt_len_P, comp_BN, u, rout
         # prompt position (a prefix token, a unit's first) or completion index (the rest)
         i_RL = jnp.where(unit_RL, jnp.where(j_RL == 0, lp_RL - 1, j_RL - 1), j_RL)
         out["routing"] = _routing_rows(routing, p_RL, b_RL, i_RL, from_prompt_RL, inside_RL)
+    return zigzag(out, lay.context) if lay.context > 1 else out
+
+
+def zigzag(rows: dict, context: int) -> dict:
+    """`micro_batch`'s rows with each row's slots in zig-zag order over `context` shards, and
+    "slots" [R, L] (each token's slot before it) for attention's causality. The log-probs
+    scatter back through "dest", so the order changes nothing else."""
+    R, L = rows["tokens"].shape
+    order_L = jnp.asarray(sharding.zigzag_order(L, context))
+    out = {k: v[..., order_L] if k != "routing" else v[:, :, order_L] for k, v in rows.items()}
+    out["slots"] = jnp.broadcast_to(order_L.astype(jnp.int32), (R, L))
     return out
 
 
@@ -230,7 +256,9 @@ def packed_completion_logprobs(
         params,
         packed["tokens"],
         positions=packed["positions"],
-        segments=models.Segments(packed["segment_ids"], packed.get("prefix_ids")),
+        segments=models.Segments(
+            packed["segment_ids"], packed.get("prefix_ids"), packed.get("slots")
+        ),
         return_hidden=True,
         routing=packed.get("routing"),
         with_router=with_router,
@@ -301,3 +329,25 @@ def accumulate(grad_fn, params, frozen, mb: MicroBatch, denom, lay: Layout):
     # float32 sums, as the padded update's accumulator (bf16 gradients would lose bits).
     init = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), (grads_s, loss_s, metrics_s))
     return jax.lax.fori_loop(0, pl.num_micro, body, init)
+
+
+def attention_pairs(segment_ids_L, prefix_ids_L=None):
+    """Keys each slot of one packed row attends (its segment's slots up to it, plus its shared
+    prefix), as numpy [L]: the work a kernel that skips masked blocks does per query."""
+    seg_L = np.asarray(segment_ids_L)
+    pre_L = seg_L if prefix_ids_L is None else np.asarray(prefix_ids_L)
+    pairs_L = np.zeros(seg_L.shape, np.int64)
+    for i in np.unique(seg_L[seg_L > 0]):
+        seen_L = np.cumsum(seg_L == i)  # slots of segment i up to each slot
+        pairs_L += np.where(seg_L == i, seen_L, 0) + np.where(
+            (pre_L == i) & (seg_L != i), seen_L, 0
+        )
+    return pairs_L
+
+
+def shard_balance(pairs_L, context: int, order_L=None) -> float:
+    """max / mean over `context` shards of the attention pairs of their queries, the row's
+    slots split contiguously after `order_L` (None: in slot order; zigzag_order: balanced)."""
+    pairs_L = np.asarray(pairs_L) if order_L is None else np.asarray(pairs_L)[order_L]
+    per_shard = pairs_L.reshape(context, -1).sum(1)
+    return float(per_shard.max() / max(per_shard.mean(), 1e-9))

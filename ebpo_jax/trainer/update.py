@@ -2,7 +2,6 @@
 micro-batches (gradient accumulation) with optax."""
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -226,7 +225,10 @@ def accumulate(spec: UpdateSpec, model_config, grad_fn, params, frozen, mb: Micr
     """(grads, loss, metrics) of mini-batch `mb` summed over its micro-batches: U padded ones,
     or packed token rows (loss.tokens_per_microbatch > 0: packing.accumulate)."""
     width = mb.prompt_tokens.shape[1]
-    lay = packing.layout(spec, model_config, width, batch_shards=_batch_shards(model_config))
+    shards = functools.partial(sharding.shards_of, rules=model_config.sharding_rules)
+    lay = packing.layout(
+        spec, model_config, width, batch_shards=shards("batch"), context=shards("seq")
+    )
     if lay is None:
         return _scan_accumulate(spec.loss.num_microbatches, grad_fn, params, frozen, mb, denom)
     return packing.accumulate(grad_fn, params, frozen, mb, denom, lay)
@@ -238,16 +240,6 @@ def all_finite(tree) -> jax.Array:
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     sums = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in leaves]
     return jnp.isfinite(sum(sums, jnp.zeros((), jnp.float32)))
-
-
-def _batch_shards(model_config) -> int:
-    """Devices the rows of a batch are split over, under the ambient mesh (1 without one)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    entry = sharding.logical_to_spec(("batch",), model_config.sharding_rules, mesh)[0]
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    return math.prod(mesh.shape[a] for a in axes)
 
 
 def _minibatch_update(spec: UpdateSpec, model_config, grad_fn, optimizer, carry, mb):
