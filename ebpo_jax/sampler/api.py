@@ -96,7 +96,7 @@ class Session:
         )  # fmt: skip
         if self.turns:
             engine.check_turns(self.spec, plan)
-        return engine.programs(self.config, self.spec, plan, self.turns)
+        return engine.programs(engine.Call(self.config, self.spec, plan), self.turns)
 
     def start(self, params, prompt_tokens, prompt_lengths, *, rng, row_limits=None) -> Generation:
         """Every row's completion, or (turns) first turn, up to row_limits [rows] tokens."""
@@ -142,8 +142,7 @@ class Session:
         return self._episodes()
 
     def _episodes(self) -> Generation:
-        plan = self._run["prefill"].static["plan"]
-        gen = engine.turns_generation(self.state, spec=self.spec, plan=plan)
+        gen = engine.turns_generation(self.state, self._run["prefill"].call)
         return gen._replace(stats=self.stats)
 
     def compile(self, params, num_prompts: int, prompt_len: int, *, lower_only=False) -> dict:
@@ -151,7 +150,7 @@ class Session:
         shardings), each traced, lowered and compiled in the order a call runs them: name ->
         (Traced, Lowered, Compiled or None with lower_only). "plan" -> the call's Plan."""
         programs = self.programs(num_prompts, prompt_len)
-        plan = programs["prefill"].static["plan"]
+        plan = programs["prefill"].call.plan
         rng, prompt_PT, lengths_P, eos_E = _abstract_call(
             self.spec, plan, self.mesh, num_prompts, prompt_len
         )

@@ -88,6 +88,18 @@ def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, 
     )
 
 
+class Call(NamedTuple):
+    """A call's static description, hashable: a jitted program's one static argument."""
+
+    config: object  # the model's config
+    spec: SamplerSpec
+    plan: Plan
+
+    def with_slots(self, slots: int) -> "Call":
+        """The same call on `slots` slots per shard (a live bucket)."""
+        return self._replace(plan=self.plan._replace(slots=slots))
+
+
 def _platform(mesh):
     if mesh is None:
         return None
@@ -104,11 +116,12 @@ def _shard_prompts(plan: Plan, num_samples: int):
     return prompt_DQ, row_DR // G - first_D[:, None]
 
 
-def prefill(params, prompt_PT, lengths_P, rng, *, config, spec: SamplerSpec, plan: Plan):
+def prefill(params, prompt_PT, lengths_P, rng, *, call: Call):
     """Each prompt once: its pages per layer [D, Q, W, page_size, 2K, Dh] and every row's token 0.
 
     spec.record_routing: a fourth output, each row's prompt experts [rows, sparse layers, Tp, k].
     """
+    config, spec, plan = call
     Tp, G = prompt_PT.shape[1], spec.num_samples
     mask_PT = jnp.arange(Tp)[None] < lengths_P[:, None]
     # Padding ids are arbitrary; an out-of-vocabulary one would put NaN in masked cache slots.
@@ -184,11 +197,13 @@ def _admit(st, pools, staged, rows, *, plan, page_size):
     return st, layout.constrain_tree(pools, plan.lead)
 
 
-def _forward(params, layers, st, pools, *, config, plan, page_size, with_router=False):
+def _forward(params, layers, st, pools, *, call: Call):
     """One decode step of every slot: logits [D * S, V], the pools with the new keys, experts.
 
-    with_router: the experts are the input token's [D, S, sparse layers, k]; else None.
+    spec.record_routing: the experts are the input token's [D, S, sparse layers, k]; else None.
     """
+    config, plan = call.config, call.plan
+    page_size, with_router = call.spec.page_size, call.spec.record_routing
     D, S = plan.shards, plan.slots
     kv_DS = schedule.kv_len(st)
     col_DS = kv_DS // page_size
@@ -225,22 +240,20 @@ def _forward(params, layers, st, pools, *, config, plan, page_size, with_router=
     return logits_BV, tuple(new_pools), experts_DSLk
 
 
-def _draw(st, pools, *, params, layers, rng, config, spec, plan):
+def _draw(st, pools, *, params, layers, rng, call: Call):
     """One decode step of every slot of `st`: tokens and log-probs [D, S], pools, experts."""
+    spec, plan = call.spec, call.plan
     D, S = plan.shards, plan.slots
-    logits_BV, pools, experts_DSLk = _forward(
-        params, layers, st, pools, config=config, plan=plan, page_size=spec.page_size,
-        with_router=spec.record_routing,
-    )  # fmt: skip
+    logits_BV, pools, experts_DSLk = _forward(params, layers, st, pools, call=call)
     row_DS = st.row_S + (plan.rows * jnp.arange(D))[:, None]
     keys = selection.row_keys(rng, row_DS.reshape(-1), st.t_S.reshape(-1))
     tok_B, logp_B = selection.select_tokens(keys, logits_BV, **spec.sampling._asdict())
     return tok_B.reshape(D, S), logp_B.reshape(D, S), pools, experts_DSLk
 
 
-def _draw_all(st, pools, *, plan, **kw):
+def _draw_all(st, pools, *, call: Call, **kw):
     """_draw on every slot; also the slots it computed per shard."""
-    return *_draw(st, pools, plan=plan, **kw), plan.slots
+    return *_draw(st, pools, call=call, **kw), call.plan.slots
 
 
 def bucket_sizes(slots: int, buckets: int) -> list:
@@ -252,24 +265,25 @@ _take = jax.vmap(lambda x_S, i_B: x_S[i_B])
 _put = jax.vmap(lambda x_S, i_B, v_B: x_S.at[i_B].set(v_B))
 
 
-def _draw_live(st, pools, *, config, spec, plan, **kw):
+def _draw_live(st, pools, *, call: Call, **kw):
     """_draw on the live slots only, packed into the smallest bucket that holds every shard's.
 
     Slots outside the bucket are idle: their tokens and log-probs stay 0 and nothing reads
     them. Each bucket is a loop of 0 or 1 trips, not lax.switch: a loop updates the pools
     in place, where XLA:GPU copies a conditional's operands.
     """
+    config, spec, plan = call
     D, S = plan.shards, plan.slots
     order_DS = jnp.argsort(~st.live_S, axis=1, stable=True)  # live slots first
     live = st.live_S.sum(1).max()
-    step = functools.partial(_draw, config=config, spec=spec, **kw)
+    step = functools.partial(_draw, **kw)
     slot_fields = [f for f in st._fields if f.endswith(("_S", "_SM"))]
 
     def run(b, carry):
         pools, tok_DS, logp_DS, experts_DSLk, _ = carry
         idx_DB = order_DS[:, :b]
         st_B = st._replace(**{f: _take(getattr(st, f), idx_DB) for f in slot_fields})
-        tok_DB, logp_DB, pools, experts_DBLk = step(st_B, pools, plan=plan._replace(slots=b))
+        tok_DB, logp_DB, pools, experts_DBLk = step(st_B, pools, call=call.with_slots(b))
         if experts_DBLk is not None:
             experts_DSLk = _put(experts_DSLk, idx_DB, experts_DBLk)
         tok_DS, logp_DS = _put(tok_DS, idx_DB, tok_DB), _put(logp_DS, idx_DB, logp_DB)
@@ -343,8 +357,9 @@ class Prefilled(NamedTuple):
     logp_R: jax.Array  # and its log-prob
 
 
-def _decode_rows(prefilled: Prefilled, lengths_P, limit_R, *, spec, plan) -> schedule.Rows:
+def _decode_rows(prefilled: Prefilled, lengths_P, limit_R, *, call: Call) -> schedule.Rows:
     """Every row's prompt, lengths, token 0 and token limit, laid out [shards, rows]."""
+    spec, plan = call.spec, call.plan
     D, Rd, N, G = plan.shards, plan.rows, spec.max_new_tokens, spec.num_samples
     prompt_DQ, prompt_DR = _shard_prompts(plan, G)
     limit_R = jnp.full((D * Rd,), N, jnp.int32) if limit_R is None else limit_R
@@ -357,8 +372,9 @@ def _decode_rows(prefilled: Prefilled, lengths_P, limit_R, *, spec, plan) -> sch
     )
 
 
-def _decode_out(rows, logp_R, *, config, spec, plan) -> tuple:
+def _decode_out(rows, logp_R, *, call: Call) -> tuple:
     """(tokens, log-probs, lengths[, experts]) per row with token 0 in place."""
+    config, spec, plan = call
     D, Rd, N = plan.shards, plan.rows, spec.max_new_tokens
     out = (
         jnp.zeros((D, Rd, N), jnp.int32).at[:, :, 0].set(rows.first_R),
@@ -371,15 +387,16 @@ def _decode_out(rows, logp_R, *, config, spec, plan) -> tuple:
     return layout.constrain_tree(out, plan.lead)
 
 
-def _begin(params, prefilled: Prefilled, lengths_P, eos_E, limit_R, *, config, spec, plan):
+def _begin(params, prefilled: Prefilled, lengths_P, eos_E, limit_R, *, call: Call):
     """The rows, the slots after the first admission, the pools and the output buffers."""
+    config, spec, plan = call
     D, S, ps = plan.shards, plan.slots, spec.page_size
-    rows = _decode_rows(prefilled, lengths_P, limit_R, spec=spec, plan=plan)
+    rows = _decode_rows(prefilled, lengths_P, limit_R, call=call)
     init = functools.partial(
         schedule.init, slots=S, width=plan.width, max_pages=plan.max_pages, num_pages=plan.pages
     )
     st = layout.constrain_tree(jax.vmap(init, in_axes=(0, None))(rows, eos_E), plan.lead)
-    out = _decode_out(rows, prefilled.logp_R, config=config, spec=spec, plan=plan)
+    out = _decode_out(rows, prefilled.logp_R, call=call)
     pools = layout.constrain_tree(pages.init_pools(config, D, plan.pages, ps), plan.lead)
     st, pools = _admit(st, pools, prefilled.staged, rows, plan=plan, page_size=ps)
     return rows, st, pools, out
@@ -413,15 +430,16 @@ def _force(st, forced, tok_DS, logp_DS):
     return tok_DS, jnp.where(forced_DS, 0.0, logp_DS), forced_DS
 
 
-def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, config, spec, plan):
+def _loop(params, turns: Turns, staged, rng, eos_E, forced=None, *, call: Call):
     """Decode steps until no slot is live and no row waits: (Turns, Stats)."""
+    config, spec, plan = call
     rows, st, pools, out = turns
     D, Rd, S, ps = plan.shards, plan.rows, plan.slots, spec.page_size
     layers = models.split_layers(config, params) if layout.on_cpu(plan.lead) else None
     admit = functools.partial(_admit, staged=staged, rows=rows, plan=plan, page_size=ps)
     draw = functools.partial(
         _draw_live if spec.live_buckets > 1 else _draw_all,
-        params=params, layers=layers, rng=rng, config=config, spec=spec, plan=plan,
+        params=params, layers=layers, rng=rng, call=call,
     )  # fmt: skip
 
     def cond(carry):
@@ -463,17 +481,15 @@ def _generation(out, plan, N) -> Generation:
     return Generation(tokens_DRN.reshape(R, N), logps_DRN.reshape(R, N), gen_len_DR.reshape(R))
 
 
-def decode(
-    params, prefilled: Prefilled, lengths_P, rng, eos_E, limit_R=None, *, config, spec, plan
-):
+def decode(params, prefilled: Prefilled, lengths_P, rng, eos_E, limit_R=None, *, call: Call):
     """Every row through the slots: (Generation, Stats).
 
     spec.record_routing: (Generation, routes [rows, sparse layers, N, k]) instead, the
     experts of each fed-back token (a row's last token, never fed back, keeps zeros).
     """
-    static = {"config": config, "spec": spec, "plan": plan}
-    turns = Turns(*_begin(params, prefilled, lengths_P, eos_E, limit_R, **static))
-    turns, stats = _loop(params, turns, prefilled.staged, rng, eos_E, **static)
+    spec, plan = call.spec, call.plan
+    turns = Turns(*_begin(params, prefilled, lengths_P, eos_E, limit_R, call=call))
+    turns, stats = _loop(params, turns, prefilled.staged, rng, eos_E, call=call)
     out = turns.out
     gen = _generation(out, plan, spec.max_new_tokens)
     if spec.record_routing:
@@ -495,14 +511,13 @@ def check_turns(spec: SamplerSpec, plan: Plan) -> None:
         )
 
 
-def begin_turns(params, prefilled, lengths_P, rng, eos_E, limit_R, *, config, spec, plan):
+def begin_turns(params, prefilled, lengths_P, rng, eos_E, limit_R, *, call: Call):
     """The first turn of every row: (Turns, Stats). Every row is admitted, even one whose
     token 0 ends its turn (a later turn may continue it)."""
-    static = {"config": config, "spec": spec, "plan": plan}
-    N = spec.max_new_tokens
+    N = call.spec.max_new_tokens
     never_E = jnp.full((1,), -1, jnp.int32)
     rows, st, pools, out = _begin(
-        params, prefilled, lengths_P, never_E, jnp.full_like(limit_R, N), **static
+        params, prefilled, lengths_P, never_E, jnp.full_like(limit_R, N), call=call
     )
     rows = rows._replace(limit_R=limit_R.reshape(rows.limit_R.shape))
     limit_DS = _of_slots(rows.limit_R, st.row_S)
@@ -512,13 +527,14 @@ def begin_turns(params, prefilled, lengths_P, rng, eos_E, limit_R, *, config, sp
         live_S=st.live_S & ~ends_DS,
         status_R=_done(st.status_R, st.row_S, ends_DS),
     )
-    return _loop(params, Turns(rows, st, pools, out), prefilled.staged, rng, eos_E, **static)
+    return _loop(params, Turns(rows, st, pools, out), prefilled.staged, rng, eos_E, call=call)
 
 
-def continue_turns(params, turns: Turns, rng, eos_E, given: Given, *, config, spec, plan):
+def continue_turns(params, turns: Turns, rng, eos_E, given: Given, *, call: Call):
     """Rows given.go_R decode on from where they stopped, up to their token limit, fed the
     given tokens where given.mask_RN holds: (Turns, Stats)."""
-    D, Rd, N = plan.shards, plan.rows, spec.max_new_tokens
+    plan = call.plan
+    D, Rd, N = plan.shards, plan.rows, call.spec.max_new_tokens
     st = turns.st
     go_DR = given.go_R.reshape(D, Rd)
     go_DS = _of_slots(go_DR, st.row_S)
@@ -528,44 +544,40 @@ def continue_turns(params, turns: Turns, rng, eos_E, given: Given, *, config, sp
         status_R=jnp.where(go_DR, schedule.RUNNING, st.status_R),
     )
     forced = (given.tokens_RN.reshape(D, Rd, N), given.mask_RN.reshape(D, Rd, N))
-    static = {"config": config, "spec": spec, "plan": plan}
     # No row is admitted or freed inside the static batch: the prompt pages are not read.
-    return _loop(params, turns._replace(st=st), None, rng, eos_E, forced, **static)
+    return _loop(params, turns._replace(st=st), None, rng, eos_E, forced, call=call)
 
 
-def turns_generation(turns: Turns, *, spec, plan) -> Generation:
+def turns_generation(turns: Turns, call: Call) -> Generation:
     """Every row's episode so far (model tokens and the forced ones) as a Generation."""
-    return _generation(turns.out, plan, spec.max_new_tokens)
+    return _generation(turns.out, call.plan, call.spec.max_new_tokens)
 
 
 class Program(NamedTuple):
     """An engine program with its static arguments bound: what a call runs and AOT lowers."""
 
     jitted: object  # one of the module's jitted programs below
-    static: dict  # config, spec, plan
+    call: Call
 
     def __call__(self, *args):
-        return self.jitted(*args, **self.static)
+        return self.jitted(*args, call=self.call)
 
     def trace(self, *args):
-        return self.jitted.trace(*args, **self.static)
+        return self.jitted.trace(*args, call=self.call)
 
 
-def programs(config, spec: SamplerSpec, plan: Plan, turns: bool = False) -> dict:
+def programs(call: Call, turns: bool = False) -> dict:
     """The programs of a call, in the order they run: prefill and decode, or (multi-turn
     rows) prefill, the first turn and a continued turn."""
-    static = {"config": config, "spec": spec, "plan": plan}
     names = {"prefill": prefill_jit}
     if turns:
         names |= {"begin": begin_turns_jit, "resume": continue_turns_jit}
     else:
         names["decode"] = decode_jit
-    return {name: Program(jitted, static) for name, jitted in names.items()}
+    return {name: Program(jitted, call) for name, jitted in names.items()}
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("config", "spec", "plan"))
-decode_jit = jax.jit(decode, static_argnames=("config", "spec", "plan"))
-begin_turns_jit = jax.jit(begin_turns, static_argnames=("config", "spec", "plan"))
-continue_turns_jit = jax.jit(
-    continue_turns, static_argnames=("config", "spec", "plan"), donate_argnames=("turns",)
-)
+prefill_jit = jax.jit(prefill, static_argnames="call")
+decode_jit = jax.jit(decode, static_argnames="call")
+begin_turns_jit = jax.jit(begin_turns, static_argnames="call")
+continue_turns_jit = jax.jit(continue_turns, static_argnames="call", donate_argnames="turns")
