@@ -101,12 +101,9 @@ def _run(tok, env, prompts, answers, scripts, N, turns, T=0):
         return episodes.run_episodes(
             episodes.Reprefill(gen),
             _spec(N, turns, T),
-            env,
-            pool,
-            tok,
+            episodes.EnvSide(env, pool, tok, EOS),
             episodes.EpisodePrompts(prompt_BT, plen_B, answers),
             jax.random.key(0),
-            EOS,
         )
 
 
@@ -287,9 +284,8 @@ def test_kept_kv_episodes_equal_reprefilled_ones_greedy():
             dataclasses.replace(spec, rollout=ro), config, params, tok.eos_id, stops
         )
         with EnvPool(0) as pool:
-            out[keep] = episodes.run_episodes(
-                turns, spec, env, pool, tok, prompts, jax.random.key(2), tok.eos_id
-            )
+            side = episodes.EnvSide(env, pool, tok, tok.eos_id)
+            out[keep] = episodes.run_episodes(turns, spec, side, prompts, jax.random.key(2))
     kept, again = out[True], out[False]
     assert kept.tool_calls.sum() >= 2  # the test exercises continued rows
     for field in ("tokens", "action_mask", "lengths", "turns", "tool_calls", "env_reward"):

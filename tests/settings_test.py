@@ -237,22 +237,21 @@ def test_reprefilled_turns_decode_in_the_configured_slots_and_pages(monkeypatch)
     prompts = episodes.EpisodePrompts(prompt_BT, plen_B, ["7"] * 4)
     env = _Echo("<")
     stops = episodes.stop_token_ids(tok, env)
-    real, seen = sampler.generate_with_stats, []
+    real, seen = sampler.generate, []
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
-        seen.append((args[4].slots, args[4].kv_pages, int(out[1].slots)))
+        seen.append((args[4].slots, args[4].kv_pages, int(out.stats.slots)))
         return out
 
-    monkeypatch.setattr(episodes.sampler, "generate_with_stats", spy)
+    monkeypatch.setattr(episodes.sampler, "generate", spy)
     out = {}
     for slots, pages in ((0, 0), (2, 16)):
         spec = _turn_spec(slots=slots, kv_pages=pages)
         turns = episodes.make_turns(spec, config, params, tok.eos_id, stops)
         with EnvPool(0) as pool:
-            out[slots] = episodes.run_episodes(
-                turns, spec, env, pool, tok, prompts, jax.random.key(2), tok.eos_id
-            )
+            side = episodes.EnvSide(env, pool, tok, tok.eos_id)
+            out[slots] = episodes.run_episodes(turns, spec, side, prompts, jax.random.key(2))
     assert {s for s in seen if s[0]} == {(2, 16, 2)} and (0, 0, 4) in seen
     static, slotted = out[0], out[2]
     for field in ("tokens", "action_mask", "lengths", "turns", "tool_calls"):

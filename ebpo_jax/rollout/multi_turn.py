@@ -28,6 +28,7 @@ class MultiTurnRollout:
         )
         self.pool = EnvPool(spec.rollout.env_workers, timeout_s=spec.rollout.env_timeout_s)
         atexit.register(self.pool.close)
+        self.side = episodes.EnvSide(task.env, self.pool, task.tokenizer, task.stop_ids)
         self.reward = jax.jit(task.reward.fn) if task.reward.jittable else task.reward.fn
         self.last_metrics: dict[str, float] = {}
 
@@ -69,8 +70,7 @@ class MultiTurnRollout:
             part = episodes.EpisodePrompts(*(x[lo : lo + rows] for x in prompts))
             k = key if rows >= B else jax.random.fold_in(key, c)
             turns = self.turns(params)
-            args = (self.spec, self.task.env, self.pool, self.task.tokenizer, part, k)
-            parts.append(episodes.run_episodes(turns, *args, self.task.stop_ids))
+            parts.append(episodes.run_episodes(turns, self.spec, self.side, part, k))
         return episodes.concat(parts)
 
     def _rollout(self, b, ep: episodes.Episodes, rewards_PG) -> Rollout:

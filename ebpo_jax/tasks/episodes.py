@@ -91,18 +91,44 @@ class _Rows:
         return n
 
 
-def _after_turn(rows: _Rows, b, ids, logp, limit, eos, stop_ids, env, tokenizer) -> bool:
+class EnvSide(NamedTuple):
+    """What answers a batch's model turns: the environment, the pool that runs it, the
+    tokenizer between its text and ids, and the stop id(s) that end an episode."""
+
+    env: Environment
+    pool: EnvPool
+    tokenizer: object
+    eos_ids: object  # an id or a sequence of ids
+
+
+class Stops(NamedTuple):
+    """How a model turn ends: on an EOS id (the episode ends) or on the last token of one of
+    the environment's stop sequences (the environment answers if the whole sequence is there)."""
+
+    eos: frozenset
+    ids: frozenset  # the last token of each stop sequence
+    sequences: tuple
+
+    @classmethod
+    def of(cls, side: EnvSide) -> "Stops":
+        """The stops of `side`'s environment and stop ids."""
+        eos = frozenset(int(e) for e in np.atleast_1d(side.eos_ids))
+        ids = frozenset(stop_token_ids(side.tokenizer, side.env))
+        return cls(eos, ids, tuple(side.env.stop_sequences))
+
+
+def _after_turn(rows: _Rows, b, ids, logp, limit, stops: Stops, tokenizer) -> bool:
     """Record row b's new tokens; True when its turn ended on a whole stop sequence."""
     rows.write(b, ids, logp)
     rows.cur[b] += tokenizer.decode(list(ids))
     last = int(ids[-1]) if len(ids) else -1
     room = rows.used[b] < rows.tokens.shape[1]
-    if last in eos or not room:
+    if last in stops.eos or not room:
         rows.live[b], rows.turns[b] = False, rows.turns[b] + 1
         return False
-    if last in stop_ids and any(rows.cur[b].endswith(s) for s in env.stop_sequences):
+    if last in stops.ids and any(rows.cur[b].endswith(s) for s in stops.sequences):
         return True
-    if last in stop_ids and len(ids) < limit:
+    if last in stops.ids and len(ids) < limit:
         return False  # a stop token without its whole sequence: the turn goes on
     rows.live[b], rows.turns[b] = False, rows.turns[b] + 1  # the turn's token limit
     return False
@@ -235,15 +261,14 @@ class EpisodePrompts(NamedTuple):
 
 
 def run_episodes(
-    turns: Callable, spec: RolloutSpec, env: Environment, pool: EnvPool, tokenizer,
-    prompts: EpisodePrompts, key, eos_ids,
-) -> Episodes:  # fmt: skip
-    """B episodes: model turns by `turns` (Reprefill or KeptKV), replies by `pool`."""
+    turns: Callable, spec: RolloutSpec, side: EnvSide, prompts: EpisodePrompts, key
+) -> Episodes:
+    """B episodes: model turns by `turns` (Reprefill or KeptKV), replies by `side.pool`."""
     prompt_BT, prompt_len_B, answers = prompts
+    env, tokenizer = side.env, side.tokenizer
     B = prompt_BT.shape[0]
     N, T = spec.max_new_tokens, spec.rollout.turn_tokens or spec.max_new_tokens
-    eos = {int(e) for e in np.atleast_1d(eos_ids)}
-    stop_ids = set(stop_token_ids(tokenizer, env))
+    stops = Stops.of(side)
     rows, prefill = _Rows(B, N), 0
     texts = [tokenizer.decode(list(prompt_BT[b, : prompt_len_B[b]])) for b in range(B)]
     for call in range(4 * spec.rollout.max_turns * max(1, -(-N // T))):  # a bound, never reached
@@ -256,11 +281,11 @@ def run_episodes(
         for b in np.flatnonzero(rows.live):
             n = int(g.lengths[b])
             ids, logp = g.tokens[b, :n], g.logprobs[b, :n]
-            if _after_turn(rows, b, ids, logp, limit_B[b], eos, stop_ids, env, tokenizer):
+            if _after_turn(rows, b, ids, logp, limit_B[b], stops, tokenizer):
                 calls.append(int(b))
         if calls:
             eps = [_episode(rows, b, texts[b], answers[b]) for b in calls]
-            _answer(rows, calls, pool.map(env, eps), tokenizer, spec, env)
+            _answer(rows, calls, side.pool.map(env, eps), tokenizer, spec, env)
     return Episodes(
         rows.tokens, rows.logp, rows.act, rows.used, rows.env_reward, rows.turns,
         rows.calls, rows.errors, prefill,

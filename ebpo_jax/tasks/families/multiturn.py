@@ -42,9 +42,8 @@ def make_episode_evaluator(spec: TaskSpec, task: Task, problems, reward_fn):
                 sl = slice(lo, lo + ev.run.eval_batch_size)
                 key = jax.random.fold_in(jax.random.key(ev.run.seed), c)
                 prompts = episodes.EpisodePrompts(prompt_BT[sl], plen_B[sl], answers[sl])
-                ep = episodes.run_episodes(
-                    turns(), ro, task.env, pool, tok, prompts, key, task.stop_ids
-                )
+                side = episodes.EnvSide(task.env, pool, tok, task.stop_ids)
+                ep = episodes.run_episodes(turns(), ro, side, prompts, key)
                 r = np.asarray(reward(ep.tokens, ep.lengths, ans_BA[sl], alen_B[sl]))
                 scores.append(r + ep.env_reward)
         return {"heldout": float(np.concatenate(scores).mean())}
