@@ -88,8 +88,18 @@ def _sample(spec: RolloutSpec, model_config, stop_ids, mesh, params, b, rng):
     return jax.tree.map(lambda x: x.reshape(P * spec.group_size, *x.shape[2:]), gen)
 
 
-def _one_round(spec: RolloutSpec, sample, reward_fn, cluster_ids_fn, params, batch, r, rng):
+class Round(NamedTuple):
+    """How a round draws and scores its prompts, built once per rollout function."""
+
+    spec: RolloutSpec
+    sample: Callable  # (params, PromptBatch, rng) -> Generation
+    reward_fn: RewardFn | None  # None: a host reward fills the rewards in
+    cluster_ids_fn: ClusterFn
+
+
+def _one_round(how: Round, params, batch, r, rng):
     """Round r's P prompts (rows r*P .. r*P+P-1 of `batch`) sampled and, if jittable, scored."""
+    spec, sample, reward_fn, cluster_ids_fn = how
     P, G, N = spec.prompts, spec.group_size, spec.max_new_tokens
     b = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, r * P, P, axis=0), batch)
     gen = sample(params, b, jax.random.fold_in(rng, r))
@@ -154,7 +164,7 @@ def make_round_fn(spec: RolloutSpec, model_config, stop_ids, cluster_ids_fn: Clu
     """round(params, batch, r, rng) -> round r's Rollout (rows r*P .. r*P+P-1 of the batch,
     key fold_in(rng, r)), rewards 0: DAPO's refill rounds when the host scores them."""
     sample = functools.partial(_sample, spec, model_config, stop_ids, mesh)
-    return functools.partial(_one_round, spec, sample, None, cluster_ids_fn)
+    return functools.partial(_one_round, Round(spec, sample, None, cluster_ids_fn))
 
 
 def make_rollout_fn(
@@ -174,7 +184,7 @@ def make_rollout_fn(
     with DAPO's dynamic sampling that is round 0 alone (trainer/refill.py runs the others).
     """
     sample = functools.partial(_sample, spec, model_config, stop_ids, mesh)
-    one_round = functools.partial(_one_round, spec, sample, reward_fn, cluster_ids_fn)
+    one_round = functools.partial(_one_round, Round(spec, sample, reward_fn, cluster_ids_fn))
 
     def rollout(params, batch, rng) -> Rollout:
         if batch.prompt_tokens.shape[0] != spec.batch_prompts:
