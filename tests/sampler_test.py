@@ -277,6 +277,18 @@ def test_bucket_sizes_cover_every_live_count():
     assert engine.bucket_sizes(5, 1) == [5]
 
 
+def test_a_calls_programs_share_one_hashable_static_call():
+    """Equal calls are equal static arguments (a program compiles once per shape); a live
+    bucket's call differs from its call only in the plan's slots."""
+    spec = sampler.SamplerSpec(max_new_tokens=N, num_samples=2, slots=4)
+    first, again = (sampler.Session(CONFIG, spec).programs(4, 6) for _ in range(2))
+    call = first["decode"].call
+    assert {p.call for p in first.values()} == {call} and call.plan.slots == 4
+    assert again["decode"].call == call and hash(again["decode"].call) == hash(call)
+    bucket = call.with_slots(2)
+    assert bucket.plan == call.plan._replace(slots=2) and bucket[:2] == call[:2]
+
+
 def sampled_reference(params, gen, rng, prompts, lengths, num_samples, sampling):
     """Each row's tokens re-drawn from a full forward pass with fold_in(rng, row, token) keys."""
     tokens, gen_len = np.asarray(gen.tokens), np.asarray(gen.lengths)
