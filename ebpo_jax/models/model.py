@@ -128,9 +128,9 @@ class LayerModules(NamedTuple):
     ffn: nnx.Module
 
 
-def _block_step(config, layer: LayerModules, x_BTD, rope, attend, mask_BT=None, replay_BTk=None):
+def _block_step(config, modules: LayerModules, x_BTD, rope, attend, mask_BT=None, replay_BTk=None):
     """One layer: (x, route); `attend(attn, q, k, v) -> [B, T, D]` mixes the new q/k/v."""
-    block, ffn = layer
+    block, ffn = modules
     q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), *rope)
     x_BTD = x_BTD + attend(block.attn, q_BTHd, k_BTKd, v_BTKd)
     h_BTD = block.mlp_norm(x_BTD)
