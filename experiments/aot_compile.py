@@ -79,9 +79,8 @@ def main(argv):
             _TOPOLOGY.value,
             prompt_len=_PROMPT_LEN.value,
             sampler_prompts=prompts or None,
-            update_only=_UPDATE_ONLY.value,
+            programs="none" if _ESTIMATE_ONLY.value else "update" if _UPDATE_ONLY.value else "all",
             generated_per_kept=_GENERATED_PER_KEPT.value,
-            estimate_only=_ESTIMATE_ONLY.value,
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
         if aot_report.is_resource_exhausted(e):

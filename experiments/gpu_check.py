@@ -158,7 +158,7 @@ def _update_fn(config, P, G, Tp, N):
 
     def loss_fn(params, prompt, plen, comp, clen):
         _, h_BND = models.forward_grouped(
-            config, params, prompt, plen, comp, comp_len_B=clen, return_hidden=True
+            config, params, models.GroupedRows(prompt, plen, comp, clen), return_hidden=True
         )
         w_DV = models.output_embedding(config, params)
         logp = losses.logprobs_from_hidden(h_BND, w_DV, comp, chunk_size=min(N, 512))

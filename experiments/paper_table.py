@@ -2,7 +2,7 @@
 
   python experiments/paper_table.py --reports=results/aot_tpu/paper
 
-For each cell: the Pass@1 it reproduces, the step estimate (aot.run with estimate_only: no
+For each cell: the Pass@1 it reproduces, the step estimate (aot.run with programs="none": no
 compile; DAPO's rows include the refill at --generated_per_kept) and, when `--reports` holds
 `<model>_<method>_g<G>.json` from experiments/aot_compile.py, its compiled peak per chip.
 Prints a Markdown table.
@@ -66,8 +66,8 @@ def main(argv):
             spec,
             _TOPOLOGY.value,
             prompt_len=4096,
+            programs="none",
             generated_per_kept=_GENERATED_PER_KEPT.value,
-            estimate_only=True,
             log=lambda *_: None,
         )
         est = meta["step_estimate"]

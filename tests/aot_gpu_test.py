@@ -87,7 +87,7 @@ def test_model_attention_lowers_to_cudnn_flash(attn):
 
     def grouped_loss(params, prompt, plen, comp, clen):
         out_P, out_B = models.forward_grouped(
-            config, params, prompt, plen, comp, comp_len_B=clen, return_hidden=True
+            config, params, models.GroupedRows(prompt, plen, comp, clen), return_hidden=True
         )
         return out_P.sum() + out_B.sum()
 

@@ -47,6 +47,13 @@ def test_unknown_topology_is_a_clear_error_listing_known_names(name):
         aot.chip_topology(name)
 
 
+def test_unknown_programs_is_refused_before_anything_is_built():
+    from ebpo_jax.pods import aot as aot_compile
+
+    with pytest.raises(ValueError, match=r"programs='both': expected one of \('all', 'update'"):
+        aot_compile.run(None, "v5e-4", prompt_len=8, programs="both")
+
+
 @pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3", "qwen3_8b", "llama3_1_8b"])
 def test_parameter_counts_match_the_model(preset):
     mc = models.get_config(preset)

@@ -142,7 +142,7 @@ def test_cudnn_path_grouped_equals_xla_with_gradients(name, cudnn_as_xla):
     def loss(params, attn):
         c = config.replace(attention=attn)
         out_P, out_B = models.forward_grouped(
-            c, params, prompt_PT, plen_P, comp_BN, comp_len_B=clen_B
+            c, params, models.GroupedRows(prompt_PT, plen_P, comp_BN, clen_B)
         )
         return jnp.sum(jnp.where(valid_BN[..., None], out_B * w_BN, 0.0)), (out_P, out_B)
 

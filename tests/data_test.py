@@ -282,7 +282,7 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
         data.Record("the answer is", "5", "r3", topic="b", difficulty=0.9),
     ]
     kw = {"data": Data(max_prompt_len=12, template="plain", order="topic"), "seed": 1}
-    src = math_source.MathPromptSource(records, tok, 2, **kw)
+    src = math_source.MathPromptSource(math_source.Corpus(records), tok, 2, **kw)
     assert src.num_dropped == 1 and [r.id for r in src.records] == ["r0", "r2", "r3"]
     assert src.topic_names == ("a", "b") and src.topic_ids.tolist() == [1, 0, 1]
     b = src.next_batch()
@@ -295,19 +295,26 @@ def test_math_prompt_source_and_host_reward(tiny_tokenizer_path):
     # Resume mid-stream, and refuse a state saved for other records.
     saved = src.state()
     want = src.next_batches(3)
-    again = math_source.MathPromptSource(records, tok, 2, **kw)
+    again = math_source.MathPromptSource(math_source.Corpus(records), tok, 2, **kw)
     again.restore(saved)
     np.testing.assert_array_equal(again.next_batches(3).index, want.index)
-    other = math_source.MathPromptSource(records[::-1], tok, 2, **kw)
+    other = math_source.MathPromptSource(math_source.Corpus(records[::-1]), tok, 2, **kw)
     with pytest.raises(ValueError, match="saved for other records"):
         other.restore(saved)
     with pytest.raises(DataError, match="needs every record's difficulty"):
         math_source.MathPromptSource(
-            [*records, data.Record("solve for x", "1", "nd", topic="a")],
+            math_source.Corpus([*records, data.Record("solve for x", "1", "nd", topic="a")]),
             tok,
             2,
             Data(max_prompt_len=12, order="difficulty", template="plain"),
         )
+    with pytest.raises(ValueError, match="3 topic ids for 4 records"):
+        math_source.Corpus(records, topic_ids=[0, 1, 0])
+    with pytest.raises(DataError, match="no records"):
+        math_source.Corpus([])
+    # Given topic ids follow the records that are kept (the too-long one is dropped).
+    labelled = math_source.MathPromptSource(math_source.Corpus(records, [3, 9, 1, 0]), tok, 2, **kw)
+    assert labelled.topic_ids.tolist() == [3, 1, 0] and len(labelled.topic_names) == 4
 
     # Host reward: completions decoded and checked against each prompt's record answer.
     P, G, N = 2, 2, 4
@@ -420,7 +427,7 @@ def test_math_source_drives_trainer_step(tiny_tokenizer_path):
         for i, (q, a) in enumerate([("what is one plus two", "3"), ("solve for x", "5")] * 2)
     ]
     src = math_source.MathPromptSource(
-        records, tok, 2, Data(max_prompt_len=16, template="plain"), seed=0
+        math_source.Corpus(records), tok, 2, Data(max_prompt_len=16, template="plain"), seed=0
     )
     host_reward = math_source.make_host_reward(src, tok, reward="math", workers=1)
     spec = resolve(c)

@@ -12,7 +12,7 @@ import pytest
 
 from configs import micro
 from ebpo_jax.pods import estimate_check as ec
-from ebpo_jax.pods.aot_report import step_time_estimate
+from ebpo_jax.pods.aot_report import SamplerLayout, step_time_estimate
 from ebpo_jax.pods.hardware import ChipSpec
 from ebpo_jax.spec import resolve
 from ebpo_jax.tasks.protocol import build_task
@@ -67,7 +67,8 @@ def test_the_report_puts_micros_measured_phases_beside_its_estimate():
     chip = ChipSpec("cpu", 1 << 34, 5e10, 1e10, 1, 1)
     lengths = ec.measured_lengths(_rows(), prompt_tokens=5)
     est = ec.estimate(spec, task.model_config, chip, 5, lengths)
-    ref = step_time_estimate(spec, task.model_config, chip, prompt_len=5, shards=1, tp=1,
+    one = SamplerLayout(shards=1, tp=1)
+    ref = step_time_estimate(spec, task.model_config, chip, prompt_len=5, layout=one,
                              lengths=lengths)  # fmt: skip
     assert est["decode_s_before"] == ref["decode_s_before"] > 0
     text = ec.report(ec.measured_phases(_rows()), est, spec, chip)

@@ -144,7 +144,7 @@ def test_grouped_forward_equals_packed_rows_with_gradients(name):
 
     def grouped(params):
         out_P, out_B = models.forward_grouped(
-            config, params, prompt_PT, plen_P, comp_BN, comp_len_B=clen_B
+            config, params, models.GroupedRows(prompt_PT, plen_P, comp_BN, clen_B)
         )
         valid = jnp.arange(N)[None] < clen_B[:, None]
         return jnp.sum(jnp.where(valid[..., None], out_B * w_BN, 0.0)), (out_P, out_B)
@@ -167,9 +167,10 @@ def test_grouped_forward_equals_packed_rows_with_gradients(name):
         lambda a, b: np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4), grads, ref_grads
     )
     with pytest.raises(ValueError, match="not a multiple of the 3 prompts"):
-        models.forward_grouped(config, params, prompt_PT, plen_P, comp_BN[:5])
+        models.forward_grouped(config, params, models.GroupedRows(prompt_PT, plen_P, comp_BN[:5]))
     with pytest.raises(ValueError, match="comp_len_B"):
-        models.forward_grouped(config, params, prompt_PT, plen_P, comp_BN, comp_len_B=clen_B[:3])
+        rows = models.GroupedRows(prompt_PT, plen_P, comp_BN, clen_B[:3])
+        models.forward_grouped(config, params, rows)
 
 
 def test_get_config_errors():

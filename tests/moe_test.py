@@ -159,18 +159,15 @@ def test_forward_grouped_matches_forward_and_replays():
     params = models.init_params(config, jax.random.key(0))
     prompt = jax.random.randint(jax.random.key(1), (1, 5), 0, config.vocab_size)
     comp = jax.random.randint(jax.random.key(2), (2, 4), 0, config.vocab_size)
-    _p_out, c_out, (r_p, r_c) = models.forward_grouped(
-        config, params, prompt, jnp.array([5]), comp, with_router=True
-    )
+    rows = models.GroupedRows(prompt, jnp.array([5]), comp)
+    _p_out, c_out, (r_p, r_c) = models.forward_grouped(config, params, rows, with_router=True)
     full = jnp.concatenate([jnp.repeat(prompt, 2, 0), comp], axis=1)
     ref, route = models.forward(config, params, full, with_router=True)
     np.testing.assert_allclose(c_out, ref[:, 5:], atol=1e-5)
     np.testing.assert_array_equal(r_c["experts"], route["experts"][:, :, 5:])
     np.testing.assert_array_equal(r_p["experts"][:, 0], route["experts"][:, 0, :5])
     # Replaying the recorded experts reproduces the outputs exactly.
-    again = models.forward_grouped(
-        config, params, prompt, jnp.array([5]), comp, routing=(r_p["experts"], r_c["experts"])
-    )
+    again = models.forward_grouped(config, params, rows, routing=(r_p["experts"], r_c["experts"]))
     np.testing.assert_array_equal(again[1], c_out)
 
 

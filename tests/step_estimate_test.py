@@ -71,7 +71,7 @@ def test_static_paged_decode_equals_a_step_by_step_sum():
     hw = aot.CHIPS["v5p"]
     lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
     est = aot.step_time_estimate(
-        _spec(config), mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths
+        _spec(config), mc, hw, prompt_len=16, layout=aot.SamplerLayout(2, 4), lengths=lengths
     )
     cost, rows, block = aot.decode_cost(mc, 4), 16 * 4 // 2, est["paged"]["kernel_block_tokens"]
     assert block == 16 * 4  # pages of 4 tokens, at most 16 pages per kernel block
@@ -101,7 +101,7 @@ def test_dp_attention_paged_decode_equals_a_step_by_step_sum():
     hw = aot.CHIPS["v5p"]
     lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
     est = aot.step_time_estimate(
-        _spec(config), mc, hw, prompt_len=16, shards=2, tp=4, lengths=lengths, dp_attention=True
+        _spec(config), mc, hw, prompt_len=16, layout=aot.SamplerLayout(2, 4, True), lengths=lengths
     )
     split, block = aot.decode_cost(mc, 4), est["paged"]["kernel_block_tokens"]
     rows, group = 16 * 4 // 8, 16 * 4 // 2
@@ -130,7 +130,7 @@ def test_issue_29_slots_table():
     for slots, (blocked, ideal) in table.items():
         est = aot.step_time_estimate(
             _spec(_qwen3_8b_aot(slots, page_size=128)), mc, aot.CHIPS["v5p"], prompt_len=4096,
-            shards=8, tp=4,
+            layout=aot.SamplerLayout(shards=8, tp=4),
         )  # fmt: skip
         assert round(est["decode_s_slots_blocked"]) == blocked
         assert round(est["decode_s_ragged_ideal"]) == ideal

@@ -4,6 +4,7 @@ from ebpo_jax.models.config import PRESETS, ModelConfig, get_config
 from ebpo_jax.models.hf import from_hf, load_tokenizer, to_hf
 from ebpo_jax.models.model import (
     CacheSlots,
+    GroupedRows,
     Segments,
     abstract_params,
     decode_step,
@@ -20,6 +21,7 @@ from ebpo_jax.models.model import (
 __all__ = [
     "PRESETS",
     "CacheSlots",
+    "GroupedRows",
     "ModelConfig",
     "Segments",
     "abstract_params",

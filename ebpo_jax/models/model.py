@@ -120,11 +120,17 @@ def _head(config, params, x_BTD, return_hidden):
     return sharding.constrain(logits_BTV, ("batch", "seq", "act_vocab"), config.sharding_rules)
 
 
-def _block_step(config, block, ffn, x_BTD, rope, attend, mask_BT=None, replay_BTk=None):
-    """One layer: (x, route); `attend(attn, q, k, v) -> [B, T, D]` mixes the new q/k/v.
+class LayerModules(NamedTuple):
+    """One layer's modules: its block (norms, attention) and its feed-forward, the block's MLP
+    or the layer's MoE (then a step also returns the layer's routing, see models/moe.py)."""
 
-    `ffn` is the layer's MLP, or its MoE (then `route` is its routing, see models/moe.py).
-    """
+    block: nnx.Module
+    ffn: nnx.Module
+
+
+def _block_step(config, modules: LayerModules, x_BTD, rope, attend, mask_BT=None, replay_BTk=None):
+    """One layer: (x, route); `attend(attn, q, k, v) -> [B, T, D]` mixes the new q/k/v."""
+    block, ffn = modules
     q_BTHd, k_BTKd, v_BTKd = block.attn.project(block.attn_norm(x_BTD), *rope)
     x_BTD = x_BTD + attend(block.attn, q_BTHd, k_BTKd, v_BTKd)
     h_BTD = block.mlp_norm(x_BTD)
@@ -151,7 +157,7 @@ def _concat(parts):
 def _over_layers(config, params, layer_fn, carry, replay=None):
     """(carry, ys over all layers, routes over sparse layers) by one scan per run of a kind.
 
-    `layer_fn(carry, block, ffn, replay) -> (carry, (y, route))`. A dense model is one run;
+    `layer_fn(carry, LayerModules, replay) -> (carry, (y, route))`. A dense model is one run;
     a mixed MoE one scans each run of consecutive same-kind layers (config.layer_runs),
     slicing its layers out of the all-layer and per-kind stacks. `replay` (a tree of
     [num_sparse_layers, ...] arrays) is sliced the same way for the sparse runs.
@@ -171,7 +177,7 @@ def _over_layers(config, params, layer_fn, carry, replay=None):
         def body(carry, xs, kind=kind):
             block = nnx.merge(block_def, xs["block"])
             ffn = nnx.merge(_ffn_graphdefs(config)[kind], xs["ffn"]) if "ffn" in xs else block.mlp
-            return layer_fn(carry, block, ffn, xs.get("replay"))
+            return layer_fn(carry, LayerModules(block, ffn), xs.get("replay"))
 
         unroll = min(config.scan_unroll, n)
         carry, (y, route) = jax.lax.scan(_remat(config, body), carry, xs, unroll=unroll)
@@ -189,22 +195,19 @@ def _check_replay(config, routing, shape, name="routing"):
     _check_shape(name, routing, (config.num_sparse_layers, *shape, config.num_experts_per_tok))
 
 
-def _layer_scan(
-    config,
-    params,
-    tokens_BT,
-    positions,
-    mask,
-    *,
-    with_kv=False,
-    segments=None,
-    routing=None,
-):
-    """Embedding and the layer scans of `forward`: (x [B, T, D], k/v [L, B, T, K, d], route)."""
-    segment_ids, prefix_ids, slots = (None, None, None) if segments is None else segments
-    _check_tokens(config, tokens_BT)
-    B, T = tokens_BT.shape
-    _check_replay(config, routing, (B, T))
+class _Rows(NamedTuple):
+    """Where `forward`'s tokens sit: positions [B, T] (None = 0..T-1) and which are real,
+    by `mask` [B, T] or packed `segments` (not both; None = every token)."""
+
+    positions: jax.Array | None = None
+    mask: jax.Array | None = None
+    segments: "Segments | None" = None
+
+
+def _check_rows(rows: _Rows, B: int, T: int):
+    """(positions [B, T], mask [B, T] bool, segments' three id arrays) after checking `rows`."""
+    segment_ids, prefix_ids, slots = (None, None, None) if rows.segments is None else rows.segments
+    positions, mask = rows.positions, rows.mask
     positions_BT = jnp.broadcast_to(jnp.arange(T), (B, T)) if positions is None else positions
     if segment_ids is not None:
         if mask is not None:
@@ -222,10 +225,19 @@ def _layer_scan(
     mask_BT = jnp.ones((B, T), bool) if mask is None else mask.astype(bool)
     _check_shape("positions", positions_BT, (B, T))
     _check_shape("mask", mask_BT, (B, T))
+    return positions_BT, mask_BT, (segment_ids, prefix_ids, slots)
+
+
+def _layer_scan(config, params, tokens_BT, rows: _Rows, *, with_kv=False, routing=None):
+    """Embedding and the layer scans of `forward`: (x [B, T, D], k/v [L, B, T, K, d], route)."""
+    _check_tokens(config, tokens_BT)
+    B, T = tokens_BT.shape
+    _check_replay(config, routing, (B, T))
+    positions_BT, mask_BT, (segment_ids, prefix_ids, slots) = _check_rows(rows, B, T)
     rope = rope_cos_sin(config, positions_BT)
     attend = attention.make_attend(config, mask_BT, segment_ids, prefix_ids, slots)
 
-    def layer(x_BTD, block, ffn, replay_BTk):
+    def layer(x_BTD, modules, replay_BTk):
         kv = []
 
         def attend_keeping_kv(attn, q_BTHd, k_BTKd, v_BTKd):
@@ -233,7 +245,7 @@ def _layer_scan(
             return attend(attn, q_BTHd, k_BTKd, v_BTKd)
 
         x_BTD, route = _block_step(
-            config, block, ffn, x_BTD, rope, attend_keeping_kv, mask_BT, replay_BTk
+            config, modules, x_BTD, rope, attend_keeping_kv, mask_BT, replay_BTk
         )
         return x_BTD, ((tuple(kv) if with_kv else None), route)
 
@@ -271,9 +283,8 @@ def forward(
     `with_router` returns (out, route): route["experts"] [sparse layers, B, T, k] compact
     ints and per-layer router stats [sparse layers] ("lb_loss", "load_max", "entropy").
     """
-    x_BTD, _, route = _layer_scan(
-        config, params, tokens_BT, positions, mask, segments=segments, routing=routing
-    )
+    rows = _Rows(positions, mask, segments)
+    x_BTD, _, route = _layer_scan(config, params, tokens_BT, rows, routing=routing)
     out = _head(config, params, x_BTD, return_hidden)
     return (out, route) if with_router else out
 
@@ -294,7 +305,7 @@ def prefill(
         raise ValueError(f"{T} prompt tokens do not fit a cache of {cache_size} slots")
     _check_shape("logits_at", logits_at, (B,))
     x_BTD, (k_LBTKd, v_LBTKd), route = _layer_scan(
-        config, params, tokens_BT, None, mask, with_kv=True
+        config, params, tokens_BT, _Rows(mask=mask), with_kv=True
     )
     x_B1D = jnp.take_along_axis(x_BTD, logits_at.astype(jnp.int32)[:, None, None], axis=1)
     logits_BV = _head(config, params, x_B1D, False)[:, 0]
@@ -311,8 +322,20 @@ def prefill(
     return (logits_BV, cache, route) if with_router else (logits_BV, cache)
 
 
-def _check_grouped(config, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routing):
+class GroupedRows(NamedTuple):
+    """`forward_grouped`'s rows: P prompts [P, Tp] of lengths [P], and B = P x G completions
+    [B, N] (row b continues prompt b // G), comp_len_B [B] masking completion keys (None =
+    all N real)."""
+
+    prompt_PTp: jax.Array
+    prompt_len_P: jax.Array
+    comp_BN: jax.Array
+    comp_len_B: jax.Array | None = None
+
+
+def _check_grouped(config, rows: GroupedRows, routing):
     """ValueError unless forward_grouped's inputs have matching shapes."""
+    prompt_PTp, prompt_len_P, comp_BN, comp_len_B = rows
     _check_tokens(config, prompt_PTp, "prompt_PTp")
     _check_tokens(config, comp_BN, "comp_BN")
     (P, Tp), (B, N) = prompt_PTp.shape, comp_BN.shape
@@ -329,27 +352,24 @@ def _check_grouped(config, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routin
 def forward_grouped(
     config: ModelConfig,
     params,
-    prompt_PTp,
-    prompt_len_P,
-    comp_BN,
+    rows: GroupedRows,
     *,
-    comp_len_B=None,
     return_hidden=False,
     routing=None,
     with_router=False,
 ):
     """Each prompt once, its G = B/P completions attending to it: (prompt out, completion out).
 
-    Row b of comp_BN continues prompt b // G. Equal to `forward` on the packed rows
-    prompt_PTp[p, :len] + comp_BN[b] (completion token n at position len + n), but the
-    prompt's layers run once per group instead of G times. Out: [P, Tp, V] and [B, N, V]
-    logits float32, or final-normed hidden [.., D]. comp_len_B masks completion keys.
+    Equal to `forward` on the packed rows prompt_PTp[p, :len] + comp_BN[b] (completion token
+    n at position len + n), but the prompt's layers run once per group instead of G times.
+    Out: [P, Tp, V] and [B, N, V] logits float32, or final-normed hidden [.., D].
     Attention is cuDNN's where configured, else XLA's (splash only does self-attention).
     Mixture of experts: `routing` = (prompt [sparse layers, P, Tp, k], completion [.., B, N,
     k]) replays recorded experts; `with_router` adds a third output, (prompt route,
     completion route) as `forward`'s.
     """
-    _check_grouped(config, prompt_PTp, prompt_len_P, comp_BN, comp_len_B, routing)
+    _check_grouped(config, rows, routing)
+    prompt_PTp, prompt_len_P, comp_BN, comp_len_B = rows
     (P, Tp), (B, N) = prompt_PTp.shape, comp_BN.shape
     G = B // P
     pos_PT = jnp.broadcast_to(jnp.arange(Tp), (P, Tp))
@@ -361,7 +381,7 @@ def forward_grouped(
     prompt_mask_PT = jnp.arange(Tp)[None] < prompt_len_P[:, None]
     comp_mask_BN = None if comp_len_B is None else jnp.arange(N)[None] < comp_len_B[:, None]
 
-    def layer(carry, block, ffn, replay):
+    def layer(carry, modules, replay):
         xp_PTD, xc_BND = carry
         replay_p, replay_c = (None, None) if replay is None else replay
         prompt_kv = []
@@ -375,7 +395,7 @@ def forward_grouped(
             v_BSKd = jnp.concatenate([prompt_kv[1], v_BNKd], axis=1)
             return attend_c(attn, q_BNHd, k_BSKd, v_BSKd)
 
-        step = functools.partial(_block_step, config, block, ffn)
+        step = functools.partial(_block_step, config, modules)
         xp_PTD, route_p = step(xp_PTD, rope_p, attend_prompt, prompt_mask_PT, replay_p)
         xc_BND, route_c = step(xc_BND, rope_c, attend_comp, comp_mask_BN, replay_c)
         return (xp_PTD, xc_BND), (None, None if route_p is None else (route_p, route_c))
@@ -450,13 +470,13 @@ def split_layers(config: ModelConfig, params) -> tuple:
     return tuple(zip(layers, ffns))
 
 
-def _layer_modules(config, block_def, layer_params, kind):
-    """(block, its feed-forward: MLP or MoE) from one entry of `split_layers`."""
+def _layer_modules(config, block_def, layer_params, kind) -> LayerModules:
+    """One layer's modules from one entry of `split_layers`."""
     if not config.is_moe:
         block = nnx.merge(block_def, layer_params)
-        return block, block.mlp
+        return LayerModules(block, block.mlp)
     block = nnx.merge(block_def, layer_params[0])
-    return block, nnx.merge(_ffn_graphdefs(config)[kind], layer_params[1])
+    return LayerModules(block, nnx.merge(_ffn_graphdefs(config)[kind], layer_params[1]))
 
 
 def decode_step(
@@ -477,10 +497,8 @@ def decode_step(
     experts = []
     # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
     for layer, kind in enumerate(config.layer_kinds):
-        block, ffn = _layer_modules(config, block_def, layers[layer], kind)
-        x_B1D, route = _block_step(
-            config, block, ffn, x_B1D, rope, functools.partial(attend, layer)
-        )
+        modules = _layer_modules(config, block_def, layers[layer], kind)
+        x_B1D, route = _block_step(config, modules, x_B1D, rope, functools.partial(attend, layer))
         if route is not None:
             experts.append(route["experts"][:, 0])
     logits_BV = _head(config, params, x_B1D, False)[:, 0]
@@ -589,7 +607,7 @@ def forward_cached(
     layers = split_layers(config, params) if layers is None else layers
     # A Python loop over layers, not a scan: each layer's cache stays its own buffer.
     for layer, kind in enumerate(config.layer_kinds):
-        block, ffn = _layer_modules(config, block_def, layers[layer], kind)
+        modules = _layer_modules(config, block_def, layers[layer], kind)
 
         def attend(attn, q_BTHd, k_BTKd, v_BTKd, layer=layer):
             # Write the new keys first, then read the updated cache: reading the old cache
@@ -606,7 +624,7 @@ def forward_cached(
             limit = jnp.max(slot_BT) + 1
             return decode.attend_prefix(attn, q_BTHd, k_BKSd, v_BKSd, allowed, limit, kv_block)
 
-        x_BTD, route = _block_step(config, block, ffn, x_BTD, rope, attend)
+        x_BTD, route = _block_step(config, modules, x_BTD, rope, attend)
         if route is not None:
             routes.append(route)
     new_cache = {"k": tuple(new_k), "v": tuple(new_v)}

@@ -19,6 +19,7 @@ from ebpo_jax import sampler
 from ebpo_jax.pods.aot_report import (
     DAPO_GENERATED_PER_KEPT,
     ProgramReport,
+    SamplerLayout,
     is_resource_exhausted,
     mesh_str,
     report_from_compiled,
@@ -226,29 +227,34 @@ def _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept):
     return with_refill(est, generated_per_kept or DAPO_GENERATED_PER_KEPT)
 
 
+# What `run` compiles: everything, the update alone (e.g. for a full vs LoRA memory
+# comparison), or nothing (the step estimate and layout only).
+PROGRAMS = ("all", "update", "none")
+
+
 def run(
     spec: RunSpec,
     topology: str,
     *,
     prompt_len: int,
     sampler_prompts=None,
-    update_only: bool = False,
+    programs: str = "all",
     generated_per_kept: float | None = None,
-    estimate_only: bool = False,
     log=print,
 ):
     """Compile update, weight reshard (onto the spec's sampler mesh) and sampler prefill/decode
-    (`update_only`: the update alone, e.g. for a full vs LoRA memory comparison) for a spec
-    from `resolve_for`. With a disjoint sampler mesh the weight move is a cast on the
-    trainer's slice and a device-to-device copy, not one compiled program.
+    (or fewer, by `programs`: one of PROGRAMS) for a spec from `resolve_for`. With a disjoint
+    sampler mesh the weight move is a cast on the trainer's slice and a device-to-device
+    copy, not one compiled program.
 
     `generated_per_kept` (DAPO's dynamic sampling only): tokens generated per kept token in
-    the step estimate; None = aot_report.DAPO_GENERATED_PER_KEPT. `estimate_only`: the step
-    estimate and layout, nothing compiled.
+    the step estimate; None = aot_report.DAPO_GENERATED_PER_KEPT.
 
     Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
     report with `error` set and fits=False; other compile errors propagate.
     """
+    if programs not in PROGRAMS:
+        raise ValueError(f"programs={programs!r}: expected one of {PROGRAMS}")
     hw, chip_name, devices = topology_devices(topology)
     chips = math.prod(int(x) for x in chip_name.split(":")[1].split("x"))
     per_chip = max(1, len(devices) // chips)  # v4 topologies list each TensorCore
@@ -263,7 +269,7 @@ def run(
     estimate = _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept)
     meta = {"step_estimate": estimate, "topology": topology, "chip_topology": chip_name}
     meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
-    if estimate_only:
+    if programs == "none":
         return reports, meta
     step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
     attempt(
@@ -273,8 +279,8 @@ def run(
         epochs,
         lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
     )
-    if update_only:
-        log("update_only: no weight move or sampler programs compiled")
+    if programs == "update":
+        log("programs=update: no weight move or sampler programs compiled")
         return reports, meta
     # The loop's own weight move (trainer/policy.py decides LoRA merge, cast and reshard).
     abstract_params = step.pieces.weights.programs(state, _compiler(attempt))
@@ -331,10 +337,8 @@ def _estimate(spec, mc, hw, s_mesh, prompt_len):
 
     shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
-    dp = spec.rollout.sampler.dp_attention
-    return step_time_estimate(
-        spec, mc, hw, prompt_len=prompt_len, shards=shards, tp=tp, dp_attention=dp
-    )
+    layout = SamplerLayout(shards, tp, spec.rollout.sampler.dp_attention)
+    return step_time_estimate(spec, mc, hw, prompt_len=prompt_len, layout=layout)
 
 
 def _layout_meta(spec, mc, devices, meshes, prompt_len):

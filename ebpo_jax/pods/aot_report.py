@@ -595,10 +595,18 @@ def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
     return sum(c["decode_s"] for c in paged), paged[0] | meta
 
 
+class SamplerLayout(NamedTuple):
+    """How the sampler mesh splits a call's rows: `shards` data shards of `tp` chips each;
+    with `dp_attention` the paged engine's rows and pages are split over shards x tp."""
+
+    shards: int
+    tp: int = 1
+    dp_attention: bool = False
+
+
 def step_time_estimate(
-    run_spec, mc, spec, *, prompt_len, shards, tp, lengths=None, block=256,
-    dp_attention=False,
-):  # fmt: skip
+    run_spec, mc, spec, *, prompt_len, layout: SamplerLayout, lengths=None, block=256
+):
     """Seconds per RL step (decode and update), for today's samplers and the paged engine.
 
     before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
@@ -607,9 +615,10 @@ def step_time_estimate(
     longest live row). after: the paged engine (`sampler.slots` rows at once, pages of
     `sampler.page_size`, a pool of `sampler.kv_pages`) with the ragged kernel, and the packed
     update over the real tokens. ASSUMPTIONS (also in the output) say what is modelled.
-    `shards` are the data shards; with dp_attention the paged engine's rows and pages are
-    split over shards x tp (before and slots_blocked keep heads split over tp).
+    `layout.dp_attention` splits only the paged engine's rows over shards x tp (before and
+    slots_blocked keep heads split over tp).
     """
+    shards, tp, dp_attention = layout
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
     cost = decode_cost(mc, tp)

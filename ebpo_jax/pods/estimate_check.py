@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from ebpo_jax.pods.aot_report import Lengths, step_time_estimate
+from ebpo_jax.pods.aot_report import Lengths, SamplerLayout, step_time_estimate
 from ebpo_jax.pods.hardware import ChipSpec
 
 # The estimate's terms beside the phase each one predicts (the static sampler unless slots).
@@ -90,8 +90,8 @@ def measured_lengths(rows: list[dict], prompt_tokens: int) -> Lengths:
 
 def estimate(spec, mc, chip: ChipSpec, prompt_len: int, lengths: Lengths) -> dict:
     """step_time_estimate on one data shard and no tp (the run's own mesh: one device)."""
-    return step_time_estimate(spec, mc, chip, prompt_len=prompt_len, shards=1, tp=1,
-                              lengths=lengths)  # fmt: skip
+    one = SamplerLayout(shards=1, tp=1)
+    return step_time_estimate(spec, mc, chip, prompt_len=prompt_len, layout=one, lengths=lengths)
 
 
 def _used(spec) -> dict[str, str]:

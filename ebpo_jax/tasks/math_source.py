@@ -27,37 +27,48 @@ from ebpo_jax.tasks import PromptBatch
 from ebpo_jax.tasks.synthetic import BatchStream
 
 
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    """Records and their cluster ids (`topic_ids`, aligned with `records`, e.g. k-means
+    labels; None = the records' own `topic` field)."""
+
+    records: Sequence[Record]
+    topic_ids: Sequence[int] | None = None
+
+    def __post_init__(self):
+        if not self.records:
+            raise DataError("no records to draw prompts from")
+        if self.topic_ids is not None and len(self.topic_ids) != len(self.records):
+            raise ValueError(f"{len(self.topic_ids)} topic ids for {len(self.records)} records")
+
+
 class MathPromptSource(BatchStream):
-    """Batches of `batch_size` prompts of `records` in `data.order`, resumable, sharded across
-    hosts.
+    """Batches of `batch_size` prompts of the corpus's records in `data.order`, resumable,
+    sharded across hosts.
 
     `data` is the `data` config section (schema.Data): template, chat, system, max_prompt_len,
     on_overflow, order and shuffle_clusters. Prompts over `max_prompt_len` tokens are dropped
-    (counted in `num_dropped`) or raise, by `on_overflow`. Cluster ids come from `topic_ids`
-    (aligned with `records`, e.g. k-means labels) or else from the records' `topic` field;
-    `difficulty` order needs every record's difficulty.
+    (counted in `num_dropped`) or raise, by `on_overflow`. `difficulty` order needs every
+    record's difficulty.
     """
 
     def __init__(
         self,
-        records: Sequence[Record],
+        corpus: Corpus,
         tokenizer: Any,
         batch_size: int,
         data: Data | None = None,
         *,
         seed: int = 0,
-        topic_ids: Sequence[int] | None = None,
         shard: Shard = Shard(),
         chat_kwargs: dict | None = None,
     ):
         data = Data() if data is None else data
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not records:
-            raise DataError("no records to draw prompts from")
         self.batch_size = batch_size
-        kept = self._encode(records, tokenizer, data, chat_kwargs)
-        self._set_topics(records, kept, topic_ids, data.order)
+        kept = self._encode(corpus.records, tokenizer, data, chat_kwargs)
+        self._set_topics(corpus.topic_ids, kept, data.order)
         self.order = RecordOrder(
             len(self.records),
             order=data.order,
@@ -98,11 +109,9 @@ class MathPromptSource(BatchStream):
         )
         return kept
 
-    def _set_topics(self, records, kept, topic_ids, order: str) -> None:
-        """Cluster ids: `topic_ids` (aligned with `records`), else the records' topics."""
+    def _set_topics(self, topic_ids, kept, order: str) -> None:
+        """Cluster ids: the corpus's `topic_ids` of the kept records, else their topics."""
         if topic_ids is not None:
-            if len(topic_ids) != len(records):
-                raise ValueError(f"{len(topic_ids)} topic ids for {len(records)} records")
             self.topic_ids = np.asarray(topic_ids, np.int32)[kept]
             self.topic_names = tuple(str(i) for i in range(int(self.topic_ids.max()) + 1))
         elif any(r.topic is not None for r in self.records) or order == "topic":
@@ -213,13 +222,7 @@ def source_from_config(
     elif c.topics == "none":
         records = [dataclasses.replace(r, topic=None) for r in records]
     source = MathPromptSource(
-        records,
-        tokenizer,
-        batch_size,
-        c,
-        seed=seed,
-        topic_ids=topic_ids,
-        shard=shard,
+        Corpus(records, topic_ids), tokenizer, batch_size, c, seed=seed, shard=shard
     )
     log(
         f"data: {len(source.records)} prompts from {c.path} ({source.num_dropped} over "

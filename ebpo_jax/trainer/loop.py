@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -318,7 +319,7 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
         out = _Log(spec, first, extra, policy, state, task.evaluate, log)
         if first < spec.run.total_steps:
             out.bar.compiling()
-        step, stopped = _loop(spec, task, runner, state, ckpt, out, stop_after, watch)
+        step, stopped = _loop(spec, task, runner, state, _Host(ckpt, out, watch), stop_after)
         if step == first:  # nothing left to train: `state` is the run's last one (not donated)
             out.final_eval(step, lambda: runner.policy(state))
     finally:
@@ -343,12 +344,22 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     }
 
 
-def _loop(spec: RunSpec, task: Task, runner, state, ckpt, out: _Log, stop_after, watch):
+class _Host(NamedTuple):
+    """What the loop reports to, built once by `_run`: the checkpointer, the log (metrics rows,
+    progress bar, evaluations) and the watchdog, which hears each phase."""
+
+    ckpt: Checkpointer
+    out: _Log
+    watch: watchdog_lib.Watchdog
+
+
+def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
     """Steps until total_steps or a stop; returns (step reached, stopped early).
 
-    `watch` (a watchdog.Watchdog) hears each phase; the runner's phase times and the
-    previous step's checkpoint time go into each step's row (`phase/<name>_s`).
+    The runner's phase times and the previous step's checkpoint time go into each step's row
+    (`phase/<name>_s`).
     """
+    ckpt, out, watch = host
     step = first = int(state.step)
     stopped = False
     log = out.bar.write

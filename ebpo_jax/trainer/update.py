@@ -73,10 +73,7 @@ def completion_logprobs(
         out = models.forward_grouped(
             model_config,
             params,
-            prompt_PTp,
-            prompt_len_P,
-            comp_BN,
-            comp_len_B=comp_len_B,
+            models.GroupedRows(prompt_PTp, prompt_len_P, comp_BN, comp_len_B),
             return_hidden=True,
             routing=_replay_layout(routing),
             **router,
