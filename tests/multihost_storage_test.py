@@ -94,7 +94,7 @@ def test_a_local_workdir_the_hosts_do_not_share_is_refused_in_one_line(tmp_path)
 
 
 def _rows(workdir):
-    keep = lambda k: not k.startswith("perf/") or "tokens_total" in k
+    keep = lambda k: not k.startswith(("perf/", "phase/")) or "tokens_total" in k
     return [{k: v for k, v in r.items() if keep(k)} for r in metrics.read_metrics(workdir)]
 
 

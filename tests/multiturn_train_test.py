@@ -31,7 +31,7 @@ def _config(workdir):
 def _rows(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f]
-    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "phase/"))} for r in rows]
 
 
 @pytest.mark.slow  # three short multi-turn runs, each compiling its sampler and update

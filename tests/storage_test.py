@@ -196,7 +196,7 @@ _micro = micro_config
 
 
 def _rows(workdir):
-    keep = lambda k: not k.startswith("perf/") or "tokens_total" in k
+    keep = lambda k: not k.startswith(("perf/", "phase/")) or "tokens_total" in k
     return [{k: v for k, v in r.items() if keep(k)} for r in metrics.read_metrics(workdir)]
 
 
