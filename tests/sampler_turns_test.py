@@ -97,5 +97,5 @@ def test_sharded_turns_equal_unsharded(params, tp, dp_attention):
     placed = sharding.param_shardings(CONFIG, params, mesh) if tp == 2 else NamedSharding(mesh, P())
     p = jax.device_put(params, placed)
     (_, _, got), _, _ = _session(p, mesh=mesh, dp_attention=dp_attention)
-    for a, b in zip(want, got):
+    for a, b in zip(want[:3], got[:3]):  # tokens, lengths, log-probs (stats are per shard)
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
