@@ -43,7 +43,7 @@ def _rules():
 
 def get_config(variant=None):
     c = load_sibling(__file__, "qwen3_8b.py").recipe("qwen3_8b", variant)
-    c.workdir = "/tmp/ebpo_jax/qwen3_8b_32k"
+    c.workdir = "runs/qwen3_8b_32k"
     c.data.max_prompt_len = PROMPT_LEN
     c.sampler.max_new_tokens = RESPONSE_LEN
     c.sampler.slots = SLOTS

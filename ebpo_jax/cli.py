@@ -81,6 +81,8 @@ def define_config(name: str, default: str, help_string: str):
     from absl import flags
     from ml_collections import config_flags
 
+    if name in flags.FLAGS:  # a second entry point imported into one process (tests): share it
+        return flags.FlagHolder(flags.FLAGS, flags.FLAGS[name])
     flags.DEFINE_bool(
         f"list_{name}",
         False,
