@@ -39,6 +39,29 @@ def test_the_auto_deadline_waits_out_the_compiling_steps_then_follows_them():
     assert wd.auto_deadline([100.0, 70.0, 30.0]) == 700.0  # 10 x the slowest later one
 
 
+def test_a_phase_first_run_after_the_warm_up_gets_the_compile_deadline_then_its_own(
+    tmp_path, monkeypatch
+):
+    """The first evaluation (compiles, scores a whole held-out set) is not held to the steps'
+    deadline; later ones get 10 x the slowest earlier evaluation when that is longer."""
+    clock = [0.0]
+    monkeypatch.setattr(wd.time, "monotonic", lambda: clock[0])
+    dog = wd.Watchdog(0, str(tmp_path))
+    for step in range(wd.WARMUP_STEPS):
+        dog.step_done(step + 1, 1.0)
+    dog.enter("log")
+    assert dog.deadline_s("log") == wd.FIRST_DEADLINE_S
+    clock[0] += 2.0
+    dog.enter("evaluate")
+    assert dog.deadline_s("log") == wd.MIN_DEADLINE_S  # max(600, 10 x 2 s)
+    assert dog.deadline_s("evaluate") == wd.FIRST_DEADLINE_S
+    clock[0] += 900.0  # one slow evaluation
+    dog.idle()
+    assert dog.deadline_s("evaluate") == 9000.0
+    dog.fixed = 30.0  # run.step_timeout_s set: the same for every phase
+    assert dog.deadline_s("evaluate") == dog.deadline_s("never_run") == 30.0
+
+
 def _fired(tmp_path, timeout_s, monkeypatch):
     """A watchdog past its warm-up whose phase outlives `timeout_s`: (exit status, stderr)."""
     err, status = io.StringIO(), []

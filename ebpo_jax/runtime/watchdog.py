@@ -11,7 +11,9 @@ normal exit would block again in jax.distributed's shutdown barrier.
 The deadline: `FIRST_DEADLINE_S` (1 h) while the first `WARMUP_STEPS` (3) calls of the
 runner run (they compile), then `run.step_timeout_s` seconds per phase, or with 0 (auto)
 max(`MIN_DEADLINE_S` (600 s), 2 x the first call's wall time, 10 x the slowest of the
-other warm-up calls). On a multi-host run every process runs its own watchdog, so a
+other warm-up calls, 10 x the slowest earlier run of the same phase); a phase's first run
+after the warm-up (the first evaluation, which compiles its sampler and may score far more
+answers than a step) has `FIRST_DEADLINE_S` too. On a multi-host run every process runs its own watchdog, so a
 stopped or dead peer ends every surviving process within one deadline of the last progress.
 """
 
@@ -76,28 +78,43 @@ class Watchdog:
         self.fixed = float(timeout_s) if timeout_s else None
         self.dump_path = os.path.join(workdir, f"hang-p{process}.txt")
         self.step_times: list[float] = []
+        self.phase_times: dict[str, list[float]] = {}  # each phase's finished runs (auto)
         self.step: int | None = None
         self._exit, self._poll = exit_fn, poll_s
         self._phase: str | None = None
+        self._started = 0.0
         self._deadline = float("inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="step-watchdog", daemon=True)
 
-    def deadline_s(self) -> float:
-        """The current per-phase deadline in seconds: FIRST_DEADLINE_S while the warm-up
-        steps compile, then the fixed one, or auto_deadline."""
-        if self.fixed is None or len(self.step_times) < WARMUP_STEPS:
-            return auto_deadline(self.step_times)
-        return self.fixed
+    def deadline_s(self, phase: str | None = None) -> float:
+        """`phase`'s deadline in seconds: FIRST_DEADLINE_S while the warm-up steps compile,
+        then the fixed one, or auto (FIRST_DEADLINE_S for a phase's first run)."""
+        if len(self.step_times) < WARMUP_STEPS:
+            return FIRST_DEADLINE_S
+        if self.fixed is not None:
+            return self.fixed
+        earlier = self.phase_times.get(phase) if phase is not None else [0.0]
+        if not earlier:
+            return FIRST_DEADLINE_S
+        return max(auto_deadline(self.step_times), 10.0 * max(earlier))
 
     def enter(self, phase: str) -> None:
         """`phase` starts now; its deadline runs from here."""
-        self._phase = phase
-        self._deadline = time.monotonic() + self.deadline_s()
+        self._finish()
+        self._phase, self._started = phase, time.monotonic()
+        self._deadline = self._started + self.deadline_s(phase)
 
     def idle(self) -> None:
         """No phase runs (nothing to watch) until the next `enter`."""
+        self._finish()
         self._phase, self._deadline = None, float("inf")
+
+    def _finish(self) -> None:
+        """Record the running phase's wall time (the next auto deadline of that phase)."""
+        if self._phase is not None:
+            took = time.monotonic() - self._started
+            self.phase_times.setdefault(self._phase, []).append(took)
 
     def step_done(self, done: int, seconds: float) -> None:
         """`done` steps are complete; the runner's call that ended them took `seconds`."""
@@ -118,7 +135,7 @@ class Watchdog:
         self._thread.join()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(self._poll, max(self.deadline_s() / 10, 0.05))):
+        while not self._stop.wait(min(self._poll, max(self.deadline_s(self._phase) / 10, 0.05))):
             phase = self._phase
             if phase is not None and time.monotonic() > self._deadline:
                 self.fire(phase)
@@ -129,7 +146,7 @@ class Watchdog:
         where = f"after step {self.step}" if self.step is not None else "in the first step"
         dumped = self._dump()
         line = (
-            f"error: no progress for {self.deadline_s():.0f} s in phase {phase} {where} "
+            f"error: no progress for {self.deadline_s(phase):.0f} s in phase {phase} {where} "
             f"(run.step_timeout_s={self.fixed or 0:g}"
             f"{'' if self.fixed else ', auto'}): a hung collective, a stopped or dead peer "
             f"process, or a stuck save; every thread's stack: {dumped}"

@@ -83,7 +83,11 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
     workdir_lib.check_shared(spec.workdir)  # multi-host: a local workdir every host sees
     defaults = default_config().to_dict()  # fields added since a run was saved keep these
-    lock = workdir_lib.prepare_workdir(spec, log=log, write_config=False, defaults=defaults) if main else None
+    lock = (
+        workdir_lib.prepare_workdir(spec, log=log, write_config=False, defaults=defaults)
+        if main
+        else None
+    )
     task = None
     try:
         mesh = make_mesh(spec.mesh)
@@ -178,6 +182,12 @@ class _Log:
             row.update({f"eval/{name}/pass@1": v for name, v in per_set.items()})
         return row
 
+    def evaluates(self, step: int) -> bool:
+        """Whether the rows up to `step` end with an evaluation."""
+        run = self.spec.eval.run
+        due = step % run.eval_every == 0 or step == self.spec.run.total_steps
+        return due and self.evaluate is not None
+
     def rows(self, first_step: int, metrics, times: dict, dt: float, policy) -> list[dict]:
         """Write one row per step of a K-step call; eval on its last step when due."""
         rows = _to_host(metrics)
@@ -190,8 +200,7 @@ class _Log:
             row.update(times)
             row.update({"perf/step_time_s": dt, "perf/tokens_per_s": row["perf/step_tokens"] / dt})
             # eval_every and total_steps are multiples of K: this is the call's last step.
-            due = step % self.spec.eval.run.eval_every == 0 or step == self.spec.run.total_steps
-            if due and self.evaluate is not None:
+            if self.evaluates(step):
                 self.eval_row(policy(), row, step)
                 if step == self.spec.run.total_steps and distributed.is_main_process():
                     write_per_problem(self.evaluate, self.spec.workdir)
@@ -378,7 +387,7 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
             dt = (time.perf_counter() - t0) / spec.run.steps_per_jit
             trace.after(step + spec.run.steps_per_jit)
             watch.step_done(step + spec.run.steps_per_jit, dt * spec.run.steps_per_jit)
-            watch.enter("evaluate")  # and the metrics rows
+            watch.enter("evaluate" if out.evaluates(step + spec.run.steps_per_jit) else "log")
             times = {**times, **timer.take()}
             rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
             step += len(rows)
