@@ -215,14 +215,9 @@ def _seq_log_ratio(logp_BT, old_logp_BT, mask_BT):
 
 @register("ppo")
 def ppo(
-    logp_BT: jax.Array,
-    old_logp_BT: jax.Array,
-    adv_BT: jax.Array,
-    mask_BT: jax.Array,
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
     **_: object,
 ) -> Surrogate:
     """PPO: token ratio pi/pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher)."""
@@ -234,14 +229,9 @@ def ppo(
 
 @register("gspo")
 def gspo(
-    logp_BT: jax.Array,
-    old_logp_BT: jax.Array,
-    adv_BT: jax.Array,
-    mask_BT: jax.Array,
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
     **_: object,
 ) -> Surrogate:
     """GSPO (Zheng et al. 2025): the sequence ratio s_i (geometric mean of the token ratios)
@@ -260,14 +250,9 @@ def gspo(
 
 @register("gspo_token")
 def gspo_token(
-    logp_BT: jax.Array,
-    old_logp_BT: jax.Array,
-    adv_BT: jax.Array,
-    mask_BT: jax.Array,
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
     **_: object,
 ) -> Surrogate:
     """GSPO-token: per-token ratio sg[s_i] * pi / sg[pi], so each token carries its own
@@ -284,14 +269,9 @@ def gspo_token(
 
 @register("cispo")
 def cispo(
-    logp_BT: jax.Array,
-    old_logp_BT: jax.Array,
-    adv_BT: jax.Array,
-    mask_BT: jax.Array,
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
     **_: object,
 ) -> Surrogate:
     """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi.
@@ -331,14 +311,9 @@ def _first(k, score_BT, eligible_BT):
 
 @register("clip_cov", draws=True)
 def clip_cov(
-    logp_BT: jax.Array,
-    old_logp_BT: jax.Array,
-    adv_BT: jax.Array,
-    mask_BT: jax.Array,
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
+    clip_low: float, clip_high: float, dual_clip: float | None = None,
     cov: CovOptions,
     noise_BT: jax.Array | None,
 ) -> Surrogate:
@@ -366,10 +341,7 @@ def clip_cov(
 
 @register("kl_cov")
 def kl_cov(
-    logp_BT: jax.Array,
-    old_logp_BT: jax.Array,
-    adv_BT: jax.Array,
-    mask_BT: jax.Array,
+    logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
     cov: CovOptions,
     **_: object,
