@@ -1,4 +1,6 @@
-"""Synthetic verifiable arithmetic tasks: problems, a char tokenizer, exact-answer rewards, batching."""
+"""What a run trains on: the task protocol and registry (`protocol.py`), the families
+(`families/`), environments (`envs/`), the math records' prompt source (`math_source.py`), and
+the synthetic tasks re-exported here: problems, a char tokenizer, exact-answer rewards, batching."""
 
 from ebpo_jax.tasks.arithmetic import (
     DIFFICULTIES,
