@@ -72,7 +72,11 @@ def _rows(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f]
     return [
-        {k: v for k, v in r.items() if not k.endswith(("_time_s", "_per_s", "overlap_s"))}
+        {
+            k: v
+            for k, v in r.items()
+            if not k.endswith(("_time_s", "_per_s", "overlap_s")) and not k.startswith("phase/")
+        }
         for r in rows
     ]
 

@@ -24,10 +24,7 @@ def _grad_fn(model_config, B):
 
     def loss_fn(params, mb, denom):
         if mb.packed is None:
-            args = (mb.prompt_tokens, mb.prompt_lengths, mb.tokens.reshape(B, N))
-            out = completion_logprobs(
-                model_config, params, *args, mb.lengths.reshape(B), with_entropy=True
-            )
+            out = completion_logprobs(model_config, params, mb, with_entropy=True)
         else:
             out = packing.packed_completion_logprobs(
                 model_config, params, mb.packed, slots=(B, N), with_entropy=True, chunk_size=8

@@ -398,6 +398,7 @@ def test_packed_update_with_routing_replay_equals_the_padded_one():
     def update(budget):
         c = default_config()
         c.prompts_per_step, c.group_size, c.sampler.max_new_tokens = P, G, N
+        c.model.preset = "tiny_moe"  # the checks ask the config's model: an MoE one
         c.model.moe.routing_replay = True
         c.loss.tokens_per_microbatch = budget
         spec = resolve(c)

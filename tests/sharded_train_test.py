@@ -98,7 +98,10 @@ def _metric_rows(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     timing = ("_time_s", "tokens_per_s")
-    return [{k: v for k, v in r.items() if not k.endswith(timing)} for r in rows]
+    return [
+        {k: v for k, v in r.items() if not k.endswith(timing) and not k.startswith("phase/")}
+        for r in rows
+    ]
 
 
 @pytest.mark.slow  # ~2.5 min on an idle 2-core CPU: three short runs, each compiling its programs

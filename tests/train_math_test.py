@@ -90,7 +90,7 @@ def _quiet(*_):
 
 def _rows(workdir):
     return [
-        {k: v for k, v in r.items() if not k.startswith("perf/") or "total" in k}
+        {k: v for k, v in r.items() if not k.startswith(("perf/", "phase/")) or "total" in k}
         for r in read_metrics(str(workdir))
     ]
 

@@ -279,7 +279,7 @@ def _rows(workdir):
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f]
     return [
-        {k: v for k, v in r.items() if not k.startswith("perf/") or "tokens_total" in k}
+        {k: v for k, v in r.items() if not k.startswith(("perf/", "phase/")) or "tokens_total" in k}
         for r in rows
     ]
 
