@@ -224,63 +224,73 @@ def throughput(quick):
     if not on_gpu():
         return "SKIP", "needs a GPU (tokens/s and MFU against the card's peak)"
     import jax
-    import numpy as np
 
-    from ebpo_jax import models, sampler
-    from ebpo_jax.pods import aot_report
+    from ebpo_jax import models
 
-    gpu = card()
     config = models.get_config("qwen3_0_6b", dtype="bfloat16", param_dtype="bfloat16")
     config = config.replace(attention="auto", remat="full")
     params = models.init_params(config, jax.random.key(0))
-    m = aot_report.matmul_params(config)
-    lines = []
-    # Decode: 256 rows, 512 prompt + 512 new tokens (no EOS: every row decodes every step).
+    gpu = card()
+    lines = [_decode_line(config, params, quick, gpu), _update_line(config, params, quick, gpu)]
+    return "OK", "; ".join(lines)
+
+
+def _timed(fn) -> float:
+    """Seconds of fn's second call (the first compiles)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn())
+    return time.perf_counter() - t0
+
+
+def _decode_line(config, params, quick, gpu) -> str:
+    """Decode: 256 rows, 512 prompt + 512 new tokens (no EOS: every row decodes every step)."""
+    import jax
+    import numpy as np
+
+    from ebpo_jax import sampler
+    from ebpo_jax.pods import aot_report
+
     B, Tp, N = (64, 256, 256) if quick else (256, 512, 512)
     prompts = np.random.default_rng(0).integers(1, config.vocab_size, (B, Tp), dtype=np.int32)
     lengths = np.full((B,), Tp, np.int32)
-
-    def gen():
-        spec = sampler.SamplerSpec(max_new_tokens=N)
-        g = sampler.generate(config, params, prompts, lengths, spec, rng=jax.random.key(0))
-        return jax.block_until_ready(g.tokens)
-
-    gen()
-    t0 = time.perf_counter()
-    gen()
-    dt = time.perf_counter() - t0
+    spec = sampler.SamplerSpec(max_new_tokens=N)
+    dt = _timed(
+        lambda: (
+            sampler.generate(config, params, prompts, lengths, spec, rng=jax.random.key(0)).tokens
+        )
+    )
+    m = aot_report.matmul_params(config)
     flops = 2.0 * (m["layers"] + m["head"]) * B * (Tp + N)
     line = f"decode {B * N / dt:,.0f} tok/s ({B} rows, {Tp}+{N}), {dt:.2f} s per generate"
     if gpu:
-        bytes_step = 2 * aot_report.total_params(config) + 2 * B * (Tp + N) * (
-            2 * config.num_layers * config.num_kv_heads * config.head_dim
-        )
+        kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+        bytes_step = 2 * aot_report.total_params(config) + 2 * B * (Tp + N) * kv_per_token
         bound = N * bytes_step / gpu.hbm_bandwidth
         line += f", MFU {flops / dt / gpu.peak_flops:.1%}, HBM-bound floor {bound:.2f} s"
-    lines.append(line)
-    # Update: P x G rows through the grouped forward + backward + AdamW.
+    return line
+
+
+def _update_line(config, params, quick, gpu) -> str:
+    """Update: P x G rows through the grouped forward + backward + AdamW."""
+    from ebpo_jax.pods import aot_report
+
     P, G, Tp, N = (4, 4, 512, 1024) if quick else (8, 4, 1024, 2048)
     update = _update_fn(config, P, G, Tp, N)
     batch = _batch(config, P, G, Tp, N)
-    jax.block_until_ready(update(params, batch))
-    t0 = time.perf_counter()
-    jax.block_until_ready(update(params, batch))
-    dt = time.perf_counter() - t0
+    dt = _timed(lambda: update(params, batch))
+    m = aot_report.matmul_params(config)
     tokens = P * Tp + P * G * N
     flops = 6.0 * m["layers"] * tokens + 6.0 * m["head"] * P * G * N
-    flops += (
-        3
-        * P
-        * (
-            aot_report.attention_flops(config, Tp, Tp, causal=True)
-            + G * aot_report.attention_flops(config, N, Tp + N, causal=False)
-        )
-    )
+    attention = aot_report.attention_flops(config, Tp, Tp, causal=True)
+    attention += G * aot_report.attention_flops(config, N, Tp + N, causal=False)
+    flops += 3 * P * attention
     line = f"update {tokens / dt:,.0f} tok/s ({P} prompts of {Tp} x {G} completions of {N})"
     if gpu:
         line += f", MFU {flops / dt / gpu.peak_flops:.1%} of {gpu.peak_flops / 1e12:.0f} TFLOP/s"
-    lines.append(line)
-    return "OK", "; ".join(lines)
+    return line
 
 
 def main():
