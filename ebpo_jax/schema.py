@@ -193,6 +193,11 @@ class Model:
     tokenizer_path: str = setting(
         "", "a local HF tokenizer folder for a randomly initialised preset"
     )
+    batch_invariant: bool = setting(
+        False,
+        "a token's log-prob depends only on its own row (fixed tiles and reduction orders), so "
+        "the sampler's log-probs equal the trainer's bit for bit",
+    )
     lora: Lora = section(Lora, "LoRA / QLoRA adapters")
     moe: Moe = section(Moe, "mixture-of-experts routing")
 
@@ -277,8 +282,14 @@ class Sampler:
     mesh: str = setting("", 'e.g. "data=8,tp=4" (AOT report); "" = the trainer\'s mesh')
     param_dtype: str = setting(
         "",
-        "the sampler's copy of the weights: \"\" = the trainer's, or bfloat16",
-        one_of("", "bfloat16", "float32"),
+        "the sampler's copy of the weights: \"\" = the trainer's, bfloat16, float32, or int8 "
+        "(per-channel scales, made at each weight move)",
+        one_of("", "bfloat16", "float32", "int8"),
+    )
+    kv_dtype: str = setting(
+        "",
+        'KV cache pages: "" = the model\'s compute dtype, or int8 (per-page-and-head scales)',
+        one_of("", "int8"),
     )
     slots: int = setting(
         0,

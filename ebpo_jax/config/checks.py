@@ -514,6 +514,15 @@ def _context(c: Config) -> None:
     )
 
 
+def _unbuilt(c: Config) -> None:
+    """Settings declared ahead of their code: refused until it lands."""
+    need(c.sampler.kv_dtype == "", f"sampler.kv_dtype={c.sampler.kv_dtype!r} is not built yet")
+
+    need(c.sampler.param_dtype != "int8", "sampler.param_dtype='int8' is not built yet")
+
+    need(not c.model.batch_invariant, "model.batch_invariant=True is not built yet")
+
+
 def check(c: Config, num_devices: int | None = None) -> None:
     """Every cross-section rule; ConfigError (one line) on the first broken one."""
     _batch_split(c)
@@ -531,5 +540,6 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _splash_widths(c, num_devices)
     _lora_targets(c)
     _context(c)
+    _unbuilt(c)
     if num_devices is not None:
         _devices(c, num_devices)

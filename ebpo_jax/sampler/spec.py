@@ -83,7 +83,7 @@ class SamplerSpec(NamedTuple):
 
 # `sampler.*` fields a call does not take: the rollout's chunking, the sampler's mesh and its
 # copy of the weights are the trainer's (trainer/shardings.py, trainer/step.py).
-UNCARRIED = ("prompts_per_call", "mesh", "param_dtype")
+UNCARRIED = ("prompts_per_call", "mesh", "param_dtype", "kv_dtype")  # kv_dtype: until built
 
 
 class Generation(NamedTuple):
