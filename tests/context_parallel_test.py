@@ -105,18 +105,23 @@ def test_packed_update_over_context_4_equals_one_device_with_lora():
     assert lay.context == 4 and lay.row_len == ROW
 
 
-# ~1 min each on a loaded 2-core CPU (two compiles of a whole update): slow.
+def test_padded_moe_update_over_context_4_equals_one_device():
+    """The mixture-of-experts model on padded rows (4 devices): with the LoRA test above, the
+    default suite covers dense and MoE, packed and padded."""
+    _compare("tiny_moe", [("context", 4)], packed=False)
+
+
+# Two compiles of a whole update each: slow.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "preset, axes, packed",
     [
         ("tiny_moe", [("data", 2), ("context", 2), ("tp", 2)], True),
         ("tiny", [("fsdp", 4), ("context", 2)], False),
-        ("tiny_moe", [("context", 4)], False),  # 4 devices
     ],
 )
 def test_update_over_context_equals_one_device(preset, axes, packed):
-    """Dense and mixture-of-experts models, packed and padded batches, context 2 and 4."""
+    """The other combinations: MoE packed over data x context x tp, dense padded on fsdp."""
     _compare(preset, axes, packed)
 
 
