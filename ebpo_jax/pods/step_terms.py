@@ -35,9 +35,10 @@ class Efficiency(NamedTuple):
 
 
 EFFICIENCY = Efficiency()
-# Host reward per response: math-verify's parse and compare on one CPU core, a stated cost
-# (the run's `reward/time` gives the measured one); workers score in parallel.
-REWARD_S_PER_RESPONSE = 0.02
+# Host reward per response, one CPU core: rewards.math_reward took 54 ms a response on the
+# shared, loaded 2-core build host (a 1800-word response ending in \boxed{}, five answer
+# forms); a pod host's cores are faster, so this is an upper figure. Workers run in parallel.
+REWARD_S_PER_RESPONSE = 0.05
 DEFAULT_REWARD_WORKERS = 4  # data.reward_workers = 0: min(4, cpu count)
 # Passes over a row's float32 logits per decode step: write, log-softmax (max, sum, write),
 # the categorical draw; top-k / top-p add a sort of ~log2(V) read-write passes.
