@@ -85,6 +85,10 @@ def test_static_paged_decode_equals_a_step_by_step_sum():
         want += max(traffic, compute)
     assert est["decode_s_after"] == pytest.approx(want, rel=1e-9)
     assert est["paged"]["steps"] == 99 and est["paged"]["concurrent_rows"] == 64
+    # Every row alike: the shards are even, and a slot per row leaves no refill to balance.
+    assert est["paged"]["slowest_over_mean_shard"] == pytest.approx(1.0)
+    assert est["paged"]["decode_s_even_shards"] == pytest.approx(want)
+    assert est["paged"]["balanced_admission"] is None
     assert est["step_s_decode_update"] == pytest.approx(want + est["update_s_after_packed"])
     assert est["step_s_after"] == pytest.approx(sum(est["terms"]["at_peak"].values()))
     assert est["terms"]["at_peak"]["decode"] == est["decode_s_after"]

@@ -656,6 +656,8 @@ def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
         "decode_s_bandwidth_only": total("decode_s_bandwidth_only"),
         "steps_all_calls": total("steps"),
         "slowest_over_mean_shard": total("decode_s") / total("shard_mean_s"),
+        # Every step at its shards' mean: the floor of any balancing, moving live rows too.
+        "decode_s_even_shards": total("shard_mean_s"),
     }
     return total("decode_s"), paged[0] | meta
 
