@@ -674,7 +674,8 @@ class SamplerLayout(NamedTuple):
 def step_time_estimate(
     run_spec, mc, spec, *, prompt_len, layout: SamplerLayout, lengths=None, block=256
 ):
-    """Seconds per RL step (decode and update), for today's samplers and the paged engine.
+    """Seconds per RL step (decode and update) for today's samplers and the paged engine, and
+    the complete step (every step_terms term, at peak and expected) for the paged engine.
 
     before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
     each to max_new_tokens, and the update at the padded width. slots_blocked: today's
