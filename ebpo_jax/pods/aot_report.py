@@ -706,20 +706,10 @@ def step_time_estimate(
     # The issue-29 "ideal": each row its own tokens, bandwidth only, shards averaged.
     own = (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * cost.kv_token_bytes / shards
     ideal = (steps * cost.weight_bytes + own) / spec.hbm_bandwidth
-    block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
-    kv_pages = int(run_spec.rollout.sampler.kv_pages)
-    row_shards = shards * tp if dp_attention else shards
-    pool = PagedPool(
-        row_shards, tp, prompt_tokens, page_size, kv_pages, block_tokens, dp_attention, elem
-    )
-    after, paged = _paged_calls(run_spec, mc, spec, calls_CDR, pool)
-    paged["collectives_per_step"] = collectives_per_step(
-        mc, per_call * G // shards, tp, dp_attention
-    )
+    inputs = _StepInputs(run_spec, mc, spec, layout, rows, prompt_tokens, prompt_len, elem)
+    after, paged = _paged_after(inputs, calls_CDR, slots)
     devices, peak = shards * tp, spec.peak_flops
     update_after = _update_seconds(run_spec, mc, rows, prompt_tokens, devices, peak)
-    paged["balanced_admission"] = _balanced(run_spec, mc, spec, calls_CDR, pool, slots)
-    inputs = _StepInputs(run_spec, mc, spec, layout, rows, prompt_tokens, prompt_len, elem)
     terms = _complete_terms(inputs, after, update_after, paged)
     return {
         "lengths": dataclasses.asdict(lengths)
@@ -740,6 +730,22 @@ def step_time_estimate(
         **_totals(terms),
         "assumptions": [*ASSUMPTIONS, *step_terms.assumptions(spec)],
     }
+
+
+def _paged_after(x: "_StepInputs", calls_CDR, slots: int):
+    """The paged engine's decode seconds over every call and its report fields: page use,
+    the decode step's collectives, the same decode with balanced admission."""
+    ro, (shards, tp, dp) = x.run_spec.rollout, x.layout
+    page_size = int(ro.sampler.page_size or 16)
+    pages_per_row = -(-(x.prompt_len + ro.max_new_tokens) // page_size)
+    block = kernel_block_tokens(page_size, pages_per_row, slots)
+    pool = PagedPool(shards * tp if dp else shards, tp, x.prompt_tokens, page_size,
+                     int(ro.sampler.kv_pages), block, dp, x.elem)  # fmt: skip
+    after, paged = _paged_calls(x.run_spec, x.mc, x.chip, calls_CDR, pool)
+    rows_per_shard = ro.prompts_per_call * ro.group_size // shards
+    paged["collectives_per_step"] = collectives_per_step(x.mc, rows_per_shard, tp, dp)
+    paged["balanced_admission"] = _balanced(x.run_spec, x.mc, x.chip, calls_CDR, pool, slots)
+    return after, paged
 
 
 def _balanced(run_spec, mc, spec, calls_CDR, pool: PagedPool, slots: int):
