@@ -1,6 +1,7 @@
 """The paged decode estimate of aot_report against hand computations, and the issue-29 table."""
 
 import importlib.util
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -84,7 +85,13 @@ def test_static_paged_decode_equals_a_step_by_step_sum():
         want += max(traffic, compute)
     assert est["decode_s_after"] == pytest.approx(want, rel=1e-9)
     assert est["paged"]["steps"] == 99 and est["paged"]["concurrent_rows"] == 64
-    assert est["step_s_after"] == pytest.approx(want + est["update_s_after_packed"])
+    # Every row alike: the shards are even, and a slot per row leaves no refill to balance.
+    assert est["paged"]["slowest_over_mean_shard"] == pytest.approx(1.0)
+    assert est["paged"]["decode_s_even_shards"] == pytest.approx(want)
+    assert est["paged"]["balanced_admission"] is None
+    assert est["step_s_decode_update"] == pytest.approx(want + est["update_s_after_packed"])
+    assert est["step_s_after"] == pytest.approx(sum(est["terms"]["at_peak"].values()))
+    assert est["terms"]["at_peak"]["decode"] == est["decode_s_after"]
     assert any("slowest data shard" in a for a in est["assumptions"])
 
 
@@ -177,3 +184,145 @@ def test_dapo_refill_scales_the_decode_not_the_update():
     }
     assert got["assumptions"][0] == "a" and "2.5 tokens generated" in got["assumptions"][1]
     assert est["step_s_after"] == 65.0  # the input is left as it was
+
+
+def test_balanced_refill_lands_rows_on_the_least_loaded_shard():
+    """Shard 0 owns two 10-token rows, shard 1 two 2-token rows, one slot each. In row order
+    shard 0 decodes 9 + 9 steps while shard 1 idles after 2; balanced, the queue's rows go
+    10, 10 to both shards, then 2, 2: 10 steps, both shards live at every one."""
+    lengths = np.array([[10, 10], [2, 2]])
+    in_order = aot._paged_schedule(lengths, 1, 10, 4, 8)
+    balanced = aot._paged_schedule(lengths, 1, 10, 4, 8, balance=True)
+    assert len(in_order.live_SD) == 18 and in_order.live_SD[2:, 1].sum() == 0
+    assert len(balanced.live_SD) == 10
+    np.testing.assert_array_equal(balanced.live_SD, np.ones((10, 2)))
+    # Equal KV on both shards at every step: the row 9 steps long on each, then a 1-step row.
+    np.testing.assert_array_equal(balanced.kv_SD[:, 0], balanced.kv_SD[:, 1])
+
+
+def test_element_bytes_follow_the_sampler_dtypes():
+    from types import SimpleNamespace
+
+    from ebpo_jax.pods.step_terms import element_bytes
+
+    mc = SimpleNamespace(param_dtype="float32", dtype="bfloat16", hidden_size=4096, head_dim=128)
+    sampler = lambda w, kv: SimpleNamespace(param_dtype=w, kv_dtype=kv)
+    assert element_bytes(sampler("", ""), mc, 128) == (4.0, 2.0)  # the trainer's, the model's
+    assert element_bytes(sampler("bfloat16", ""), mc, 128) == (2.0, 2.0)
+    # int8 plus a float32 scale per output channel / per page and kv head.
+    assert element_bytes(sampler("int8", "int8"), mc, 128) == (1 + 4 / 4096, 1 + 4 / (128 * 128))
+
+
+def test_int8_halves_the_decode_bytes():
+    from ebpo_jax import models
+    from ebpo_jax.pods.step_terms import ElementBytes
+
+    mc = models.get_config("qwen3_8b")
+    bf16, int8 = aot.decode_cost(mc, 8, True), aot.decode_cost(mc, 8, True, ElementBytes(1, 1))
+    assert int8.weight_bytes * 2 == bf16.weight_bytes == 2 * aot.total_params(mc) / 8
+    assert int8.kv_token_bytes * 2 == bf16.kv_token_bytes == 36 * 8 * 128 * 2 * 2
+
+
+def test_weight_move_bytes_by_hand():
+    from ebpo_jax.pods import step_terms as st
+
+    move = st.WeightMove(1000, 4.0, st.ElementBytes(1.0, 1.0), 10, 4, quantize=True, moved=True)
+    # Quantize on the trainer's 100 weights per chip: read float32 twice, write int8; then
+    # each chip receives its 1000 / tp = 250 int8 weights.
+    assert st.weight_move_bytes(move) == {"hbm_bytes_per_chip": 900.0, "ici_bytes_per_chip": 250.0}
+    cast = move._replace(dst=st.ElementBytes(2.0, 2.0), quantize=False)
+    assert st.weight_move_bytes(cast) == {"hbm_bytes_per_chip": 600.0, "ici_bytes_per_chip": 500.0}
+    same = move._replace(dst=st.ElementBytes(4.0, 2.0), moved=False)
+    assert st.weight_move_bytes(same) == {"hbm_bytes_per_chip": 0.0, "ici_bytes_per_chip": 0.0}
+
+
+def test_collective_bytes_for_a_known_mesh_by_hand():
+    from ebpo_jax import models
+    from ebpo_jax.pods import step_terms as st
+
+    mc = models.get_config("qwen3_8b")
+    moves = aot.collectives_per_step(mc, 512, 8, True)
+    # Two ring all-reduces per layer of 512 rows x 4096 bf16, each sending 2 x 7/8 of it.
+    assert moves["all_reduce_bytes_sent_per_chip"] == 72 * 2 * 7 / 8 * 512 * 4096 * 2
+    assert aot.collectives_per_step(mc, 512, 1, False)["all_reduce_bytes_sent_per_chip"] == 0
+    # FSDP over 4 chips, 2 micro-batches, 3 gathers (forward, backward, reference) of bf16
+    # weights and a float32 reduce-scatter: 3/4 of 1000 params each.
+    fsdp = st.update_collective_bytes(1000, {"fsdp": 4}, 2, gathers=3)
+    assert fsdp == {"count": 8, "bytes_sent_per_chip": 2 * (3 * 750 * 2 + 750 * 4)}
+
+
+def test_terms_priced_at_peak_and_expected_by_hand():
+    from ebpo_jax.pods import step_terms as st
+
+    chip = ChipSpec("x", 0, 100.0, 10.0, 1, 2, ici_bandwidth=5.0)
+    eff = st.Efficiency(update_mfu=0.5, decode_bandwidth=0.25, ici=0.0, collective_latency_s=1.0)
+    terms = {
+        "update": st.Priced(flops=200.0, mfu="update_mfu"),  # 2 s, 4 at 50% MFU
+        "move": st.Priced(hbm_bytes=10.0, ici_bytes=10.0, collectives=3),  # 1 + 2 s
+        "decode": st.Priced(roofline_s=1.0),  # 4 s at 25% of HBM bandwidth
+        "fsdp": st.Priced(ici_bytes=5.0, in_update_mfu=True),  # inside the update's MFU
+        "reward": st.Priced(seconds=7.0),
+    }
+    got = st.priced_terms(terms, chip, eff)
+    assert got["at_peak"] == {"update": 2.0, "move": 3.0, "decode": 1.0, "fsdp": 1.0, "reward": 7.0}
+    # ICI at 1/2 on a 2-d torus (a ring's 2 links of 4), 1 s latency per collective.
+    assert got["expected"] == {"update": 4.0, "move": 4 + 4 + 3, "decode": 4.0, "fsdp": 0.0,
+                               "reward": 7.0}  # fmt: skip
+    assert st.reward_seconds(2048, 0) == pytest.approx(2048 * st.REWARD_S_PER_RESPONSE / 4)
+    sampling = lambda k, p: SimpleNamespace(top_k=k, top_p=p)
+    assert st.sampling_bytes_per_row(1000, sampling(0, 1.0), 4) == 5 * 1000 * 4 / 4
+    assert st.sampling_bytes_per_row(1024, sampling(0, 0.9), 1) == (5 + 20) * 1024 * 4
+
+
+def test_int8_sampler_dtypes_price_the_decode_by_hand():
+    """The step-by-step sum of test_static_paged_decode..., at int8 weight and KV bytes; the
+    complete step adds every term."""
+    import dataclasses
+
+    from ebpo_jax import models
+    from ebpo_jax.pods.step_terms import element_bytes
+
+    config = _qwen3_8b_aot(0, max_new_tokens=100, prompts_per_call=16, page_size=4)
+    config.prompts_per_step = 16
+    config.loss.num_minibatches = config.loss.num_microbatches = 1
+    config.loss.logits_chunk = 0
+    spec = _spec(config)
+    # The config check refuses int8 until the int8 KV cache and weights are built: set past it.
+    sampler = dataclasses.replace(spec.rollout.sampler, kv_dtype="int8", param_dtype="int8")
+    spec = dataclasses.replace(spec, rollout=dataclasses.replace(spec.rollout, sampler=sampler))
+    mc = models.get_config("qwen3_8b")
+    hw = aot.CHIPS["v5p"]
+    lengths = aot.Lengths(prompt_tokens=10, at_limit=1.0)
+    est = aot.step_time_estimate(
+        spec, mc, hw, prompt_len=16, layout=aot.SamplerLayout(2, 4), lengths=lengths
+    )
+    cost = aot.decode_cost(mc, 4, elem=element_bytes(sampler, mc, 4))
+    rows, block = 32, est["paged"]["kernel_block_tokens"]
+    want = sum(
+        max(
+            (cost.weight_bytes + rows * -(-(10 + t) // block) * block * cost.kv_token_bytes)
+            / hw.hbm_bandwidth,
+            rows * (cost.row_flops + (10 + t) * cost.kv_token_flops) / hw.peak_flops,
+        )
+        for t in range(1, 100)
+    )
+    assert est["decode_s_after"] == pytest.approx(want, rel=1e-9)
+    assert est["element_bytes"] == {"weight": 1 + 4 / 4096, "kv": 1 + 4 / (4 * 128)}
+    terms = est["terms"]
+    assert set(terms["at_peak"]) == {"decode", "sampling", "prefill", "weight_move",
+                                     "decode_collectives", "update", "update_collectives",
+                                     "reward"}  # fmt: skip
+    assert all(terms["expected"][k] >= v for k, v in terms["at_peak"].items() if "update" not in k)
+    assert est["step_s_after"] == pytest.approx(sum(terms["at_peak"].values()))
+    assert est["step_s_expected"] == pytest.approx(sum(terms["expected"].values()))
+
+
+def test_dapo_refill_repeats_the_rollout_terms_not_the_update():
+    from ebpo_jax.pods.aot_report import with_refill
+
+    row = {"decode": 40.0, "reward": 5.0, "update": 25.0, "update_collectives": 2.0}
+    est = {"decode_s_after": 40.0, "update_s_after_packed": 25.0, "assumptions": []}
+    est["terms"] = {"at_peak": row, "expected": {k: 2 * v for k, v in row.items()}}
+    got = with_refill(est, 2.0)
+    assert got["terms"]["at_peak"] == {**row, "decode": 80.0, "reward": 10.0}
+    assert (got["step_s_after"], got["step_s_expected"]) == (117.0, 234.0)

@@ -13,13 +13,17 @@ import os
 import re
 from typing import NamedTuple
 
+from ebpo_jax.pods import step_terms
 from ebpo_jax.pods.hardware import ChipSpec, GiB
+from ebpo_jax.pods.step_terms import ElementBytes
 
+# ICI: half the bidirectional bandwidth per chip of the Cloud TPU pages (v5p 1200 GB/s, v5e
+# 400, v6e 800); v4's page gives none, so it is taken as half v5p's.
 CHIPS = {
-    "v4": ChipSpec("v4", 32 * GiB, 275e12, 1.2e12, 2, 3),
-    "v5p": ChipSpec("v5p", 95 * GiB, 459e12, 2.765e12, 2, 3),
-    "v5e": ChipSpec("v5e", 16 * GiB, 197e12, 0.819e12, 1, 2),
-    "v6e": ChipSpec("v6e", 32 * GiB, 918e12, 1.64e12, 1, 2),
+    "v4": ChipSpec("v4", 32 * GiB, 275e12, 1.2e12, 2, 3, 300e9),
+    "v5p": ChipSpec("v5p", 95 * GiB, 459e12, 2.765e12, 2, 3, 600e9),
+    "v5e": ChipSpec("v5e", 16 * GiB, 197e12, 0.819e12, 1, 2, 200e9),
+    "v6e": ChipSpec("v6e", 32 * GiB, 918e12, 1.64e12, 1, 2, 400e9),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e", "v6litepod": "v6e", "v6lite": "v6e"}
 _NAME_RE = re.compile(r"^(v\w+?)-(\d+)$")
@@ -310,10 +314,24 @@ def paged_lines(meta: dict) -> list[str]:
         lines.append(
             f"estimate: decode {e['decode_s_before']:.0f} s static, "
             f"{e['decode_s_slots_blocked']:.0f} s blocked slots, {e['decode_s_after']:.0f} s "
-            f"paged; step {e['step_s_slots_blocked']:.0f} s -> {e['step_s_after']:.0f} s "
-            "(assumptions in step_estimate.assumptions)"
+            f"paged (slowest / mean shard {e['paged']['slowest_over_mean_shard']:.2f}); "
+            f"decode + update {e['step_s_decode_update']:.0f} s"
         )
+        lines += step_rows(e)
     return lines
+
+
+def step_rows(e: dict) -> list[str]:
+    """The complete step's "at peak" and "expected" rows, term by term."""
+    names = list(e["terms"]["at_peak"])
+    row = lambda label, terms, total: (
+        f"{label:<9}" + "  ".join(f"{n} {terms[n]:.1f}" for n in names) + f"  = step {total:.1f} s"
+    )
+    return [
+        row("at peak", e["terms"]["at_peak"], e["step_s_after"]),
+        row("expected", e["terms"]["expected"], e["step_s_expected"]),
+        "(what each row assumes: step_estimate.assumptions)",
+    ]
 
 
 def write_json(path: str, reports: list[ProgramReport], **meta) -> None:
@@ -410,9 +428,38 @@ class PagedDecode:
     pages_SD: object  # [steps, shards] pages held by live rows (prompt pages counted apart)
 
 
-def _paged_schedule(lengths_DR, slots_per_shard, prompt_tokens, page_size, block_tokens):
-    """The slot schedule (refill in row order) with each row's own length instead of a block
-    loop to the longest row: what the ragged paged kernel reads and the pages rows hold.
+def _refill_in_order(left, done, lengths_DR, nxt):
+    """Each shard's free slots take its own next rows, in row order."""
+    import numpy as np
+
+    for d in range(len(left)):
+        idx = np.flatnonzero(left[d] == 0)[: lengths_DR.shape[1] - nxt[d]]
+        left[d, idx], done[d, idx] = lengths_DR[d, nxt[d] : nxt[d] + len(idx)] - 1, 1
+        nxt[d] += len(idx)
+
+
+def _refill_balanced(left, done, lengths_DR, nxt, prompt_tokens):
+    """One queue of every shard's rows in row order: each next row goes to a free slot of
+    the shard with the fewest live KV tokens (the lowest such shard on ties)."""
+    import numpy as np
+
+    queue = lengths_DR.reshape(-1)
+    free = left == 0
+    load = np.where(free, 0, prompt_tokens + done).sum(1).astype(float)
+    while nxt[0] < len(queue) and free.any():
+        d = int(np.argmin(np.where(free.any(1), load, np.inf)))
+        s = int(np.flatnonzero(free[d])[0])
+        left[d, s], done[d, s], free[d, s] = queue[nxt[0]] - 1, 1, False
+        load[d] += prompt_tokens + 1
+        nxt[0] += 1
+
+
+def _paged_schedule(
+    lengths_DR, slots_per_shard, prompt_tokens, page_size, block_tokens, balance=False
+):
+    """The slot schedule (refill in row order, or `balance`d over the shards) with each row's
+    own length instead of a block loop to the longest row: what the ragged paged kernel
+    reads and the pages rows hold.
 
     A row of kv_len tokens reads ceil(kv_len / block_tokens) kernel blocks (the kernel copies
     whole blocks); it holds its own pages from its prompt's last partial page on (the
@@ -427,10 +474,10 @@ def _paged_schedule(lengths_DR, slots_per_shard, prompt_tokens, page_size, block
     shared = prompt_tokens // page_size
     out = {"live": [], "read": [], "kv": [], "pages": []}
     while True:
-        for d in range(D):  # refill free slots in order
-            idx = np.flatnonzero(left[d] == 0)[: R - nxt[d]]
-            left[d, idx], done[d, idx] = lengths_DR[d, nxt[d] : nxt[d] + len(idx)] - 1, 1
-            nxt[d] += len(idx)
+        if balance:
+            _refill_balanced(left, done, lengths_DR, nxt, prompt_tokens)
+        else:
+            _refill_in_order(left, done, lengths_DR, nxt)
         live = left > 0
         if not live.any():
             break
@@ -448,7 +495,7 @@ def _paged_schedule(lengths_DR, slots_per_shard, prompt_tokens, page_size, block
 class DecodeCost:
     """Bytes and FLOPs of one decode step on one chip: weights once, then per row."""
 
-    weight_bytes: float  # the shard's weights (bf16, split over tp), read once per step
+    weight_bytes: float  # the shard's weights (sampler.param_dtype, split over tp), once a step
     kv_token_bytes: float  # one cached token's K and V over all layers, on this chip
     row_flops: float  # matmul FLOPs per decoded row (weights x 2), on this chip
     kv_token_flops: float  # attention FLOPs per cached token a row attends to, on this chip
@@ -466,14 +513,17 @@ class DecodeCost:
         return np.maximum(bytes_ / spec.hbm_bandwidth, flops / spec.peak_flops)
 
 
-def decode_cost(mc, tp: int, dp_attention: bool = False) -> DecodeCost:
+def decode_cost(
+    mc, tp: int, dp_attention: bool = False, elem: ElementBytes = ElementBytes(2.0, 2.0)
+) -> DecodeCost:
     """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips; with
-    dp_attention each chip attends every head of its own rows (a row shard per chip)."""
+    dp_attention each chip attends every head of its own rows (a row shard per chip).
+    `elem`: bytes per weight and per cached K or V value (step_terms.element_bytes)."""
     m = matmul_params(mc)
     heads_split = 1 if dp_attention else tp
     return DecodeCost(
-        weight_bytes=2 * total_params(mc) / tp,
-        kv_token_bytes=2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / heads_split,
+        weight_bytes=elem.weight * total_params(mc) / tp,
+        kv_token_bytes=elem.kv * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / heads_split,
         row_flops=2.0 * (m["layers"] + m["head"]) / tp,
         kv_token_flops=4.0 * mc.num_layers * mc.num_heads * mc.head_dim / heads_split,
         row_group=tp if dp_attention else 1,
@@ -481,14 +531,18 @@ def decode_cost(mc, tp: int, dp_attention: bool = False) -> DecodeCost:
 
 
 def collectives_per_step(mc, rows_per_data_shard: int, tp: int, dp_attention: bool) -> dict:
-    """The decode step's collectives on one chip: tp's two all-reduces per layer and, with
-    dp_attention, two all-to-alls per layer (q, k, v to the rows' chips; outputs back)."""
+    """The decode step's collectives on one chip: tp's two ring all-reduces per layer of every
+    computed row's activations and, with dp_attention, two all-to-alls per layer (q, k, v to
+    the rows' chips; outputs back); bf16 bytes sent."""
     L, H, K, Dh = mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim
-    moved = rows_per_data_shard * (tp - 1) / tp**2 * (2 * H + 2 * K) * Dh * 2  # bf16, sent
+    moved = rows_per_data_shard * (tp - 1) / tp**2 * (2 * H + 2 * K) * Dh * 2
+    reduced = 2 * (tp - 1) / tp * rows_per_data_shard * mc.hidden_size * 2
+    a2a = dp_attention and tp > 1
     return {
         "all_reduce": 2 * L if tp > 1 else 0,
-        "all_to_all": 2 * L if dp_attention and tp > 1 else 0,
-        "all_to_all_bytes_sent_per_chip": float(L * moved) if dp_attention and tp > 1 else 0.0,
+        "all_to_all": 2 * L if a2a else 0,
+        "all_to_all_bytes_sent_per_chip": float(L * moved) if a2a else 0.0,
+        "all_reduce_bytes_sent_per_chip": float(2 * L * reduced) if tp > 1 else 0.0,
     }
 
 
@@ -502,6 +556,8 @@ class PagedPool(NamedTuple):
     kv_pages: int  # the pool over all shards (0: not checked)
     block_tokens: int  # KV tokens the kernel copies per block
     dp_attention: bool = False
+    elem: ElementBytes = ElementBytes(2.0, 2.0)  # bytes per weight and per K or V value
+    balance: bool = False  # refills go to the least-loaded shard (else each its own rows)
 
 
 def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
@@ -510,12 +566,12 @@ def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
     The SPMD step waits for its slowest shard: per step the maximum over shards of the
     roofline time.
     """
-    shards, tp, prompt_tokens, page_size, kv_pages, block_tokens, dp = pool
+    shards, tp, prompt_tokens, page_size, kv_pages = pool[:5]
     per_call = rows_C.size
     slots = min(run_spec.rollout.sampler.slots or per_call, per_call)
     sched = _paged_schedule(rows_C.reshape(shards, -1), slots // shards, prompt_tokens,
-                            page_size, block_tokens)  # fmt: skip
-    cost = decode_cost(mc, tp, dp)
+                            page_size, pool.block_tokens, pool.balance)  # fmt: skip
+    cost = decode_cost(mc, tp, pool.dp_attention, pool.elem)
     step_SD = cost.seconds(spec, sched.live_SD, sched.read_SD, sched.kv_SD)
     prompts = run_spec.rollout.prompts_per_call
     prompt_pages = prompts // shards * -(-prompt_tokens // page_size)
@@ -523,6 +579,7 @@ def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
     bw_only = (cost.weight_bytes + sched.read_SD * cost.kv_token_bytes) / spec.hbm_bandwidth
     return {
         "decode_s": float(step_SD.max(1).sum()),
+        "shard_mean_s": float(step_SD.mean(1).sum()),
         "decode_s_bandwidth_only": float(bw_only.max(1).sum()),
         "steps": len(step_SD),
         "concurrent_rows": slots,
@@ -534,9 +591,10 @@ def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
 
 ASSUMPTIONS = (
     (
-        "decode per step and chip: the slower of HBM traffic (bf16 weights / tp once, plus the "
-        "KV bytes read) and bf16 compute (2 x matmul params / tp per row, plus attention); "
-        "the SPMD step waits for its slowest data shard"
+        "decode per step and chip: the slower of HBM traffic (weights / tp once at "
+        "sampler.param_dtype's bytes, plus the KV bytes read at sampler.kv_dtype's) and bf16 "
+        "compute (2 x matmul params / tp per row, plus attention); the SPMD step waits for "
+        "its slowest data shard"
     ),
     (
         "paged: each row reads only its own tokens, rounded up to the TPU kernel's KV block; "
@@ -547,7 +605,11 @@ ASSUMPTIONS = (
         "matmuls run the tp group's rows on each chip's weight slice"
     ),
     "update: model FLOPs at bf16 peak (padded width before, each row's real tokens after)",
-    "not counted: prefill, sampling, the host reward, weight moves, collectives",
+    (
+        "step_s_after: the complete step at peak (terms.at_peak: decode, sampling, prefill, "
+        "weight move, decode and update collectives, update, host reward); step_s_expected: "
+        "terms.expected; step_s_decode_update: decode + update only (the old step_s_after)"
+    ),
 )
 
 
@@ -587,12 +649,17 @@ def kernel_block_tokens(page_size: int, pages_per_row: int, rows: int) -> int:
 def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
     """Decode seconds of the paged engine over every call, and the first call's page use."""
     paged = [paged_decode_estimate(run_spec, mc, spec, c.reshape(-1), pool) for c in calls_CDR]
+    total = lambda key: sum(c[key] for c in paged)
     meta = {
         "page_size": pool.page_size,
         "kernel_block_tokens": pool.block_tokens,
-        "decode_s_bandwidth_only": sum(c["decode_s_bandwidth_only"] for c in paged),
+        "decode_s_bandwidth_only": total("decode_s_bandwidth_only"),
+        "steps_all_calls": total("steps"),
+        "slowest_over_mean_shard": total("decode_s") / total("shard_mean_s"),
+        # Every step at its shards' mean: the floor of any balancing, moving live rows too.
+        "decode_s_even_shards": total("shard_mean_s"),
     }
-    return sum(c["decode_s"] for c in paged), paged[0] | meta
+    return total("decode_s"), paged[0] | meta
 
 
 class SamplerLayout(NamedTuple):
@@ -607,7 +674,8 @@ class SamplerLayout(NamedTuple):
 def step_time_estimate(
     run_spec, mc, spec, *, prompt_len, layout: SamplerLayout, lengths=None, block=256
 ):
-    """Seconds per RL step (decode and update), for today's samplers and the paged engine.
+    """Seconds per RL step (decode and update) for today's samplers and the paged engine, and
+    the complete step (every step_terms term, at peak and expected) for the paged engine.
 
     before: the static sampler reading the whole cache every step, `prompts_per_call` calls,
     each to max_new_tokens, and the update at the padded width. slots_blocked: today's
@@ -621,7 +689,9 @@ def step_time_estimate(
     shards, tp, dp_attention = layout
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
-    cost = decode_cost(mc, tp)
+    page_size = int(run_spec.rollout.sampler.page_size or 16)
+    elem = step_terms.element_bytes(run_spec.rollout.sampler, mc, page_size)
+    cost = decode_cost(mc, tp, elem=elem)
     per_call = run_spec.rollout.prompts_per_call
     rows = lengths.draw(P * G, N)
     prompt_tokens = min(lengths.prompt_tokens, prompt_len)  # real prompts fit the width
@@ -636,17 +706,11 @@ def step_time_estimate(
     # The issue-29 "ideal": each row its own tokens, bandwidth only, shards averaged.
     own = (rows.sum() * prompt_tokens + 0.5 * (rows**2).sum()) * cost.kv_token_bytes / shards
     ideal = (steps * cost.weight_bytes + own) / spec.hbm_bandwidth
-    page_size = int(run_spec.rollout.sampler.page_size or 16)
-    block_tokens = kernel_block_tokens(page_size, -(-(prompt_len + N) // page_size), slots)
-    kv_pages = int(run_spec.rollout.sampler.kv_pages)
-    row_shards = shards * tp if dp_attention else shards
-    pool = PagedPool(row_shards, tp, prompt_tokens, page_size, kv_pages, block_tokens, dp_attention)
-    after, paged = _paged_calls(run_spec, mc, spec, calls_CDR, pool)
-    paged["collectives_per_step"] = collectives_per_step(
-        mc, per_call * G // shards, tp, dp_attention
-    )
+    inputs = _StepInputs(run_spec, mc, spec, layout, rows, prompt_tokens, prompt_len, elem)
+    after, paged = _paged_after(inputs, calls_CDR, slots)
     devices, peak = shards * tp, spec.peak_flops
     update_after = _update_seconds(run_spec, mc, rows, prompt_tokens, devices, peak)
+    terms = _complete_terms(inputs, after, update_after, paged)
     return {
         "lengths": dataclasses.asdict(lengths)
         | {"drawn_mean": float(rows.mean()), "drawn_at_limit": float((rows == N).mean())},
@@ -661,9 +725,97 @@ def step_time_estimate(
         "update_s_before": update_flops(run_spec, mc, prompt_len) / devices / peak,
         "update_s_after_packed": update_after,
         "step_s_slots_blocked": float(blocked) + update_after,
-        "step_s_after": float(after) + update_after,
-        "assumptions": list(ASSUMPTIONS),
+        "step_s_decode_update": float(after) + update_after,
+        "element_bytes": elem._asdict(),
+        **_totals(terms),
+        "assumptions": [*ASSUMPTIONS, *step_terms.assumptions(spec)],
     }
+
+
+def _paged_after(x: "_StepInputs", calls_CDR, slots: int):
+    """The paged engine's decode seconds over every call and its report fields: page use,
+    the decode step's collectives, the same decode with balanced admission."""
+    ro, (shards, tp, dp) = x.run_spec.rollout, x.layout
+    page_size = int(ro.sampler.page_size or 16)
+    pages_per_row = -(-(x.prompt_len + ro.max_new_tokens) // page_size)
+    block = kernel_block_tokens(page_size, pages_per_row, slots)
+    pool = PagedPool(shards * tp if dp else shards, tp, x.prompt_tokens, page_size,
+                     int(ro.sampler.kv_pages), block, dp, x.elem)  # fmt: skip
+    after, paged = _paged_calls(x.run_spec, x.mc, x.chip, calls_CDR, pool)
+    rows_per_shard = ro.prompts_per_call * ro.group_size // shards
+    paged["collectives_per_step"] = collectives_per_step(x.mc, rows_per_shard, tp, dp)
+    paged["balanced_admission"] = _balanced(x.run_spec, x.mc, x.chip, calls_CDR, pool, slots)
+    return after, paged
+
+
+def _balanced(run_spec, mc, spec, calls_CDR, pool: PagedPool, slots: int):
+    """The paged decode with refills balanced over the shards (None with a slot per row:
+    every row is admitted at once, so there is no refill to place)."""
+    if slots >= calls_CDR[0].size:
+        return None
+    seconds, meta = _paged_calls(run_spec, mc, spec, calls_CDR, pool._replace(balance=True))
+    return {"decode_s": seconds, "slowest_over_mean_shard": meta["slowest_over_mean_shard"]}
+
+
+def _totals(terms: dict) -> dict:
+    """The complete step at peak and expected, beside the terms they add."""
+    return {
+        "terms": terms,
+        "step_s_after": sum(terms["at_peak"].values()),
+        "step_s_expected": sum(terms["expected"].values()),
+    }
+
+
+class _StepInputs(NamedTuple):
+    """What the complete step's terms read: the run, the model, the chip and the draw."""
+
+    run_spec: object
+    mc: object
+    chip: ChipSpec
+    layout: "SamplerLayout"
+    rows: object  # every response's length, drawn
+    prompt_tokens: int
+    prompt_len: int  # the padded prompt width
+    elem: ElementBytes
+
+
+def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dict) -> dict:
+    """Every term of the step (step_terms.Priced), priced at peak and expected."""
+    ro, up, mc, chip = x.run_spec.rollout, x.run_spec.update, x.mc, x.chip
+    shards, tp, _ = x.layout
+    devices, steps = shards * tp, paged["steps_all_calls"]
+    slots = min(ro.sampler.slots or ro.prompts_per_call * ro.group_size,
+                ro.prompts_per_call * ro.group_size) // shards  # fmt: skip
+    moves = collectives_per_step(mc, slots, tp, x.layout.dp_attention)
+    mesh = dict(zip(x.run_spec.mesh.mesh.axes, x.run_spec.mesh.shape))
+    micro = step_terms.packed_micro_batches(up, x.rows, x.prompt_tokens, x.prompt_len)
+    fsdp = step_terms.update_collective_bytes(
+        total_params(mc), mesh, micro, gathers=2 + x.run_spec.with_ref
+    )
+    move = step_terms.weight_move_bytes(step_terms.WeightMove(
+        total_params(mc), step_terms.dtype_bytes(mc.param_dtype), x.elem, devices, tp,
+        ro.sampler.param_dtype == "int8", bool(x.run_spec.mesh.sampler),
+    ))  # fmt: skip
+    P = step_terms.Priced
+    terms = {
+        "decode": P(roofline_s=decode_s),
+        "sampling": P(hbm_bytes=steps * slots * step_terms.sampling_bytes_per_row(
+            mc.vocab_size, ro.sampler, tp)),
+        "prefill": P(flops=step_terms.prefill_flops(matmul_params(mc), mc, ro.prompts,
+                                                    x.prompt_len) / devices, mfu="prefill_mfu"),
+        "weight_move": P(hbm_bytes=move["hbm_bytes_per_chip"],
+                         ici_bytes=move["ici_bytes_per_chip"]),
+        "decode_collectives": P(
+            ici_bytes=steps * (moves["all_reduce_bytes_sent_per_chip"]
+                               + moves["all_to_all_bytes_sent_per_chip"]),
+            collectives=steps * (moves["all_reduce"] + moves["all_to_all"])),
+        "update": P(flops=update_s * chip.peak_flops, mfu="update_mfu"),
+        "update_collectives": P(ici_bytes=fsdp["bytes_sent_per_chip"],
+                                collectives=fsdp["count"], in_update_mfu=True),
+        "reward": P(seconds=step_terms.reward_seconds(
+            ro.prompts * ro.group_size, x.run_spec.task.data.reward_workers)),
+    }  # fmt: skip
+    return step_terms.priced_terms(terms, chip)
 
 
 # DAPO's refill rounds, the stated default of tokens generated per kept token: with pass
@@ -674,18 +826,27 @@ def step_time_estimate(
 DAPO_GENERATED_PER_KEPT = 2.0
 
 
+# The terms a DAPO refill round repeats: the update trains one round's P groups, once.
+PER_ROUND = ("decode", "sampling", "prefill", "decode_collectives", "reward")
+
+
 def with_refill(estimate: dict, generated_per_kept: float) -> dict:
-    """`estimate` with DAPO's refill rounds: the paged decode x tokens generated per kept token
-    (rounds run one after another); the update still trains one round's P groups."""
-    one_round = {k: estimate[k] for k in ("decode_s_after", "step_s_after")}
+    """`estimate` with DAPO's refill rounds: the rollout's terms (PER_ROUND) x tokens generated
+    per kept token (rounds run one after another); the update still trains one round."""
+    keys = ("decode_s_after", "step_s_after", "step_s_decode_update")
+    one_round = {k: estimate[k] for k in keys if k in estimate}
     decode = estimate["decode_s_after"] * generated_per_kept
-    return estimate | {
+    scale = lambda row: {k: v * (generated_per_kept if k in PER_ROUND else 1.0)
+                         for k, v in row.items()}  # fmt: skip
+    terms = {row: scale(t) for row, t in estimate.get("terms", {}).items()}
+    out = estimate | {
         "refill": {"generated_per_kept": generated_per_kept, "one_round": one_round},
         "decode_s_after": decode,
-        "step_s_after": decode + estimate["update_s_after_packed"],
+        "step_s_decode_update": decode + estimate["update_s_after_packed"],
         "assumptions": [
             *estimate["assumptions"],
-            f"DAPO refill: decode x {generated_per_kept:g} tokens generated per kept token "
-            "(a stated input; prefill and the host reward of the extra rounds not counted)",
+            f"DAPO refill: decode, sampling, prefill, decode collectives and the host reward "
+            f"x {generated_per_kept:g} tokens generated per kept token (a stated input)",
         ],
     }
+    return out | (_totals(terms) if terms else {"step_s_after": out["step_s_decode_update"]})

@@ -20,6 +20,8 @@ from ebpo_jax.pods.hardware import ChipSpec, GiB
 # The fraction of device memory JAX may use: XLA_PYTHON_CLIENT_MEM_FRACTION in the GPU
 # configs' launch line (JAX's default, 0.75, would leave a quarter of every GPU unused).
 MEM_FRACTION = 0.95
+# NVLink 4 sends 450 GB/s per GPU (900 GB/s bidirectional, the H100/H200 SXM data sheets).
+NVLINK = 450e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,7 @@ class GpuModel:
     def chip(self) -> ChipSpec:
         """The ChipSpec aot.run reads: HBM as the budget JAX gets (MEM_FRACTION of the card)."""
         hbm = int(self.memory_bytes * MEM_FRACTION)
-        return ChipSpec(self.name, hbm, self.peak_flops, self.hbm_bandwidth, 1, 3)
+        return ChipSpec(self.name, hbm, self.peak_flops, self.hbm_bandwidth, 1, 3, NVLINK)
 
 
 # SXM5 parts; both are compute capability 9.0 with 132 SMs. Peaks are NVIDIA's dense bf16

@@ -7,7 +7,7 @@ GiB = 2**30
 
 @dataclasses.dataclass(frozen=True)
 class ChipSpec:
-    """Per-chip facts: HBM, bf16 peak, HBM bandwidth, and how names count it."""
+    """Per-chip facts: HBM, bf16 peak, HBM and interconnect bandwidth, and how names count it."""
 
     generation: str
     hbm_bytes: int
@@ -15,3 +15,4 @@ class ChipSpec:
     hbm_bandwidth: float  # bytes/s
     cores_in_name: int  # `v5p-64` counts TensorCores: 2 per chip on v4/v5p
     torus_dims: int  # 3 for v4/v5p, 2 for v5e/v6e
+    ici_bandwidth: float = 0.0  # bytes/s a chip sends over all its links (half the bidirectional)
