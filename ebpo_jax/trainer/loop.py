@@ -116,9 +116,8 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
         return jax.jit(init, out_shardings=sh.state)(task.params), sh
 
 
-def _latest_eval(workdir: str, up_to: int) -> tuple[float, int] | None:
-    """(pass@1, step) of the last row of metrics.jsonl at or before `up_to` with one."""
-    rows = metrics_lib.read_metrics(workdir, log=_silent)
+def _latest_eval(rows, up_to: int) -> tuple[float, int] | None:
+    """(pass@1, step) of the last of metrics.jsonl's `rows` at or before `up_to` with one."""
     evals = [r for r in rows if r.get("step", up_to + 1) <= up_to and "eval/pass@1" in r]
     evals = [r for r in evals if r["eval/pass@1"] is not None]
     return (evals[-1]["eval/pass@1"], evals[-1]["step"]) if evals else None
@@ -149,7 +148,7 @@ class _Log:
         self.sample_adv = None  # [G] advantages of the latest step's first prompt
         if "pass@1_start" in extra:
             self.start = math.nan if extra["pass@1_start"] is None else extra["pass@1_start"]
-            latest = _latest_eval(spec.workdir, step) if main else None
+            latest = _latest_eval(self.writer.kept, step)  # the rows the writer kept
             if latest is not None:  # a resume reports what the run reached, not its start
                 self.now, self.now_step = latest
         elif evaluate is None:
