@@ -55,13 +55,13 @@ def _to_host(metrics) -> list[dict]:
     return [{name: float(v[i]) for name, v in host.items()} for i in range(k)]
 
 
-def _with_reward(task: Task, reward_fn, host_reward) -> Task:
-    """`task` with its reward replaced by a caller's jittable or host reward, if given."""
+def _caller_reward(reward_fn, host_reward) -> Reward | None:
+    """A caller's jittable or host reward, which replaces the task family's; None if neither."""
     if reward_fn is not None:
-        return task._replace(reward=Reward(reward_fn, jittable=True))
+        return Reward(reward_fn, jittable=True)
     if host_reward is not None:
-        return task._replace(reward=Reward(host_reward, jittable=False))
-    return task
+        return Reward(host_reward, jittable=False)
+    return None
 
 
 def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=None) -> dict:
@@ -91,7 +91,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     task = None
     try:
         mesh = make_mesh(spec.mesh)
-        task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
+        reward = _caller_reward(reward_fn, host_reward)
+        task = build_task(spec.task, mesh=mesh, log=log, reward=reward)
         save = (lambda: workdir_lib.save_config(spec, defaults)) if main else (lambda: None)
         summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
