@@ -2,7 +2,8 @@
 
 A single field's range is its `check` in `ebpo_jax.schema`; what the data or the model turn
 out to hold at run time is checked where they are read. `check(config, num_devices)` runs
-every rule here over a parsed `schema.Config`.
+every rule here over a parsed `schema.Config`, after `derive` has asked the modules that own
+the meshes, the attention kernel and the estimator's options once (`Derived`).
 """
 
 import inspect
