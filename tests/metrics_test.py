@@ -68,6 +68,7 @@ def test_resume_drops_steps_from_the_resumed_step_on(tmp_path):
             w.write(s, _step_metrics(s))
     with M.MetricsWriter(str(interrupted), start_step=3) as w:
         assert [r["step"] for r in M.read_metrics(str(interrupted))] == [0, 1, 2]
+        assert w.kept == M.read_metrics(str(interrupted))  # what a resume reads its pass@1 from
         for s in range(3, 6):
             w.write(s, _step_metrics(s))
     assert (interrupted / "metrics.jsonl").read_text() == (
