@@ -392,9 +392,7 @@ def prepare_workdir(
     try:
         state = check_workdir(workdir, restart=restart)
         resuming = state == "resume"
-        reconcile_config(
-            workdir, cfg, resuming=resuming, log=log, write=write_config, defaults=defaults
-        )
+        reconcile_config(workdir, cfg, resuming=resuming, log=log, write=write_config, defaults=defaults)
     except BaseException:
         lock.release()
         raise
