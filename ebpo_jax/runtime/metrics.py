@@ -574,13 +574,13 @@ class MetricsWriter:
 class NullWriter:
     """MetricsWriter's interface, writing nothing: what processes other than 0 get."""
 
+    kept = ()  # no rows: only process 0 reads the file
+
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         return {"step": int(step), **metrics}
 
     def write_samples(self, step: int, prompts, completions, rewards, advantages=None) -> list:
         return []
-
-    kept = ()  # a NullWriter keeps no rows
 
     def record_gap(self, upto: int) -> list:
         return []
