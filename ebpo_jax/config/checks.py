@@ -3,7 +3,7 @@
 A single field's range is its `check` in `ebpo_jax.schema`; what the data or the model turn
 out to hold at run time is checked where they are read. `check(config, num_devices)` runs
 every rule here over a parsed `schema.Config`, after `derive` has asked the modules that own
-the meshes, the attention kernel and the estimator's options once (`Derived`).
+the sampler's mesh, the attention kernel and the estimator's options once (`Derived`).
 """
 
 import inspect
@@ -33,39 +33,46 @@ class Derived(NamedTuple):
     """What the rules read besides the sections, asked once of the modules that know it."""
 
     sampler_mesh: tuple[tuple[str, int], ...]  # sampler.mesh parsed; () = the trainer's mesh
-    mesh_shape: tuple[int, ...] | None  # -1 resolved; None until the device count is known
     splash: bool  # the model's full-sequence attention is splash
     estimator_options: dict  # estimator_options as the estimator's keywords (None = unset)
+    mesh_shape: tuple[int, ...] | None = None  # -1 resolved, once the device count is known
 
 
 def derive(c: Config, num_devices: int | None = None) -> Derived:
-    """The meshes (-1 resolved against the mesh's devices when `num_devices`, every device
-    there is, is known), the attention kernel and the estimator's options, each asked once.
+    """The sampler's mesh, the attention kernel and the estimator's options, each asked once
+    (the trainer's mesh is resolved last, by `check`, as its rule comes last).
 
     Splash is `model.overrides.attention`, or "auto" once the run has its devices (the
     platform's kernel); False when that is not known yet.
     """
     from ebpo_jax.models import attention  # late: this module stays free of jax
-    from ebpo_jax.sharding import parse_mesh, resolve_shape
+    from ebpo_jax.sharding import parse_mesh
 
-    devices = None if num_devices is None else mesh_devices(c, num_devices)
-    shape, axes = c.mesh.shape, c.mesh.axes
-    need(
-        devices is None or len(shape) == len(axes),
-        f"mesh.shape {shape} and mesh.axes {axes} differ in length",
-    )
     attention_name = c.model.overrides.get("attention", "xla")
     try:
         sampler = tuple(parse_mesh(c.sampler.mesh))
     except ValueError:
         raise ConfigError(f"sampler.mesh={c.sampler.mesh!r} is not like 'data=8,tp=4'") from None
-    try:
-        shape = None if devices is None else resolve_shape(shape, devices)
-    except ValueError as e:
-        raise ConfigError(f"mesh.shape: {e}") from None
     if attention_name == "auto" and num_devices is not None:
         attention_name = attention.resolve(attention_name)
-    return Derived(sampler, shape, attention_name == "splash", c.estimator_options.as_kwargs())
+    return Derived(sampler, attention_name == "splash", c.estimator_options.as_kwargs())
+
+
+def mesh_shape(c: Config, num_devices: int) -> tuple[int, ...]:
+    """The mesh shape with -1 resolved against the mesh's devices; ConfigError when impossible.
+
+    `num_devices` is every device there is; `mesh.devices` may pick fewer.
+    """
+    from ebpo_jax.sharding import resolve_shape  # late: this module stays free of jax
+
+    num_devices = mesh_devices(c, num_devices)
+    shape, axes = c.mesh.shape, c.mesh.axes
+    if len(shape) != len(axes):
+        raise ConfigError(f"mesh.shape {shape} and mesh.axes {axes} differ in length")
+    try:
+        return resolve_shape(shape, num_devices)
+    except ValueError as e:
+        raise ConfigError(f"mesh.shape: {e}") from None
 
 
 def model_setting(c: Config, name: str, hf_names: tuple[str, ...] = (), hf_absent=None):
@@ -547,5 +554,6 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _context(c)
     _unbuilt(c)
     if num_devices is not None:
+        d = d._replace(mesh_shape=mesh_shape(c, num_devices))
         _devices(c, d)
     return d
