@@ -10,6 +10,8 @@ picks one by name and adds IS weights, aggregation, KL and entropy (`TokenTerms`
 """
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -167,6 +169,7 @@ def register(name: str, *, draws: bool = False) -> Callable[[Callable], Callable
     A surrogate is `fn(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_low, clip_high,
     dual_clip, cov, noise_BT) -> Surrogate`; `dual_clip` is None when off, `cov` a
     CovOptions, `noise_BT` uniform [0, 1) draws (None unless `draws`: the surrogate samples).
+    It is given the keyword options it names (every one when it takes `**kwargs`).
     """
 
     return _REGISTRY.register(name, *(("draws",) if draws else ()))
@@ -185,6 +188,21 @@ def names() -> tuple[str, ...]:
 def get(name: str) -> Callable[..., Surrogate]:
     """The surrogate registered as `name`."""
     return _REGISTRY.get(name)
+
+
+@functools.cache
+def _named_options(fn: Callable) -> frozenset[str] | None:
+    """The keyword options surrogate `fn` names; None when it takes `**kwargs` (all of them)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return frozenset(p.name for p in params)
+
+
+def _call(surrogate: Callable, arrays: tuple, options: dict) -> Surrogate:
+    """`surrogate(*arrays, **options)` with only the options it names."""
+    named = _named_options(surrogate)
+    return surrogate(*arrays, **{k: v for k, v in options.items() if named is None or k in named})
 
 
 def _clipped_pg(ratio_BT, adv_BT, clip_low, clip_high, dual_clip):
@@ -218,7 +236,6 @@ def ppo(
     logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
     clip_low: float, clip_high: float, dual_clip: float | None = None,
-    **_: object,
 ) -> Surrogate:
     """PPO: token ratio pi/pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher)."""
     del mask_BT
@@ -232,7 +249,6 @@ def gspo(
     logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
     clip_low: float, clip_high: float, dual_clip: float | None = None,
-    **_: object,
 ) -> Surrogate:
     """GSPO (Zheng et al. 2025): the sequence ratio s_i (geometric mean of the token ratios)
     clipped per sequence, its term repeated on every token of the sequence.
@@ -253,7 +269,6 @@ def gspo_token(
     logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
     clip_low: float, clip_high: float, dual_clip: float | None = None,
-    **_: object,
 ) -> Surrogate:
     """GSPO-token: per-token ratio sg[s_i] * pi / sg[pi], so each token carries its own
     advantage; with one advantage per sequence it equals `gspo` in value and gradient.
@@ -271,8 +286,7 @@ def gspo_token(
 def cispo(
     logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
-    clip_low: float, clip_high: float, dual_clip: float | None = None,
-    **_: object,
+    clip_low: float, clip_high: float,
 ) -> Surrogate:
     """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi.
 
@@ -280,7 +294,7 @@ def cispo(
     1 + clip_high, so `dual_clip` does not apply. MiniMax-M1 sets no lower bound
     (clip_low = 1); the clip fractions count clipped weights whatever the advantage's sign.
     """
-    del mask_BT, dual_clip
+    del mask_BT
     ratio_BT = jnp.exp(_token_log_ratio(logp_BT, old_logp_BT))
     w_BT = jax.lax.stop_gradient(jnp.clip(ratio_BT, 1.0 - clip_low, 1.0 + clip_high))
     return Surrogate(
@@ -344,7 +358,6 @@ def kl_cov(
     logp_BT: jax.Array, old_logp_BT: jax.Array, adv_BT: jax.Array, mask_BT: jax.Array,
     *,
     cov: CovOptions,
-    **_: object,
 ) -> Surrogate:
     """KL-Cov (Cui et al. 2025, verl's `kl_cov`): the unclipped term -A * ratio, plus
     kl_coef * |log pi - log pi_old| on the max(1, floor(kl_ratio * n)) valid tokens of
@@ -449,17 +462,14 @@ def policy_loss(
     )
     token_mean = lambda x_BT: aggregate(x_BT.astype(jnp.float32), mask_BT, "token-mean")
 
-    out = surrogate(
-        logp_BT,
-        terms.old_logp_BT,
-        adv_BT,
-        mask_BT,
-        clip_low=opts.clip_low,
-        clip_high=opts.clip_high,
-        dual_clip=opts.dual_clip if opts.dual_clip else None,
-        cov=opts.cov,
-        noise_BT=terms.noise_BT,
-    )
+    options = {
+        "clip_low": opts.clip_low,
+        "clip_high": opts.clip_high,
+        "dual_clip": opts.dual_clip if opts.dual_clip else None,
+        "cov": opts.cov,
+        "noise_BT": terms.noise_BT,
+    }
+    out = _call(surrogate, (logp_BT, terms.old_logp_BT, adv_BT, mask_BT), options)
     pg_BT = out.pg_BT
     if terms.is_weights_BT is not None:
         pg_BT = pg_BT * jax.lax.stop_gradient(terms.is_weights_BT)

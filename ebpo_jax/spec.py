@@ -183,14 +183,12 @@ def optim_spec(c: schema.Config) -> OptimSpec:
     )
 
 
-def mesh_spec(c: schema.Config, num_devices: int | None = None) -> MeshSpec:
-    shape = tuple(int(s) for s in c.mesh.shape)
-    if num_devices is not None:
-        shape = checks.mesh_shape(c, num_devices)
+def mesh_spec(c: schema.Config, d: checks.Derived) -> MeshSpec:
+    """The meshes as the checks resolved them (the shape as configured before the devices)."""
     return MeshSpec(
         mesh=c.mesh,
-        shape=shape,
-        sampler=checks.sampler_mesh(c),
+        shape=d.mesh_shape or tuple(int(s) for s in c.mesh.shape),
+        sampler=d.sampler_mesh,
         disjoint=c.rollout.max_staleness > 0,
     )
 
@@ -215,20 +213,20 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
 
     With `num_devices` the mesh's -1 is resolved and the batch is checked against the mesh.
     """
-    c = config_lib.validate(config, num_devices)
+    c, derived = config_lib.validated(config, num_devices)
     rollout, ev = rollout_spec(c), EvalSpec(run=c.run, max_new_tokens=c.sampler.max_new_tokens)
     return RunSpec(
-        workdir=storage.absolute(c.run.workdir),  # a relative one is the cwd's; gs:// as given
         run=c.run,
         with_ref=c.loss.kl_coef > 0,
         rollout=rollout,
-        update=update_spec(c),
         optim=optim_spec(c),
-        mesh=mesh_spec(c, num_devices),
+        mesh=mesh_spec(c, derived),
         task=task_spec(c, rollout, ev),
         eval=ev,
         wandb=c.wandb,
         config_json=config.to_json(indent=2),
+        update=update_spec(c),
+        workdir=storage.absolute(c.run.workdir),  # a relative one is the cwd's; gs:// as given
     )
 
 

@@ -96,12 +96,9 @@ def main(argv):
         runner.run_grid(
             _CONFIG.value,
             executor=executor,
-            dry_run=_DRY_RUN.value,
-            plots_only=_PLOTS_ONLY.value,
+            select=runner.Selection(_SEEDS.value, _ONLY.value, _DRY_RUN.value, _PLOTS_ONLY.value),
             analysis=analysis,
             alpha=_ALPHA.value,
-            seeds=_SEEDS.value,
-            only=_ONLY.value,
         )
     except GridStopped as e:
         sys.exit(f"stopped: {e}")

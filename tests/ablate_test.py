@@ -182,7 +182,7 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     # Runs recorded short of their last step train again, here only those --only matches;
     # the other keeps its recorded rows.
     evals[evals.step == 0].to_csv(out["results"], index=False)
-    partial = runner.run_grid(grid, only="grpo", log=lambda *_: None)
+    partial = runner.run_grid(grid, select=runner.Selection(only="grpo"), log=lambda *_: None)
     assert partial["trained"] == [r for r in out["runs"] if "grpo" in r]
     expected = evals[(evals.method == "grpo") | (evals.step == 0)].reset_index(drop=True)
     pd.testing.assert_frame_equal(pd.read_csv(partial["results"]), expected)
@@ -191,7 +191,7 @@ def test_micro_grid_end_to_end_and_resume(tmp_path):
     os.remove(os.path.join(killed, "summary.json"))
     shutil.rmtree(os.path.join(killed, "checkpoints"))
     lines = []
-    again = runner.run_grid(grid, only="grpo", log=lines.append)
+    again = runner.run_grid(grid, select=runner.Selection(only="grpo"), log=lines.append)
     assert again["trained"] == partial["trained"]
     assert any("starts over" in line for line in lines)
     pd.testing.assert_frame_equal(pd.read_csv(again["results"]), expected)
@@ -417,17 +417,22 @@ def test_committed_results_count_as_finished_runs():
         {**b, "fixed": {**b.get("fixed", {}), "mesh.devices": 1}} for b in grid.blocks
     ]
     lines = []
-    out = runner.run_grid(grid, seeds=6, dry_run=True, log=lines.append)
+    out = runner.run_grid(grid, select=runner.Selection(seeds=6, dry_run=True), log=lines.append)
     assert len(out["runs"]) == 6 * (15 + 2)  # 5 methods x 3 G + the dapo block's 2, 6 seeds
     done = {line.split()[1] for line in lines if line.strip().startswith("done")}
     assert {r for r in out["runs"] if int(r.rsplit("-", 1)[1]) < 4} <= done
     with pytest.raises(ValueError, match="--only='nope': matches none of the grid's 102"):
-        runner.run_grid(grid, seeds=6, only="nope", log=lines.append)
+        runner.run_grid(grid, select=runner.Selection(seeds=6, only="nope"), log=lines.append)
     with pytest.raises(ValueError, match=r"--only='\(': not a regex"):
-        runner.run_grid(grid, seeds=6, only="(", log=lines.append)
+        runner.run_grid(grid, select=runner.Selection(seeds=6, only="("), log=lines.append)
     with pytest.raises(ValueError, match="--seeds=3: .* not with --power_effect"):
         analysis = runner.PowerAnalysis(effect=0.02)
-        runner.run_grid(grid, seeds=3, analysis=analysis, dry_run=True, log=lines.append)
+        runner.run_grid(
+            grid,
+            select=runner.Selection(seeds=3, dry_run=True),
+            analysis=analysis,
+            log=lines.append,
+        )
 
 
 def test_a_signal_that_stops_a_run_stops_the_grid(monkeypatch):

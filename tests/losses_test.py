@@ -351,6 +351,24 @@ def test_register_your_own_surrogate(surrogate_batch):
         _policy_loss(logp, old, adv, mask, name="grpo")
 
 
+def test_a_surrogate_is_given_the_options_it_names(surrogate_batch):
+    """The registered form: every option to a surrogate with **kwargs, else those it names."""
+    logp, old, adv, mask, _ = surrogate_batch
+    seen = {}
+
+    @losses.register("named_test")
+    def named(logp_BT, old_logp_BT, adv_BT, mask_BT, *, clip_high, dual_clip=None):
+        seen.update(clip_high=clip_high, dual_clip=dual_clip)
+        no_clip = jnp.zeros(logp_BT.shape, bool)
+        return losses.Surrogate(-adv_BT * logp_BT, no_clip, no_clip)
+
+    try:
+        _policy_loss(logp, old, adv, mask, name="named_test", clip_high=0.3, dual_clip=3.0)
+        assert seen == {"clip_high": 0.3, "dual_clip": 3.0}
+    finally:
+        losses._REGISTRY.entries.pop("named_test")
+
+
 def test_config_validates_loss_name_and_dual_clip():
     from ebpo_jax import config
 

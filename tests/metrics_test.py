@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax.runtime import metrics as M
+from ebpo_jax.runtime import progress
 
 
 def _step_metrics(step: int) -> dict:
@@ -67,6 +68,7 @@ def test_resume_drops_steps_from_the_resumed_step_on(tmp_path):
             w.write(s, _step_metrics(s))
     with M.MetricsWriter(str(interrupted), start_step=3) as w:
         assert [r["step"] for r in M.read_metrics(str(interrupted))] == [0, 1, 2]
+        assert w.kept == M.read_metrics(str(interrupted))  # what a resume reads its pass@1 from
         for s in range(3, 6):
             w.write(s, _step_metrics(s))
     assert (interrupted / "metrics.jsonl").read_text() == (
@@ -107,7 +109,7 @@ def test_tensorboard_events_written(tmp_path):
 
 
 def test_progress_bar_shows_reward_pass_rate_and_speed(capsys):
-    bar = M.ProgressBar(total=4, disable=False)
+    bar = progress.ProgressBar(total=4, disable=False)
     bar.update(0, {"reward/mean": 0.5, "perf/tokens_per_s": 1234.0, "eval/pass@1": 0.25})
     bar.update(1, {"reward/mean": jnp.float32(0.75), "perf/tokens_per_s": 2000.0})
     assert bar._bar.n == 2
@@ -140,7 +142,7 @@ def test_bad_middle_line_names_file_and_line(tmp_path):
 
 
 def test_progress_bar_and_writer_tolerate_missing_values(tmp_path, capsys):
-    bar = M.ProgressBar(total=3, disable=False)
+    bar = progress.ProgressBar(total=3, disable=False)
     bar.update(0, {"reward/mean": None, "perf/tokens_per_s": float("nan"), "eval/pass@1": None})
     bar.update(1, {"reward/mean": jnp.float32(jnp.nan), "eval/pass@1": float("inf")})
     bar.close()

@@ -113,7 +113,12 @@ def test_a_killed_task_is_retried_and_resumes_to_the_same_results(cluster, local
     workdir = os.path.join(tmp_path, "runs", run_id)
     killer = threading.Thread(target=_kill_after_checkpoint, args=(workdir, killed))
     killer.start()
-    out = runner.run_grid(grid, only="grpo", executor=ray_executor.RayExecutor(), log=lines.append)
+    out = runner.run_grid(
+        grid,
+        select=runner.Selection(only="grpo"),
+        executor=ray_executor.RayExecutor(),
+        log=lines.append,
+    )
     killer.join()
     assert killed and out["trained"] == [run_id] and out["failed"] == {}
     assert any(f"retry {run_id}" in line for line in lines), lines

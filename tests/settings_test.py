@@ -180,11 +180,12 @@ def test_splash_block_widths_of_math_records():
     here: validate would want the data files)."""
     splash = {"data.path": "train.jsonl", "model.overrides.attention": "splash"}
     with_prompt = lambda n: schema.parse(_micro(**splash, **{"data.max_prompt_len": n}))
+    widths = lambda c: checks._splash_widths(c, checks.derive(c))
     with pytest.raises(ConfigError, match="data.max_prompt_len = 600: attention 'splash' needs"):
-        checks._splash_widths(with_prompt(600), None)
+        widths(with_prompt(600))
     with pytest.raises(ConfigError, match=r"data.max_prompt_len \+ sampler.max_new_tokens = 514"):
-        checks._splash_widths(with_prompt(510), None)
-    checks._splash_widths(with_prompt(508), None)  # 508 + 4 = one block
+        widths(with_prompt(510))
+    widths(with_prompt(508))  # 508 + 4 = one block
 
 
 def test_stale_pipeline_in_several_processes_and_host_reward_steps(monkeypatch):

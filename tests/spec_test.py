@@ -129,6 +129,25 @@ def test_a_new_task_family_is_one_builder_and_a_registry_entry(tmp_path):
     assert s["step"] == 2 and np.isnan(s["pass@1_end"])
 
 
+def test_a_callers_reward_replaces_the_familys():
+    """train(reward_fn=... / host_reward=...) hands its reward to build_task."""
+    family = Reward(lambda *a: "family", jittable=True)
+
+    @register("reward_test")
+    def build(spec, *, mesh=None, log=print):
+        return Task(*[None] * 4, family, *[None] * 4)
+
+    spec = dataclasses.replace(resolve(_micro()).task, family="reward_test")
+    try:
+        assert build_task(spec).reward is family
+        host = loop._caller_reward(None, lambda ro: ro)
+        assert build_task(spec, reward=host).reward is host and not host.jittable
+        assert loop._caller_reward(lambda *a: a, None).jittable
+        assert loop._caller_reward(None, None) is None
+    finally:
+        tasks.protocol._REGISTRY.entries.pop("reward_test")
+
+
 def test_aot_lowers_the_update_the_loop_runs():
     """aot.py compiles the loop's own runner.update with the loop's shardings (same HLO)."""
     c = _micro(**{"mesh.shape": (2, 4), "mesh.axes": ("data", "fsdp"), "prompts_per_step": 8})

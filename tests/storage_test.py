@@ -95,6 +95,7 @@ def test_metrics_segments_keep_checkpointed_rows_and_name_a_gap(gcs):
     assert metrics.has_metrics(wd)
     resumed = metrics.MetricsWriter(wd, start_step=3, tensorboard=False)  # checkpoint 2
     assert [r["step"] for r in metrics.read_metrics(wd)] == [0, 1, 2]  # later rows dropped
+    assert resumed.kept == metrics.read_metrics(wd)
     resumed.write(3, {"reward/mean": 0.3})
     resumed.close()
     assert [r["step"] for r in metrics.read_metrics(wd)] == [0, 1, 2, 3]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import time
+from typing import NamedTuple
 
 from ebpo_jax.ablation.executor import Executor, Job, LocalPool, Progress
 from ebpo_jax.ablation.power import PowerAnalysis
@@ -127,6 +128,19 @@ def _matching(runs, only: str):
 NO_POWER_ANALYSIS = PowerAnalysis()
 
 
+class Selection(NamedTuple):
+    """Which of a grid's runs one call trains (ablate.py's --seeds, --only, --dry_run and
+    --plots_only)."""
+
+    seeds: int = 0  # > 0: seeds 0..seeds-1 of every setting; 0: the grid's own (or the pilot's)
+    only: str = ""  # a regex: train only the run ids it matches ("" = every run)
+    dry_run: bool = False  # list each run's state, train nothing
+    plots_only: bool = False  # train nothing: the tables and plots of the runs there are
+
+
+EVERY_RUN = Selection()
+
+
 def _power_pilot(grid, out, analysis: PowerAnalysis, *, alpha, executor, dry_run, log):
     """(the grid at the seeds the pilot chose, the power report, the runs trained); with
     dry_run, the pilot grid itself and no report."""
@@ -163,37 +177,34 @@ def run_grid(
     grid,
     *,
     executor: Executor | None = None,
-    dry_run: bool = False,
-    plots_only: bool = False,
+    select: Selection = EVERY_RUN,
     analysis: PowerAnalysis = NO_POWER_ANALYSIS,
     alpha: float = 0.05,
-    seeds: int = 0,
-    only: str = "",
     log=print,
 ) -> dict:
-    """Train the grid's unfinished runs (seeds by power analysis when analysis.effect > 0, or
-    0..seeds-1; only the ids matching `only`) on `executor` (default: LocalPool(1),
-    in this process), then write the tables and plots; returns paths, the run ids, those trained
-    and {run id: why} of those that failed."""
+    """Train the grid's unfinished runs that `select` picks (seeds by power analysis when
+    analysis.effect > 0) on `executor` (default: LocalPool(1), in this process), then write
+    the tables and plots; returns paths, the run ids, those trained and {run id: why} of
+    those that failed."""
     from ebpo_jax import ablation
 
     executor = executor or LocalPool(1)
     out = os.path.abspath(grid.out_dir)
     power_report, trained, failed = None, [], {}
-    if seeds:
-        if analysis.effect > 0 or seeds < 1:
-            raise ValueError(f"--seeds={seeds}: give N >= 1, and not with --power_effect")
-        grid = ablation.with_seeds(grid, range(seeds))
-    if analysis.effect > 0 and not plots_only:
+    if select.seeds:
+        if analysis.effect > 0 or select.seeds < 1:
+            raise ValueError(f"--seeds={select.seeds}: give N >= 1, and not with --power_effect")
+        grid = ablation.with_seeds(grid, range(select.seeds))
+    if analysis.effect > 0 and not select.plots_only:
         grid, power_report, trained = _power_pilot(
-            grid, out, analysis, alpha=alpha, executor=executor, dry_run=dry_run, log=log
+            grid, out, analysis, alpha=alpha, executor=executor, dry_run=select.dry_run, log=log
         )
     runs = ablation.expand(grid)
-    if dry_run:
+    if select.dry_run:
         return _list_runs(grid, runs, out, log)
     t0 = time.time()
-    if not plots_only:
-        done, failed = _train_grid(grid, _matching(runs, only), out, executor, log)
+    if not select.plots_only:
+        done, failed = _train_grid(grid, _matching(runs, select.only), out, executor, log)
         trained += done
     paths = write_results(grid, runs, out, alpha=alpha, log=log)
     log(f"{len(trained)} runs trained in {time.time() - t0:.0f} s; results: {paths['results']}")

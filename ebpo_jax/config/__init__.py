@@ -16,7 +16,15 @@ from ebpo_jax import schema
 from ebpo_jax.config import checks
 from ebpo_jax.schema import OPEN_DICTS, ConfigError
 
-__all__ = ["OPEN_DICTS", "ConfigError", "default_config", "finalize", "load_sibling", "validate"]
+__all__ = [
+    "OPEN_DICTS",
+    "ConfigError",
+    "default_config",
+    "finalize",
+    "load_sibling",
+    "validate",
+    "validated",
+]
 
 
 def _optional_type(hint) -> type:
@@ -131,6 +139,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     Each field's own check runs as it is parsed (ebpo_jax.schema), then the rules over
     several sections (ebpo_jax.config.checks); with `num_devices`, also the mesh's.
     """
+    return validated(config, num_devices)[0]
+
+
+def validated(
+    config: ml_collections.ConfigDict, num_devices: int | None = None
+) -> tuple[schema.Config, checks.Derived]:
+    """`validate`, with what the checks resolved on the way (the meshes) for the run spec."""
     defaults = default_config()
     unknown = _unknown_fields(config, defaults)
     if unknown:
@@ -139,5 +154,4 @@ def validate(config: ml_collections.ConfigDict, num_devices: int | None = None) 
     if missing:
         raise ConfigError(f"missing config field(s): {', '.join(missing)}")
     typed = schema.parse(config)
-    checks.check(typed, num_devices)
-    return typed
+    return typed, checks.check(typed, num_devices)

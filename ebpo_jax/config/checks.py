@@ -2,13 +2,15 @@
 
 A single field's range is its `check` in `ebpo_jax.schema`; what the data or the model turn
 out to hold at run time is checked where they are read. `check(config, num_devices)` runs
-every rule here over a parsed `schema.Config`.
+every rule here over a parsed `schema.Config`, after `derive` has asked the modules that own
+the sampler's mesh, the attention kernel and the estimator's options once (`Derived`).
 """
 
 import inspect
 import json
 import math
 import os
+from typing import NamedTuple
 
 from ebpo_jax.schema import Config, ConfigError
 
@@ -27,14 +29,33 @@ def mesh_devices(c: Config, num_devices: int) -> int:
     return n or num_devices
 
 
-def sampler_mesh(c: Config) -> tuple[tuple[str, int], ...]:
-    """`sampler.mesh` ("data=8,tp=4") as ((axis, size), ...); () = the trainer's mesh."""
-    from ebpo_jax.sharding import parse_mesh  # late: this module stays free of jax
+class Derived(NamedTuple):
+    """What the rules read besides the sections, asked once of the modules that know it."""
 
+    sampler_mesh: tuple[tuple[str, int], ...]  # sampler.mesh parsed; () = the trainer's mesh
+    splash: bool  # the model's full-sequence attention is splash
+    estimator_options: dict  # estimator_options as the estimator's keywords (None = unset)
+    mesh_shape: tuple[int, ...] | None = None  # -1 resolved, once the device count is known
+
+
+def derive(c: Config, num_devices: int | None = None) -> Derived:
+    """The sampler's mesh, the attention kernel and the estimator's options, each asked once
+    (the trainer's mesh is resolved last, by `check`, as its rule comes last).
+
+    Splash is `model.overrides.attention`, or "auto" once the run has its devices (the
+    platform's kernel); False when that is not known yet.
+    """
+    from ebpo_jax.models import attention  # late: this module stays free of jax
+    from ebpo_jax.sharding import parse_mesh
+
+    attention_name = c.model.overrides.get("attention", "xla")
     try:
-        return tuple(parse_mesh(c.sampler.mesh))
+        sampler = tuple(parse_mesh(c.sampler.mesh))
     except ValueError:
         raise ConfigError(f"sampler.mesh={c.sampler.mesh!r} is not like 'data=8,tp=4'") from None
+    if attention_name == "auto" and num_devices is not None:
+        attention_name = attention.resolve(attention_name)
+    return Derived(sampler, attention_name == "splash", c.estimator_options.as_kwargs())
 
 
 def mesh_shape(c: Config, num_devices: int) -> tuple[int, ...]:
@@ -140,7 +161,7 @@ def _batch_split(c: Config) -> None:
     )
 
 
-def _steps(c: Config) -> None:
+def _steps(c: Config, d: Derived) -> None:
     """Checkpoints, evaluations and the run's end fall on K-step boundaries."""
     run = c.run
     k = run.steps_per_jit
@@ -155,7 +176,7 @@ def _steps(c: Config) -> None:
         f"total_steps={run.total_steps} must be a multiple of steps_per_jit={k}",
     )
     need(
-        not (c.sampler.mesh and sampler_mesh(c) and k != 1),
+        not (d.sampler_mesh and k != 1),
         f"sampler.mesh={c.sampler.mesh!r} needs steps_per_jit=1 (the K-step scan samples on "
         "the trainer's mesh)",
     )
@@ -282,7 +303,7 @@ def _host_dynamic_sampling(c: Config, why: str) -> None:
     )
 
 
-def _estimator_options(c: Config) -> None:
+def _estimator_options(c: Config, d: Derived) -> None:
     """Every option set (not None) is a keyword the estimator takes."""
     from ebpo_jax import advantages  # the registry; imported late so this module stays light
 
@@ -293,14 +314,14 @@ def _estimator_options(c: Config) -> None:
         raise ConfigError(f"estimator={name!r} is not in the advantages registry ({e})") from None
     params = inspect.signature(fn).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    for option, value in sorted(c.estimator_options.as_kwargs().items()):
+    for option, value in sorted(d.estimator_options.items()):
         need(
             value is None or takes_any or option in params,
             f"estimator_options.{option}={value!r}: estimator {name!r} takes no option {option!r}",
         )
 
 
-def _staleness(c: Config, num_devices: int | None) -> None:
+def _staleness(c: Config, d: Derived, num_devices: int | None) -> None:
     """rollout.max_staleness and sampler.param_dtype: what the one-step-off pipeline needs."""
     k = c.run.steps_per_jit
     need(
@@ -310,7 +331,7 @@ def _staleness(c: Config, num_devices: int | None) -> None:
     if c.rollout.max_staleness == 0:
         return
     need(k == 1, f"rollout.max_staleness=1 needs steps_per_jit=1, got {k}")
-    sampler = sampler_mesh(c)
+    sampler = d.sampler_mesh
     need(
         bool(sampler),
         "rollout.max_staleness=1 needs sampler.mesh (e.g. 'data=4'): the sampler runs on the "
@@ -395,35 +416,24 @@ def _replay_model(c: Config) -> None:
     )
 
 
-def splash_attention(c: Config, num_devices: int | None) -> bool:
-    """The model's full-sequence attention is splash: `model.overrides.attention`, or "auto"
-    once the run has its devices (the platform's kernel); False when that is not known yet."""
-    name = c.model.overrides.get("attention", "xla")
-    if name == "auto" and num_devices is not None:
-        from ebpo_jax.models import attention  # late: this module stays free of jax
-
-        name = attention.resolve(name)
-    return name == "splash"
-
-
-def _replay_attention(c: Config, num_devices: int | None) -> None:
+def _replay_attention(c: Config, d: Derived) -> None:
     """Routing replay through a padded forward (the padded update, the old-log-prob recompute)
     needs a model attention that takes the recorded experts: not splash."""
     loss = c.loss
     padded = loss.tokens_per_microbatch == 0 or loss.recompute_old_logprobs
     name = c.model.overrides.get("attention", "xla")
     need(
-        not (c.model.moe.routing_replay and padded and splash_attention(c, num_devices)),
+        not (c.model.moe.routing_replay and padded and d.splash),
         f"model.moe.routing_replay with model.overrides.attention={name!r} (splash): the padded "
         "forward (loss.tokens_per_microbatch=0 or loss.recompute_old_logprobs) needs 'xla' or "
         "'cudnn'",
     )
 
 
-def _splash_widths(c: Config, num_devices: int | None) -> None:
+def _splash_widths(c: Config, d: Derived) -> None:
     """Splash runs over the prompt width (the sampler's prefill) and prompt + completion (the
     update): each at most a block or a multiple of it (math records: data.max_prompt_len)."""
-    if not (c.data.path and splash_attention(c, num_devices)):
+    if not (c.data.path and d.splash):
         return
     from ebpo_jax.models.splash import BLOCK  # Pallas TPU import, only when asked for
 
@@ -455,15 +465,15 @@ def _lora_targets(c: Config) -> None:
     )
 
 
-def _devices(c: Config, num_devices: int) -> None:
+def _devices(c: Config, d: Derived) -> None:
     """The rollout batch and continuous batching's slots split over the mesh's data shards."""
-    shape = mesh_shape(c, num_devices)
+    shape = d.mesh_shape
     batch = c.run.prompts_per_step * c.run.group_size
     need(
         batch % math.prod(shape) == 0,
         f"P*G={batch} rollouts do not split over the {math.prod(shape)}-device mesh",
     )
-    spec = sampler_mesh(c) or tuple(zip(c.mesh.axes, shape, strict=True))
+    spec = d.sampler_mesh or tuple(zip(c.mesh.axes, shape, strict=True))
     shards = math.prod(n for axis, n in spec if axis in ("data", "fsdp"))
     row_shards = shards * (dict(spec).get("tp", 1) if c.sampler.dp_attention else 1)
     per_call = c.sampler.prompts_per_call or c.run.prompts_per_step
@@ -523,23 +533,27 @@ def _unbuilt(c: Config) -> None:
     need(not c.model.batch_invariant, "model.batch_invariant=True is not built yet")
 
 
-def check(c: Config, num_devices: int | None = None) -> None:
-    """Every cross-section rule; ConfigError (one line) on the first broken one."""
+def check(c: Config, num_devices: int | None = None) -> Derived:
+    """Every cross-section rule; ConfigError (one line) on the first broken one. Returns what
+    the rules derived (the resolved meshes), which the run spec carries."""
+    d = derive(c, num_devices)
     _batch_split(c)
     _loss_choice(c)
     _packing(c)
-    _steps(c)
+    _steps(c, d)
     _data_and_model(c)
     _overrides(c)
     _positions(c)
-    _estimator_options(c)
-    _staleness(c, num_devices)
+    _estimator_options(c, d)
+    _staleness(c, d, num_devices)
     _turns(c)
     _replay_model(c)
-    _replay_attention(c, num_devices)
-    _splash_widths(c, num_devices)
+    _replay_attention(c, d)
+    _splash_widths(c, d)
     _lora_targets(c)
     _context(c)
     _unbuilt(c)
     if num_devices is not None:
-        _devices(c, num_devices)
+        d = d._replace(mesh_shape=mesh_shape(c, num_devices))
+        _devices(c, d)
+    return d

@@ -48,10 +48,6 @@ def validate_data_config(c) -> None:
         raise DataError(
             f"data.template={c.template!r}: a name in {sorted(TEMPLATES)} or has {{problem}}"
         )
-    try:
-        get_reward(c.reward)
-    except (ValueError, TypeError) as e:
-        raise DataError(f"data.reward: {e}") from None
     from ebpo_jax.runtime import storage  # data may sit on gs://
 
     if c.path and not storage.exists(c.path):
@@ -61,3 +57,7 @@ def validate_data_config(c) -> None:
     for _, path in eval_sets(c):
         if not storage.exists(path):
             raise DataError(f"data.eval_path entry {path!r}: no such file or folder")
+    try:
+        get_reward(c.reward)
+    except (ValueError, TypeError) as e:
+        raise DataError(f"data.reward: {e}") from None

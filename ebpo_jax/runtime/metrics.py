@@ -1,5 +1,5 @@
 """Per-step metrics: JSON lines in `<workdir>/metrics.jsonl`, TensorBoard events, optional
-Weights & Biases, sample completions in `<workdir>/samples.jsonl`, and a tqdm bar.
+Weights & Biases and sample completions in `<workdir>/samples.jsonl`.
 
 TensorBoard events are written with tensorboardX's synchronous `EventsWriter` in the
 caller's thread, not its `SummaryWriter`: that one hands events to a writer thread through a
@@ -126,6 +126,11 @@ def read_jsonl(path: str, *, log: Callable[[str], None] = _warn) -> list[dict[st
             seg = storage.join(folder, name)
             records += _parse_jsonl(seg, storage.read_bytes(seg), log)
         return records
+    return _read_local_jsonl(path, log)
+
+
+def _read_local_jsonl(path: str, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """read_jsonl of a local file."""
     if not os.path.exists(path):
         return []
     with open(path, "rb") as f:
@@ -261,11 +266,11 @@ class _TensorBoard:
     never exceeds one checkpoint interval of events.
     """
 
-    def __init__(self, logdir: str, purge_step: int | None):
+    def __init__(self, logdir: str, purge_step: int | None, remote: bool):
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-        self._remote, self._logdir, self._files = _is_remote(logdir), logdir, 0
+        self._remote, self._logdir, self._files = remote, logdir, 0
         if not self._remote:
             os.makedirs(logdir, exist_ok=True)
         self._Event, self._EventsWriter = Event, EventsWriter
@@ -320,7 +325,9 @@ class _TensorBoard:
 class _WandB:
     """A Weights & Biases run (imported only when asked for); resumes the workdir's run id."""
 
-    def __init__(self, workdir: str, options: Mapping[str, Any], run_config: Mapping | None):
+    def __init__(
+        self, workdir: str, options: Mapping[str, Any], run_config: Mapping | None, remote: bool
+    ):
         import wandb  # optional dependency: pip install 'ebpo-jax[wandb]'
 
         from ebpo_jax.runtime import storage
@@ -339,7 +346,7 @@ class _WandB:
             entity=options.get("entity") or None,
             name=options.get("name") or os.path.basename(os.path.abspath(workdir)),
             mode=mode,
-            dir=None if storage.is_remote(workdir) else workdir,  # wandb's files are local
+            dir=None if remote else workdir,  # wandb's files are local
             id=run_id,
             resume="allow",
             config=dict(run_config or {}),
@@ -382,7 +389,8 @@ class MetricsWriter:
         self.path = os.path.join(workdir, METRICS_FILE)
         self.samples_path = os.path.join(workdir, SAMPLES_FILE)
         self._samples = None
-        if _is_remote(workdir):
+        remote = _is_remote(workdir)  # asked once: every sink below writes where it says
+        if remote:
             self._open_segments(start_step, log)
         else:
             self._open_local(workdir, start_step, log)
@@ -393,9 +401,10 @@ class MetricsWriter:
                 _TensorBoard,
                 os.path.join(workdir, "tb"),
                 start_step if start_step > 0 else None,
+                remote,
             )
         if wandb and wandb.get("project") and wandb.get("mode") != "disabled":
-            self._wandb = _WandB(workdir, wandb, run_config)
+            self._wandb = _WandB(workdir, wandb, run_config, remote)
 
     def _open_segments(self, start_step: int, log: Callable[[str], None]) -> None:
         """Object storage: the kept rows, and segment writers (see `_Segments`)."""
@@ -411,7 +420,7 @@ class MetricsWriter:
         try:
             os.makedirs(workdir, exist_ok=True)
             for path in (self.path, self.samples_path):
-                kept = [r for r in read_jsonl(path, log=log) if r.get("step", -1) < start_step]
+                kept = [r for r in _read_local_jsonl(path, log) if r.get("step", -1) < start_step]
                 if kept or os.path.exists(path):
                     _rewrite_jsonl(path, kept)
                 if path == self.path:
@@ -507,6 +516,11 @@ class MetricsWriter:
             self._wandb = None
         return rows
 
+    @property
+    def kept(self) -> list[dict[str, Any]]:
+        """The rows of steps before `start_step` that the file held when opened (and gaps)."""
+        return self._kept
+
     def record_gap(self, upto: int) -> list[list[int]]:
         """Steps 1..upto (covered by the restored checkpoint) that have no row: one warning
         and a gap row in the file, so the loss is said once and stays on record."""
@@ -560,6 +574,8 @@ class MetricsWriter:
 class NullWriter:
     """MetricsWriter's interface, writing nothing: what processes other than 0 get."""
 
+    kept = ()  # no rows: only process 0 reads the file
+
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         return {"step": int(step), **metrics}
 
@@ -591,39 +607,3 @@ def open_writer(
     return MetricsWriter(
         workdir, start_step=start_step, wandb=wandb, run_config=run_config, log=log
     )
-
-
-class ProgressBar:
-    """A tqdm bar over steps showing reward, pass rate (last eval pass@1) and tokens/s."""
-
-    def __init__(self, total: int, *, initial: int = 0, disable: bool | None = None):
-        from tqdm.auto import tqdm
-
-        self._bar = tqdm(total=total, initial=initial, unit="step", disable=disable)
-        self._pass_rate = None
-
-    def compiling(self) -> None:
-        """Say so while the first step compiles (the bar would sit at ?step/s)."""
-        self._bar.set_description("compiling", refresh=True)
-
-    def write(self, message: str) -> None:
-        """Print a line above the bar, never into its line."""
-        self._bar.write(message)
-
-    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Move the bar to `step` + 1 and show the latest metrics."""
-        if "eval/pass@1" in metrics:
-            self._pass_rate = metrics["eval/pass@1"]
-        postfix = {}
-        for label, key in (("reward", "reward/mean"), ("tok/s", "perf/tokens_per_s")):
-            if key in metrics:  # None / NaN (a skipped step) shows as "nan"
-                postfix[label] = format_value(metrics[key])
-        if self._pass_rate is not None:
-            postfix["pass@1"] = format_value(self._pass_rate, ".3f")
-        self._bar.set_postfix(postfix, refresh=False)
-        if self._bar.desc:
-            self._bar.set_description("", refresh=False)
-        self._bar.update(step + 1 - self._bar.n)
-
-    def close(self) -> None:
-        self._bar.close()

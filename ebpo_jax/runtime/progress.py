@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ebpo_jax.runtime.metrics import ProgressBar, format_value
+from ebpo_jax.runtime.metrics import format_value
 from ebpo_jax.runtime.shell import Shell
 
 
@@ -35,6 +35,42 @@ def phase_summary(metrics: Mapping[str, Any]) -> str:
         for k, v in metrics.items()
         if k.startswith("phase/") and k.endswith("_s")
     )
+
+
+class ProgressBar:
+    """A tqdm bar over steps showing reward, pass rate (last eval pass@1) and tokens/s."""
+
+    def __init__(self, total: int, *, initial: int = 0, disable: bool | None = None):
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=total, initial=initial, unit="step", disable=disable)
+        self._pass_rate = None
+
+    def compiling(self) -> None:
+        """Say so while the first step compiles (the bar would sit at ?step/s)."""
+        self._bar.set_description("compiling", refresh=True)
+
+    def write(self, message: str) -> None:
+        """Print a line above the bar, never into its line."""
+        self._bar.write(message)
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Move the bar to `step` + 1 and show the latest metrics."""
+        if "eval/pass@1" in metrics:
+            self._pass_rate = metrics["eval/pass@1"]
+        postfix = {}
+        for label, key in (("reward", "reward/mean"), ("tok/s", "perf/tokens_per_s")):
+            if key in metrics:  # None / NaN (a skipped step) shows as "nan"
+                postfix[label] = format_value(metrics[key])
+        if self._pass_rate is not None:
+            postfix["pass@1"] = format_value(self._pass_rate, ".3f")
+        self._bar.set_postfix(postfix, refresh=False)
+        if self._bar.desc:
+            self._bar.set_description("", refresh=False)
+        self._bar.update(step + 1 - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
 
 
 class TextProgress:

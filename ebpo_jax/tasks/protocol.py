@@ -70,9 +70,11 @@ def get(name: str) -> Callable[..., Task]:
     return _REGISTRY.get(name)
 
 
-def build_task(spec: TaskSpec, *, mesh=None, log=print) -> Task:
-    """The Task `spec` describes."""
+def build_task(spec: TaskSpec, *, mesh=None, log=print, reward: Reward | None = None) -> Task:
+    """The Task `spec` describes; `reward` (a caller's) replaces its family's when given."""
     task = get(spec.family)(spec, mesh=mesh, log=log)
+    if reward is not None:
+        task = task._replace(reward=reward)
     if spec.task.env:  # episodes with this environment, whatever the family
         task = task._replace(env=_checked_env(spec.task.env, task.tokenizer))
     return task

@@ -55,13 +55,13 @@ def _to_host(metrics) -> list[dict]:
     return [{name: float(v[i]) for name, v in host.items()} for i in range(k)]
 
 
-def _with_reward(task: Task, reward_fn, host_reward) -> Task:
-    """`task` with its reward replaced by a caller's jittable or host reward, if given."""
+def _caller_reward(reward_fn, host_reward) -> Reward | None:
+    """A caller's jittable or host reward, which replaces the task family's; None if neither."""
     if reward_fn is not None:
-        return task._replace(reward=Reward(reward_fn, jittable=True))
+        return Reward(reward_fn, jittable=True)
     if host_reward is not None:
-        return task._replace(reward=Reward(host_reward, jittable=False))
-    return task
+        return Reward(host_reward, jittable=False)
+    return None
 
 
 def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=None) -> dict:
@@ -91,7 +91,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     task = None
     try:
         mesh = make_mesh(spec.mesh)
-        task = _with_reward(build_task(spec.task, mesh=mesh, log=log), reward_fn, host_reward)
+        reward = _caller_reward(reward_fn, host_reward)
+        task = build_task(spec.task, mesh=mesh, log=log, reward=reward)
         save = (lambda: workdir_lib.save_config(spec, defaults)) if main else (lambda: None)
         summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
@@ -116,9 +117,8 @@ def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
         return jax.jit(init, out_shardings=sh.state)(task.params), sh
 
 
-def _latest_eval(workdir: str, up_to: int) -> tuple[float, int] | None:
-    """(pass@1, step) of the last row of metrics.jsonl at or before `up_to` with one."""
-    rows = metrics_lib.read_metrics(workdir, log=_silent)
+def _latest_eval(rows, up_to: int) -> tuple[float, int] | None:
+    """(pass@1, step) of the last of metrics.jsonl's `rows` at or before `up_to` with one."""
     evals = [r for r in rows if r.get("step", up_to + 1) <= up_to and "eval/pass@1" in r]
     evals = [r for r in evals if r["eval/pass@1"] is not None]
     return (evals[-1]["eval/pass@1"], evals[-1]["step"]) if evals else None
@@ -149,7 +149,7 @@ class _Log:
         self.sample_adv = None  # [G] advantages of the latest step's first prompt
         if "pass@1_start" in extra:
             self.start = math.nan if extra["pass@1_start"] is None else extra["pass@1_start"]
-            latest = _latest_eval(spec.workdir, step) if main else None
+            latest = _latest_eval(self.writer.kept, step)  # the rows the writer kept
             if latest is not None:  # a resume reports what the run reached, not its start
                 self.now, self.now_step = latest
         elif evaluate is None:
