@@ -191,6 +191,14 @@ def test_int8_pages_through_slots_and_a_short_pool_give_the_static_batchs_rows(p
     np.testing.assert_array_equal(np.asarray(paged.logprobs), np.asarray(static.logprobs))
 
 
+def test_int8_pages_skip_the_tpu_kernel_only():
+    """The TPU kernel has no per-token scales: the engine's ragged "xla" path runs instead."""
+    assert attention.resolve_for_pages("pallas_tpu", None, "int8") == "xla"
+    assert attention.resolve_for_pages("pallas_tpu", None, "") == "pallas_tpu"
+    assert attention.resolve_for_pages("pallas_gpu", None, "int8") == "pallas_gpu"
+    assert attention.resolve_for_pages("auto", "cpu", "int8") == "xla"
+
+
 def test_kv_dtype_travels_from_the_config_and_bad_values_are_one_line():
     from ebpo_jax import schema
 
