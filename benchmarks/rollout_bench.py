@@ -24,9 +24,10 @@ temp module: it is no part of the package.
 6. rows: a decode step's cost per live row at 1-256 rows, and the static-vs-continuous
    ratio that curve predicts (not in the default parts).
 7. kv: bfloat16 vs int8 KV pages (sampler.kv_dtype) on part tail's long-tailed rows
-   (`--kv-new-tokens` limit): the pages one memory budget holds, and useful decode tokens/s
-   with the same slots and pages, and with each pool filling the budget (int8: its pages
-   and proportionally more slots). The model in bfloat16.
+   (`--kv-new-tokens` limit): the pages one memory budget holds (`--slots` x the pages of
+   prompt + mean response in bfloat16), and useful decode tokens/s with the same slots and
+   pages, and with each pool filling the budget (int8: its pages and proportionally more
+   slots). The model in bfloat16.
 Compile time is excluded (one warm-up call each).
 """
 
@@ -213,7 +214,8 @@ def kv_int8(config, params, args):
     tokens, lengths = prompts_for(config, args.tail_prompts, width)
     limits = long_tail_lengths(args.tail_prompts * G, N)
     slots = args.slots
-    bf16_pages = slots * int(pages.pages_for(width + N, ps))
+    # The docs' sizing: slots x (prompt + mean response), so the pool, not the slots, binds.
+    bf16_pages = slots * int(pages.pages_for(width + N // 4, ps))
     budget = bf16_pages * pages.page_bytes(config, ps)
     int8_pages = pages.pages_in(budget, config, ps, "int8")
     int8_pages -= int8_pages % 2  # whole pages per slot pair below
