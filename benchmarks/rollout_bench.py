@@ -23,6 +23,11 @@ temp module: it is no part of the package.
    the model runs per episode token (prompt + episode) for each, and seconds per batch.
 6. rows: a decode step's cost per live row at 1-256 rows, and the static-vs-continuous
    ratio that curve predicts (not in the default parts).
+7. kv: bfloat16 vs int8 KV pages (sampler.kv_dtype) on part tail's long-tailed rows
+   (`--kv-new-tokens` limit): the pages one memory budget holds (`--slots` x the pages of
+   prompt + mean response in bfloat16), and useful decode tokens/s with the same slots and
+   pages, and with each pool filling the budget (int8: its pages and proportionally more
+   slots). The model in bfloat16.
 Compile time is excluded (one warm-up call each).
 """
 
@@ -200,6 +205,50 @@ def tail(config, params, old, args):
         f"{int(s_old.steps)} vs {int(s_new.steps)}; paged preemptions {int(s_new.preempted)}, "
         f"peak pages {int(s_new.peak_pages)} of {s_new.pages}"
     )
+
+
+def kv_int8(config, params, args):
+    """Pages per budget and useful tokens/s, bfloat16 vs int8 KV pages, in one process."""
+    config = config.replace(dtype="bfloat16")
+    width, N, G, ps = 32, args.kv_new_tokens, args.group, 16
+    tokens, lengths = prompts_for(config, args.tail_prompts, width)
+    limits = long_tail_lengths(args.tail_prompts * G, N)
+    slots = args.slots
+    # The docs' sizing: slots x (prompt + mean response), so the pool, not the slots, binds.
+    bf16_pages = slots * int(pages.pages_for(width + N // 4, ps))
+    budget = bf16_pages * pages.page_bytes(config, ps)
+    int8_pages = pages.pages_in(budget, config, ps, "int8")
+    int8_pages -= int8_pages % 2  # whole pages per slot pair below
+    int8_slots = slots * int8_pages // bf16_pages
+    print(
+        f"kv pages: a budget of {budget / 2**20:.1f} MiB holds {bf16_pages} bfloat16 pages, "
+        f"{int8_pages} int8 pages (with scales): {int8_pages / bf16_pages:.2f}x"
+    )
+    key = jax.random.key(0)
+
+    def run(kv_dtype, slots, kv_pages):
+        spec = sampler.SamplerSpec(
+            N, num_samples=G, slots=slots, page_size=ps, kv_pages=kv_pages, kv_dtype=kv_dtype
+        )
+        return lambda: sampler.generate(
+            config, params, tokens, lengths, spec, rng=key, row_limits=limits
+        )
+
+    useful = int(limits.sum())
+    base = run("", slots, bf16_pages)
+    for name, other in (
+        (f"same {slots} slots and {bf16_pages} pages", run("int8", slots, bf16_pages)),
+        (f"equal budget: {int8_slots} slots, {int8_pages} pages", run("int8", int8_slots, int8_pages)),
+    ):  # fmt: skip
+        a_s, b_s, ratios = pairs(base, other, args.pairs)
+        stats = other().stats
+        print(
+            f"useful decode tokens/s bfloat16 KV ({slots} slots, {bf16_pages} pages) "
+            f"{useful / statistics.median(a_s):.0f} vs int8 KV, {name}: "
+            f"{useful / statistics.median(b_s):.0f}: int8/bf16 {spread([1 / r for r in ratios])} "
+            f"over {args.pairs} pairs; int8 preemptions {int(stats.preempted)}, "
+            f"peak pages {int(stats.peak_pages)}"
+        )
 
 
 def _paged_step(config, params, lens_R, page_size, steps=4):
@@ -450,7 +499,8 @@ def main(argv=None):
     ap.add_argument("--turns", type=int, default=4, help="part turns: model turns")
     ap.add_argument("--turn-tokens", type=int, default=32, help="part turns: tokens per turn")
     ap.add_argument("--obs-tokens", type=int, default=16, help="part turns: per observation")
-    ap.add_argument("--parts", default="tail,longest,tiny,update,turns")
+    ap.add_argument("--kv-new-tokens", type=int, default=256, help="part kv: the limit N")
+    ap.add_argument("--parts", default="tail,longest,tiny,update,turns,kv")
     ap.add_argument("--smoke", action="store_true", help="part longest at the smallest sizes")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
@@ -472,6 +522,8 @@ def main(argv=None):
         print(update_line())
     if "turns" in parts:
         turns(config, params, args)
+    if "kv" in parts:
+        kv_int8(config, params, args)
 
 
 def smoke(args):

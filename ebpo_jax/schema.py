@@ -288,7 +288,8 @@ class Sampler:
     )
     kv_dtype: str = setting(
         "",
-        'KV cache pages: "" = the model\'s compute dtype, or int8 (per-page-and-head scales)',
+        'KV cache pages: "" = the model\'s compute dtype, or int8 (a float32 scale per token '
+        "and kv head, beside the pages; docs/sampler.md)",
         one_of("", "int8"),
     )
     slots: int = setting(

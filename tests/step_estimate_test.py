@@ -156,7 +156,7 @@ def test_paged_report_fields_by_hand():
     page = aot_compile.page_bytes_per_chip(mc, 128, tp=4)
     assert page == 128 * (2 * 8 // 4) * 128 * 36 * 2  # tokens x kv heads per chip x dim x layers
     plan = SimpleNamespace(pages=1000, shards=8, slots=256, rows=256, impl="pallas_tpu")
-    spec = SimpleNamespace(page_size=128, dp_attention=False)
+    spec = SimpleNamespace(page_size=128, dp_attention=False, kv_dtype="")
     mesh = SimpleNamespace(shape={"data": 8, "tp": 4})
     gib = 2**30
     report = lambda name, args, peak: aot.ProgramReport(

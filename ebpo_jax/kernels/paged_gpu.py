@@ -9,6 +9,8 @@ writes the whole pool at every call, which a row-local kernel exists to avoid: i
 about 2x the pool's bytes per layer per step, more than the rows' own pages in a large pool.
 Until the engine keeps its GPU pool head-major, `paged_decode_attention_xla` (gather of the
 row's pages) is the better GPU path; `fallback_reason` says when the kernel is refused.
+An int8 pool (`quant.Int8Pages`) goes in as int8 pages with the kernel's own per-token scale
+pages ([kv_heads, pages, page_size], applied to the scores and the softmax weights inside).
 It lowers for H200 without a device (vmapped over the engine's shard axis, tp=8:
 tests/paged_kernels_test.py, in a venv with the CUDA plugin) and runs in Pallas'
 interpreter on CPU; it has not run on a GPU.
@@ -22,6 +24,7 @@ from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
 from ebpo_jax.kernels.paged_shard import ROW_AXES, per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
+from ebpo_jax.kernels.quant import Int8Pages
 
 BLOCK_H = 16  # query heads per program: the kernel requires a multiple of 16
 PAGES_PER_COMPUTE_BLOCK = 8  # the kernel's default
@@ -38,6 +41,21 @@ def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
     return None
 
 
+def _head_major(kv_PSCD, dtype) -> tuple:
+    """(K [K, P, S, D], V, (K scales [K, P, S], V scales) or ()) as the kernel takes them:
+    a plain pool cast to `dtype`, an int8 pool's values kept int8."""
+    head_major = lambda x: jnp.moveaxis(x, 2, 0)  # [P, S, K, ...] -> [K, P, S, ...]
+    if not isinstance(kv_PSCD, Int8Pages):
+        return (
+            head_major(kv_PSCD[:, :, 0::2]).astype(dtype),
+            head_major(kv_PSCD[:, :, 1::2]).astype(dtype),
+            (),
+        )
+    v_PSCD, s_PSC = kv_PSCD
+    k_KPSD, v_KPSD = head_major(v_PSCD[:, :, 0::2]), head_major(v_PSCD[:, :, 1::2])
+    return k_KPSD, v_KPSD, (head_major(s_PSC[:, :, 0::2]), head_major(s_PSC[:, :, 1::2]))
+
+
 def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret):
     """The kernel on one device's rows and pages."""
     N = page_table_RN.shape[1]
@@ -45,15 +63,14 @@ def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret):
     per_split = -(-N // splits)
     block = math.gcd(per_split, PAGES_PER_COMPUTE_BLOCK)
     table_RN = jnp.pad(page_table_RN.astype(jnp.int32), ((0, 0), (0, splits * per_split - N)))
-    head_major = lambda x: jnp.transpose(x, (2, 0, 1, 3))  # [P, S, K, D] -> [K, P, S, D]
-    k_KPSD = head_major(kv_pages_PSCD[:, :, 0::2]).astype(q_RHD.dtype)
-    v_KPSD = head_major(kv_pages_PSCD[:, :, 1::2]).astype(q_RHD.dtype)
+    k_KPSD, v_KPSD, scales = _head_major(kv_pages_PSCD, q_RHD.dtype)
     out_RHD = paged_attention(
         q_RHD * jnp.asarray(scale, q_RHD.dtype),
         k_KPSD,
         v_KPSD,
         table_RN,
         kv_lens_R.astype(jnp.int32),
+        *scales,
         block_h=BLOCK_H,
         pages_per_compute_block=block,
         k_splits=splits,

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from ebpo_jax.kernels.quant import Int8Pages
+
 ROW_AXES = ("data", "fsdp")
 HEAD_AXIS = "tp"
 
@@ -50,6 +52,12 @@ def mesh_specs(mesh, rows: int, pages: int, heads: int, kv_heads: int, row_axes=
     return (row_axes or None), (HEAD_AXIS if tp > 1 else None)
 
 
+def _pool_spec(kv, *lead, heads):
+    """The pool's PartitionSpec (an Int8Pages: one for its values, one for its scales)."""
+    spec = P(*lead, None, heads, None)
+    return Int8Pages(spec, P(*lead, None, heads)) if isinstance(kv, Int8Pages) else spec
+
+
 def shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, row_axes=ROW_AXES):
     """local_fn(q, kv_pages, page_table, kv_lens) per device of the ambient mesh (if any)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -62,7 +70,12 @@ def shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, row
     return jax.shard_map(
         local_fn,
         mesh=mesh,
-        in_specs=(P(rows, heads, None), P(rows, None, heads, None), P(rows, None), P(rows)),
+        in_specs=(
+            P(rows, heads, None),
+            _pool_spec(kv_pages_PSCD, rows, heads=heads),
+            P(rows, None),
+            P(rows),
+        ),  # fmt: skip
         out_specs=P(rows, heads, None),
         check_vma=False,
     )(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
@@ -71,7 +84,8 @@ def shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, row
 def _each_shard(local_fn, q_DRHD, kv_DPSCD, table_DRN, lens_DR):
     """local_fn on every index of the leading axis (one per device under shard_map)."""
     if q_DRHD.shape[0] == 1:
-        return local_fn(q_DRHD[0], kv_DPSCD[0], table_DRN[0], lens_DR[0])[None]
+        first = jax.tree.map(lambda x: x[0], kv_DPSCD)
+        return local_fn(q_DRHD[0], first, table_DRN[0], lens_DR[0])[None]
     return jax.lax.map(lambda a: local_fn(*a), (q_DRHD, kv_DPSCD, table_DRN, lens_DR))
 
 
@@ -88,7 +102,7 @@ def shard_leading(local_fn, q_DRHD, kv_DPSCD, table_DRN, lens_DR, *, row_axes=RO
         mesh=mesh,
         in_specs=(
             P(shards, None, heads, None),
-            P(shards, None, None, heads, None),
+            _pool_spec(kv_DPSCD, shards, None, heads=heads),
             P(shards, None),
             P(shards),
         ),
@@ -130,6 +144,7 @@ def per_shard(local_fn, row_axes=ROW_AXES):
     @attend.def_vmap
     def _batched(axis_size, in_batched, *args):
         full = lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-        return shard_leading(local_fn, *map(full, args, in_batched), row_axes=row_axes), True
+        args = [jax.tree.map(full, x, b) for x, b in zip(args, in_batched)]
+        return shard_leading(local_fn, *args, row_axes=row_axes), True
 
     return attend

@@ -3,17 +3,26 @@
 The CPU path, the GPU fallback, and the reference the Pallas kernels are tested against.
 Each row gathers its whole page-table width (pages_per_row * page_size tokens) and masks
 the tokens past kv_len, so its cost follows the table width, not the row's length: the
-kernels are what read only the row's own pages.
+kernels are what read only the row's own pages. An int8 pool (`quant.Int8Pages`) has its
+scales folded into the scores and the softmax weights.
 """
 
 import jax
 import jax.numpy as jnp
+
+from ebpo_jax.kernels import quant
 
 
 def check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R) -> None:
     """One-line ValueError naming the argument whose shape breaks the shared layout."""
     R, H, D = q_RHD.shape
     _, _, C, Dk = kv_pages_PSCD.shape
+    quantized = isinstance(kv_pages_PSCD, quant.Int8Pages)
+    if quantized and kv_pages_PSCD.scales.shape != kv_pages_PSCD.shape[:-1]:
+        raise ValueError(
+            f"kv_pages_PSCD scales {kv_pages_PSCD.scales.shape}: expected "
+            f"{kv_pages_PSCD.shape[:-1]} (one per token and combined head)"
+        )
     if C % 2 or H % (C // 2):
         raise ValueError(
             f"kv_pages_PSCD combined heads {C}: need 2 * num_kv_heads dividing 2 * {H} query heads"
@@ -38,16 +47,19 @@ def paged_decode_attention_xla(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *
     C = kv_pages_PSCD.shape[2]
     K = C // 2
     scale = D**-0.5 if scale is None else scale
-    kv_RTCD = kv_pages_PSCD[page_table_RN].reshape(R, -1, C, D)
-    k_RTKD, v_RTKD = kv_RTCD[:, :, 0::2], kv_RTCD[:, :, 1::2]
+    kv_RTCD = jax.tree.map(
+        lambda x: x.reshape(R, -1, *x.shape[3:]), quant.take(kv_pages_PSCD, page_table_RN)
+    )
+    k_RTKD, v_RTKD, ks_RK1T, vs_RK1T = quant.split_kv(kv_RTCD, q_RHD.dtype)
     q_RKGD = q_RHD.reshape(R, K, H // K, D)
     s_RKGT = jnp.einsum("rkgd,rtkd->rkgt", q_RKGD, k_RTKD, preferred_element_type=jnp.float32)
-    valid_RT = jnp.arange(kv_RTCD.shape[1])[None, :] < kv_lens_R[:, None]
-    s_RKGT = jnp.where(valid_RT[:, None, None, :], s_RKGT * scale, -jnp.inf)
+    valid_RT = jnp.arange(k_RTKD.shape[1])[None, :] < kv_lens_R[:, None]
+    s_RKGT = jnp.where(valid_RT[:, None, None, :], s_RKGT * (ks_RK1T * scale), -jnp.inf)
     # An idle row (kv_len 0) has no valid key: a softmax of all -inf would be NaN.
     p_RKGT = jax.nn.softmax(jnp.where(kv_lens_R[:, None, None, None] > 0, s_RKGT, 0.0), axis=-1)
     out_RKGD = jnp.einsum(
-        "rkgt,rtkd->rkgd", p_RKGT.astype(v_RTKD.dtype), v_RTKD, preferred_element_type=jnp.float32
-    )
+        "rkgt,rtkd->rkgd", (p_RKGT * vs_RK1T).astype(v_RTKD.dtype), v_RTKD,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
     out_RHD = out_RKGD.reshape(R, H, D).astype(q_RHD.dtype)
     return jnp.where(kv_lens_R[:, None, None] > 0, out_RHD, 0)

@@ -14,6 +14,8 @@ Keep at least 8 combined kv heads per device (bfloat16, v5p): with 4 (8 kv heads
 XLA keeps a decode loop's pool in another tiled layout than the kernel's and converts it
 around every call, a copy of the pool per layer per step and 3x the pool in memory; with 8
 or 16 it does not (tests/paged_kernels_test.py compiles the engine's decode to check).
+An int8 pool (`quant.Int8Pages`) runs the XLA path too: the kernel takes int8 pages but only
+one static scale per tensor (`k_scale`, `v_scale`), not the per-token scales kept here.
 Under a mesh the kernel runs per device (`paged_shard`: page tables are local to the row
 shard's pool slab).
 """
@@ -26,6 +28,7 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_mi
 
 from ebpo_jax.kernels.paged_shard import ROW_AXES, per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
+from ebpo_jax.kernels.quant import Int8Pages
 
 # Tokens per KV block: the kernel copies whole blocks (pages past the row's end included),
 # so a smaller block wastes less of a short row's bandwidth; 512 is within the sizes the
@@ -47,6 +50,8 @@ def block_sizes(page_size: int, pages_per_row: int, rows: int) -> tuple[int, int
 def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
     """None when the kernel takes one device's shapes, else why the XLA path runs instead."""
     D, C = q_RHD.shape[-1], kv_pages_PSCD.shape[2]
+    if isinstance(kv_pages_PSCD, Int8Pages):
+        return "int8 pages with per-token scales: the kernel takes one static scale per tensor"
     if D % LANES:
         return f"head_dim {D}: the kernel's scratch is {LANES} lanes wide, needs a multiple"
     try:

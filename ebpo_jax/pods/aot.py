@@ -32,6 +32,7 @@ from ebpo_jax.pods.aot_report import (
 )
 from ebpo_jax.pods.hardware import GiB
 from ebpo_jax.rollout.single_turn import make_rollout_fn, sampler_spec_of
+from ebpo_jax.sampler import pages
 from ebpo_jax.sharding import abstract, make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.tasks import episodes
@@ -126,10 +127,10 @@ def pool_tp(mesh, spec) -> int:
     return 1 if spec.dp_attention else dict(mesh.shape).get("tp", 1)
 
 
-def page_bytes_per_chip(mc, page_size: int, tp: int) -> int:
-    """One page of every layer's pool on one chip: its kv heads split over tp."""
-    heads = 2 * mc.num_kv_heads // tp
-    return page_size * heads * mc.head_dim * mc.num_layers * np.dtype(mc.dtype).itemsize
+def page_bytes_per_chip(mc, page_size: int, tp: int, kv_dtype: str = "") -> float:
+    """One page of every layer's pool on one chip: its kv heads split over tp (int8: and the
+    scales)."""
+    return pages.page_bytes(mc, page_size, kv_dtype, mc.num_kv_heads // tp)
 
 
 def paged_meta(plan, spec, mc, mesh, reports) -> dict:
@@ -138,7 +139,7 @@ def paged_meta(plan, spec, mc, mesh, reports) -> dict:
     `headroom_gib_per_chip`: HBM left with the decode program and the resident train state
     (the decode's temporaries may hold the pool more than once: its peak is the measure).
     """
-    page = page_bytes_per_chip(mc, spec.page_size, pool_tp(mesh, spec))
+    page = page_bytes_per_chip(mc, spec.page_size, pool_tp(mesh, spec), spec.kv_dtype)
     pool = plan.pages * page
     meta = {
         "page_size": spec.page_size,
@@ -163,7 +164,8 @@ def paged_meta(plan, spec, mc, mesh, reports) -> dict:
 
 def paged_note(plan, spec, mc, mesh) -> str:
     """One line: the pool and the rows decoded at once."""
-    pool = plan.pages * page_bytes_per_chip(mc, spec.page_size, pool_tp(mesh, spec)) / GiB
+    page = page_bytes_per_chip(mc, spec.page_size, pool_tp(mesh, spec), spec.kv_dtype)
+    pool = plan.pages * page / GiB
     return (
         f"{plan.pages} pages of {spec.page_size} tokens per data shard ({pool:.1f} GiB per "
         f"chip), {plan.slots * plan.shards} rows at once, attention {plan.impl}"

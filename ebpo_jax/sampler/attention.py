@@ -4,7 +4,9 @@ Layout (the TPU kernel's own, `jax.experimental.pallas.ops.tpu.ragged_paged_atte
 one layer's pool `kv_pages_PSCD` is [pages, page_size, 2 * kv_heads, head_dim] with the key
 of kv head k at combined index 2k and its value at 2k + 1. Row r's token i sits at
 offset i % page_size of page page_table_RN[r, i // page_size]; kv_lens_R[r] tokens are
-valid (0: an idle row, whose output is zeros and ignored).
+valid (0: an idle row, whose output is zeros and ignored). An int8 pool is a
+`kernels.quant.Int8Pages` (int8 values in that layout, a float32 scale per token and combined
+head): every path folds the scales into the scores and the softmax weights.
 
 "xla" is hand-written (XLA has no ragged attention): the live pages of all rows as one list,
 walked in fixed-size chunks with a per-row online softmax, so a step reads the live tokens
@@ -18,6 +20,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
+from ebpo_jax.kernels import quant
 from ebpo_jax.models import attention as model_attention
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
@@ -47,6 +50,13 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return kernel if kernel is not None and _available(kernel) else "xla"
 
 
+def resolve_for_pages(impl: str, platform: str | None, kv_dtype: str) -> str:
+    """`resolve`, except that int8 pages skip the TPU kernel: it takes one static scale per
+    tensor, and its fallback gathers each row's whole page table where "xla" reads live pages."""
+    impl = resolve(impl, platform)
+    return "xla" if kv_dtype == "int8" and impl == "pallas_tpu" else impl
+
+
 def paged_decode_attention(
     q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, impl="xla", row_axes=None
 ):
@@ -57,7 +67,7 @@ def paged_decode_attention(
     """
     impl = resolve(impl)
     if impl == "xla":
-        q_RHD, kv_pages_PSCD = jnp.asarray(q_RHD), jnp.asarray(kv_pages_PSCD)
+        q_RHD, kv_pages_PSCD = jnp.asarray(q_RHD), jax.tree.map(jnp.asarray, kv_pages_PSCD)
         page_table_RN, kv_lens_R = jnp.asarray(page_table_RN), jnp.asarray(kv_lens_R)
         return _xla(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     module, name = _KERNELS[impl]
@@ -95,20 +105,21 @@ def _xla(q_RHD, kv_PSCD, table_RN, lens_R):
         i_c = c * chunk + jnp.arange(chunk)
         row_c = jax.lax.dynamic_slice_in_dim(row_I, c * chunk, chunk)
         col_c = jax.lax.dynamic_slice_in_dim(col_I, c * chunk, chunk)
-        kv_cSCD = kv_PSCD[table_RN[row_c, col_c]]
-        k_cSKD, v_cSKD = kv_cSCD[:, :, 0::2], kv_cSCD[:, :, 1::2]
+        kv_cSCD = quant.take(kv_PSCD, table_RN[row_c, col_c])
+        k_cSKD, v_cSKD, ks_cK1S, vs_cK1S = quant.split_kv(kv_cSCD, q_RHD.dtype)
         pos_cS = col_c[:, None] * S + jnp.arange(S)[None]
         ok_c11S = ((i_c < num_items)[:, None] & (pos_cS < lens_R[row_c][:, None]))[:, None, None]
         logits_cKGS = jnp.einsum(
             "ckgd,cskd->ckgs", q_RKGD[row_c], k_cSKD, preferred_element_type=f32
         )
-        logits_cKGS = jnp.where(ok_c11S, logits_cKGS * scale, _NEG)
+        logits_cKGS = jnp.where(ok_c11S, logits_cKGS * (ks_cK1S * scale), _NEG)
         m_new_RKG = m_RKG.at[row_c].max(logits_cKGS.max(-1))
         p_cKGS = jnp.where(ok_c11S, jnp.exp(logits_cKGS - m_new_RKG[row_c][..., None]), 0.0)
         rescale_RKG = jnp.exp(m_RKG - m_new_RKG)
         pv_cKGD = jnp.einsum(
-            "ckgs,cskd->ckgd", p_cKGS.astype(q_RHD.dtype), v_cSKD, preferred_element_type=f32
-        )
+            "ckgs,cskd->ckgd", (p_cKGS * vs_cK1S).astype(q_RHD.dtype), v_cSKD,
+            preferred_element_type=f32,
+        )  # fmt: skip
         l_RKG = (l_RKG * rescale_RKG).at[row_c].add(p_cKGS.sum(-1))
         acc_RKGD = (acc_RKGD * rescale_RKG[..., None]).at[row_c].add(pv_cKGD)
         return m_new_RKG, l_RKG, acc_RKGD

@@ -81,7 +81,7 @@ def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, 
     prompts = max(((d + 1) * Rd - 1) // G - first[d] + 1 for d in range(D))
     lead = layout.leading_sharding(mesh, axes, rules, spec.dp_attention)
     prompt_lead = lead if num_prompts % D == 0 else None
-    impl = attention.resolve(spec.attention, _platform(mesh))
+    impl = attention.resolve_for_pages(spec.attention, _platform(mesh), spec.kv_dtype)
     reserve = spec.kv_pages == 0
     return Plan(
         D, Rd, slots // D, prompts, total // D, width, max_pages, impl, reserve, lead, prompt_lead
@@ -222,7 +222,7 @@ def _forward(params, layers, st, pools, *, call: Call):
         q_B1Hd, k_B1Kd, v_B1Kd = layout.rows_over_tp(q_B1Hd, k_B1Kd, v_B1Kd, plan.lead)
         kv_DSCd = pages.interleave(k_B1Kd[:, 0], v_B1Kd[:, 0]).reshape(D, S, -1, k_B1Kd.shape[-1])
         pool = jax.vmap(pages.write_token)(pools[layer], kv_DSCd, page_DS, kv_DS % page_size)
-        pool = layout.constrain(pool, plan.lead)
+        pool = layout.constrain_tree(pool, plan.lead)
         new_pools.append(pool)
         q_DSHd = q_B1Hd[:, 0].reshape(D, S, *q_B1Hd.shape[2:])
         out_DSHd = jax.vmap(attend_one)(q_DSHd, pool, st.table_SM, lens_DS)
@@ -397,7 +397,9 @@ def _begin(params, prefilled: Prefilled, lengths_P, eos_E, limit_R, *, call: Cal
     )
     st = layout.constrain_tree(jax.vmap(init, in_axes=(0, None))(rows, eos_E), plan.lead)
     out = _decode_out(rows, prefilled.logp_R, call=call)
-    pools = layout.constrain_tree(pages.init_pools(config, D, plan.pages, ps), plan.lead)
+    pools = layout.constrain_tree(
+        pages.init_pools(config, D, plan.pages, ps, spec.kv_dtype), plan.lead
+    )
     st, pools = _admit(st, pools, prefilled.staged, rows, plan=plan, page_size=ps)
     return rows, st, pools, out
 

@@ -1,6 +1,8 @@
 """The paged KV cache of one data shard: page pools, the free mask, and page moves.
 
-Per layer a pool [pages, page_size, 2 * kv_heads, head_dim] (sampler.attention's layout).
+Per layer a pool [pages, page_size, 2 * kv_heads, head_dim] (sampler.attention's layout),
+or with kv_dtype "int8" an `Int8Pages` of int8 values in that layout and a float32 scale per
+token and combined head beside them (kernels/quant.py): writes quantize each token there.
 A page is free or held; `take` hands out the lowest free ids, `give_back` frees them. All
 functions are fixed-shape and jittable; page id `pages` (one past the last) means "none",
 and every scatter drops it, so a row that takes no page writes nowhere.
@@ -8,16 +10,43 @@ and every scatter drops it, so a row that takes no page writes nowhere.
 
 import jax.numpy as jnp
 
+from ebpo_jax.kernels.quant import Int8Pages, bytes_per_element, quantize
+
 
 def pages_for(tokens, page_size):
     """Pages that hold `tokens` tokens (int or array)."""
     return -(-tokens // page_size)
 
 
-def init_pools(config, shards: int, pages: int, page_size: int) -> tuple:
+def page_bytes(config, page_size: int, kv_dtype: str = "", kv_heads: int = 0) -> float:
+    """Bytes of one page over every layer's pool (scales included): kv_heads of the config's
+    (0: all of them; fewer: a chip's share)."""
+    heads = 2 * (kv_heads or config.num_kv_heads)
+    per = bytes_per_element(kv_dtype, config.dtype, config.head_dim)
+    return page_size * heads * config.head_dim * config.num_layers * per
+
+
+def pages_in(budget_bytes: float, config, page_size: int, kv_dtype: str = "") -> int:
+    """Whole pages a memory budget holds."""
+    return int(budget_bytes // page_bytes(config, page_size, kv_dtype))
+
+
+def init_pools(config, shards: int, pages: int, page_size: int, kv_dtype: str = "") -> tuple:
     """One zero pool per layer, [shards, pages, page_size, 2 * kv_heads, head_dim] each."""
     shape = (shards, pages, page_size, 2 * config.num_kv_heads, config.head_dim)
-    return tuple(jnp.zeros(shape, config.dtype) for _ in range(config.num_layers))
+    if kv_dtype == "int8":
+        pool = lambda: Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+    else:
+        pool = lambda: jnp.zeros(shape, config.dtype)
+    return tuple(pool() for _ in range(config.num_layers))
+
+
+def _set(pool, index, x):
+    """pool.at[index].set(x) ("none" pages dropped); an Int8Pages quantizes x first."""
+    if isinstance(pool, Int8Pages):
+        q, s = quantize(x)
+        return Int8Pages(_set(pool.values, index, q), _set(pool.scales, index, s))
+    return pool.at[index].set(x.astype(pool.dtype), mode="drop")
 
 
 def interleave(k_BKD, v_BKD):
@@ -59,9 +88,9 @@ def give_back(free_P, pages_CW, mask_CW):
 
 def write_token(pool_PSCD, kv_BCD, page_B, offset_B):
     """The pool with row b's new key/value at (page_B[b], offset_B[b]); page "none" drops it."""
-    return pool_PSCD.at[page_B, offset_B].set(kv_BCD.astype(pool_PSCD.dtype), mode="drop")
+    return _set(pool_PSCD, (page_B, offset_B), kv_BCD)
 
 
 def write_pages(pool_PSCD, src_CWSCD, pages_CW):
     """The pool with src_CWSCD[c, w] copied into page pages_CW[c, w] ("none" skipped)."""
-    return pool_PSCD.at[pages_CW].set(src_CWSCD.astype(pool_PSCD.dtype), mode="drop")
+    return _set(pool_PSCD, pages_CW, src_CWSCD)

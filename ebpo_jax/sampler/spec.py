@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from ebpo_jax import schema
+from ebpo_jax.kernels import quant
 from ebpo_jax.sampler import selection
 
 PAD_ID = 0
@@ -48,6 +49,9 @@ class SamplerSpec(NamedTuple):
     page_size: int = _config("page_size")
     kv_pages: int = _config("kv_pages")
     attention: str = _config("attention")  # paged decode attention: attention.IMPLS or "auto"
+    # KV pages: "" = the model's compute dtype; "int8" = int8 values with a float32 scale per
+    # token and kv head beside them (kernels/quant.py), half the bytes of bfloat16.
+    kv_dtype: str = _config("kv_dtype")
     # Rows and their pages split over the mesh's tp axis too (attention data-parallel over
     # the tp chips, each holding every kv head of its rows); the weights stay split over tp.
     dp_attention: bool = _config("dp_attention")
@@ -83,7 +87,7 @@ class SamplerSpec(NamedTuple):
 
 # `sampler.*` fields a call does not take: the rollout's chunking, the sampler's mesh and its
 # copy of the weights are the trainer's (trainer/shardings.py, trainer/step.py).
-UNCARRIED = ("prompts_per_call", "mesh", "param_dtype", "kv_dtype")  # kv_dtype: until built
+UNCARRIED = ("prompts_per_call", "mesh", "param_dtype")
 
 
 class Generation(NamedTuple):
@@ -119,6 +123,8 @@ def validated(spec: SamplerSpec, vocab_size: int) -> SamplerSpec:
             raise TypeError(f"{name} must be a bool, got {getattr(spec, name)!r}")
     if spec.attention not in ATTENTION_IMPLS:
         raise ValueError(f"attention={spec.attention!r}; expected one of {ATTENTION_IMPLS}")
+    if spec.kv_dtype not in quant.DTYPES:
+        raise ValueError(f"kv_dtype={spec.kv_dtype!r}; expected one of {quant.DTYPES}")
     s = spec.sampling
     eos = selection.validate_sampling(s.temperature, s.top_p, s.top_k, spec.eos_ids, vocab_size)
     sampling = Sampling(float(s.temperature), int(s.top_k), float(s.top_p))
