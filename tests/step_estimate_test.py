@@ -207,10 +207,10 @@ def test_element_bytes_follow_the_sampler_dtypes():
 
     mc = SimpleNamespace(param_dtype="float32", dtype="bfloat16", hidden_size=4096, head_dim=128)
     sampler = lambda w, kv: SimpleNamespace(param_dtype=w, kv_dtype=kv)
-    assert element_bytes(sampler("", ""), mc, 128) == (4.0, 2.0)  # the trainer's, the model's
-    assert element_bytes(sampler("bfloat16", ""), mc, 128) == (2.0, 2.0)
-    # int8 plus a float32 scale per output channel / per page and kv head.
-    assert element_bytes(sampler("int8", "int8"), mc, 128) == (1 + 4 / 4096, 1 + 4 / (128 * 128))
+    assert element_bytes(sampler("", ""), mc) == (4.0, 2.0)  # the trainer's, the model's
+    assert element_bytes(sampler("bfloat16", ""), mc) == (2.0, 2.0)
+    # int8 plus a float32 scale per output channel / per token and kv head.
+    assert element_bytes(sampler("int8", "int8"), mc) == (1 + 4 / 4096, 1 + 4 / 128)
 
 
 def test_int8_halves_the_decode_bytes():
@@ -296,7 +296,7 @@ def test_int8_sampler_dtypes_price_the_decode_by_hand():
     est = aot.step_time_estimate(
         spec, mc, hw, prompt_len=16, layout=aot.SamplerLayout(2, 4), lengths=lengths
     )
-    cost = aot.decode_cost(mc, 4, elem=element_bytes(sampler, mc, 4))
+    cost = aot.decode_cost(mc, 4, elem=element_bytes(sampler, mc))
     rows, block = 32, est["paged"]["kernel_block_tokens"]
     want = sum(
         max(
@@ -307,7 +307,7 @@ def test_int8_sampler_dtypes_price_the_decode_by_hand():
         for t in range(1, 100)
     )
     assert est["decode_s_after"] == pytest.approx(want, rel=1e-9)
-    assert est["element_bytes"] == {"weight": 1 + 4 / 4096, "kv": 1 + 4 / (4 * 128)}
+    assert est["element_bytes"] == {"weight": 1 + 4 / 4096, "kv": 1 + 4 / 128}
     terms = est["terms"]
     assert set(terms["at_peak"]) == {"decode", "sampling", "prefill", "weight_move",
                                      "decode_collectives", "update", "update_collectives",

@@ -690,7 +690,7 @@ def step_time_estimate(
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
     page_size = int(run_spec.rollout.sampler.page_size or 16)
-    elem = step_terms.element_bytes(run_spec.rollout.sampler, mc, page_size)
+    elem = step_terms.element_bytes(run_spec.rollout.sampler, mc)
     cost = decode_cost(mc, tp, elem=elem)
     per_call = run_spec.rollout.prompts_per_call
     rows = lengths.draw(P * G, N)

@@ -60,16 +60,17 @@ def dtype_bytes(dtype) -> int:
     return _ITEMSIZE[str(np.dtype(dtype)) if not isinstance(dtype, str) else dtype]
 
 
-def element_bytes(sampler, mc, page_size: int) -> ElementBytes:
+def element_bytes(sampler, mc) -> ElementBytes:
     """sampler.param_dtype ("" = the trainer's params) and sampler.kv_dtype ("" = the model's
     compute dtype) as bytes per element; int8 adds its float32 scales: one per output channel
-    of a weight (over hidden_size inputs), one per page and kv head of the cache."""
+    of a weight (over hidden_size inputs), one per token and kv head of the cache
+    (kernels/quant.py: appending a token never rescales its page)."""
     weight = dtype_bytes(sampler.param_dtype or mc.param_dtype)
     if sampler.param_dtype == "int8":
         weight += 4 / mc.hidden_size
     kv = dtype_bytes(sampler.kv_dtype or mc.dtype)
     if sampler.kv_dtype == "int8":
-        kv += 4 / (page_size * mc.head_dim)
+        kv += 4 / mc.head_dim
     return ElementBytes(float(weight), float(kv))
 
 
