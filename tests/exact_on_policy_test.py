@@ -35,7 +35,7 @@ SHIFT_P = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
 
 def numerics_landed() -> bool:
     """model.batch_invariant is no longer refused as unbuilt (issue 47 item 1 merged; as
-    benchmarks/batch_invariant_bench.py asks it)."""
+    benchmarks/on_policy_bench.py asks it)."""
     return "model.batch_invariant" not in inspect.getsource(checks._unbuilt)
 
 
@@ -256,11 +256,11 @@ def test_done_when_micro_runs_log_zero_mismatch_at_every_step(tmp_path, dtype):
 
 
 @pytest.mark.slow  # compiles each mode's sampler and update: ~40 s of CPU
-def test_batch_invariant_bench_smoke(capsys):
+def test_on_policy_bench_smoke(capsys):
     import importlib.util
 
-    path = os.path.join(ROOT, "benchmarks", "batch_invariant_bench.py")
-    spec = importlib.util.spec_from_file_location("batch_invariant_bench", path)
+    path = os.path.join(ROOT, "benchmarks", "on_policy_bench.py")
+    spec = importlib.util.spec_from_file_location("on_policy_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.numerics_landed() == numerics_landed()

@@ -686,7 +686,7 @@ def exact_on_policy_terms(estimate: dict, run_spec, mc, *, prompt_len, devices, 
     """`estimate` with what model.batch_invariant saves: the recompute forward at bf16 peak
     (`recompute_s`), and the step with the mode off and the recompute on (as TIS / MIS need)
     vs the mode on (the sampler's log-probs are the old ones). The mode's own numerics are
-    not modelled: benchmarks/batch_invariant_bench.py measures their cost."""
+    not modelled: benchmarks/on_policy_bench.py measures their cost."""
     recompute = recompute_flops(run_spec, mc, prompt_len) / devices / peak
     step = estimate["step_s_after"]
     loss = run_spec.update.loss

@@ -5,7 +5,7 @@ Also the sampler-vs-trainer gap each way (max |log-prob difference| of the sampl
 which is 0.0 with the mode on once its numerics have landed. Until then (model.batch_invariant
 still refused as "not built yet") "on" runs today's numerics and the ratios measure
 nothing: the first line says which. Sizes as benchmarks/train_bench.py (its flags).
-Run: python benchmarks/batch_invariant_bench.py [--hidden 256 --layers 4 --runs 5]
+Run: python benchmarks/on_policy_bench.py [--hidden 256 --layers 4 --runs 5]
 """
 
 import dataclasses
