@@ -196,6 +196,7 @@ needs_numerics = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # ~3 min on a loaded 2-core CPU with the numerics merged
 @needs_numerics
 def test_mode_on_the_trainer_routes_as_the_sampler_recorded_without_replay():
     """Mixture of experts: the experts the trainer's forward picks for every input token equal
