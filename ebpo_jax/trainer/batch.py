@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-# Summed over micro-batches like every other metric would give the sum of their maxima.
+# Reduced by max over micro-batches: a sum, as for the other metrics, would add their maxima.
 MAX_METRICS = ("mismatch/abs_diff_max",)
 
 
