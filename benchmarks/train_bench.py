@@ -44,7 +44,8 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def jax_setup(a):
+def setup_parts(a):
+    """(config, model config, random Rollout) of the benchmark's sizes."""
     c = micro.get_config()
     c.unlock()
     c.prompts_per_step, c.group_size = a.prompts, a.group
@@ -82,6 +83,11 @@ def jax_setup(a):
         all_same_frac=jnp.float32(0),
         action_mask=jnp.ones((P, G, N), bool),
     )
+    return c, mc, ro
+
+
+def jax_setup(a):
+    c, mc, ro = setup_parts(a)
     spec = resolve(c)
     opt = make_optimizer(spec.optim)
     state = init_train_state(models.init_params(mc, jax.random.key(0)), opt, seed=0)

@@ -28,6 +28,7 @@ def get_config(variant=None):
     c.model.overrides.num_kv_heads = 1
     c.model.overrides.head_dim = 16
     c.model.overrides.max_position_embeddings = 32
+    c.model.overrides.dtype = "float32"  # so --config.model.overrides.dtype=bfloat16 can set it
     c.task.topics = "addition,comparison"
     c.task.max_difficulty = 1
     c.task.train_per_cell = 50

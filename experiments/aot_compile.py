@@ -91,7 +91,7 @@ def main(argv):
     for r in reports:
         if r.note:
             print(f"  {r.name}: {r.note}")
-    for line in aot_report.paged_lines(meta):
+    for line in aot_report.paged_lines(meta) + aot_report.exact_on_policy_lines(meta):
         print(f"  {line}")
     resident_lines, resident_bad = aot_report.resident_check(reports)
     for line in resident_lines:

@@ -27,6 +27,7 @@ SCRIPT_TESTS = {
     "benchmarks/sampler_bench.py": "scripts_test",
     "benchmarks/storage_bench.py": "storage_test",
     "benchmarks/train_bench.py": "scripts_test",
+    "benchmarks/on_policy_bench.py": "exact_on_policy_test",
     "experiments/ablate.py": "ablate_test",
     "experiments/launch.py": "ray_executor_test",
     "experiments/aot_compile.py": "aot_test",

@@ -206,6 +206,41 @@ def _loss_choice(c: Config) -> None:
     )
 
 
+def _batch_invariant(c: Config) -> None:
+    """model.batch_invariant: the sampler's log-probs are the old ones (trainer/update.py's
+    exact_on_policy), so the recompute, IS weights and routing replay are redundant; the
+    sampler must run the trainer's very weights."""
+    if not c.model.batch_invariant:
+        return
+    on = "model.batch_invariant=True"
+    need(
+        not c.loss.recompute_old_logprobs,
+        f"{on}: loss.recompute_old_logprobs=True is redundant (the sampler's log-probs equal "
+        "the trainer's; mismatch/* comes from the first mini-batch); set it False",
+    )
+    need(
+        c.loss.is_correction == "none",
+        f"{on}: loss.is_correction={c.loss.is_correction!r} is redundant (every weight is "
+        "exactly 1); set it 'none'",
+    )
+    need(
+        not c.model.moe.routing_replay,
+        f"{on}: model.moe.routing_replay=True is redundant (the trainer routes as the sampler "
+        "did); set it False",
+    )
+    dtype = c.sampler.param_dtype
+    need(
+        dtype in ("", model_setting(c, "param_dtype")),
+        f"{on}: sampler.param_dtype={dtype!r} samples with other weights than the trainer's; "
+        "set it ''",
+    )
+    need(
+        c.model.lora.rank == 0,
+        f"{on}: model.lora.rank={c.model.lora.rank}: the sampler runs the merged weights, the "
+        "trainer the adapters; their log-probs differ",
+    )
+
+
 def _packing(c: Config) -> None:
     """loss.tokens_per_microbatch / pack_row_len; the prompt width is checked by packing.layout."""
     loss, max_new_tokens = c.loss, c.sampler.max_new_tokens
@@ -537,6 +572,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     the rules derived (the resolved meshes), which the run spec carries."""
     d = derive(c, num_devices)
     _batch_split(c)
+    _batch_invariant(c)
     _loss_choice(c)
     _packing(c)
     _steps(c, d)

@@ -53,6 +53,9 @@ class ModelConfig:
     # Grouped matmul of the experts (models/gmm.py): "xla" ragged_dot, "megablox" (Pallas,
     # TPU), "auto" (megablox when compiling for TPU, else xla).
     moe_impl: str = "xla"
+    # Batch-invariant numerics (models/invariant.py): a token's logits depend only on its
+    # own row; attention, MoE and paged decode then take their invariant XLA paths.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):

@@ -20,6 +20,7 @@ from ebpo_jax.pods.aot_report import (
     DAPO_GENERATED_PER_KEPT,
     ProgramReport,
     SamplerLayout,
+    exact_on_policy_terms,
     is_resource_exhausted,
     mesh_str,
     report_from_compiled,
@@ -224,9 +225,10 @@ def _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept):
     """The step estimate; with DAPO's dynamic sampling, its refill rounds decode one after
     another (`generated_per_kept`, None = DAPO_GENERATED_PER_KEPT)."""
     est = _estimate(spec, mc, hw, s_mesh, prompt_len)
-    if not spec.rollout.dapo.dynamic_sampling:
-        return est
-    return with_refill(est, generated_per_kept or DAPO_GENERATED_PER_KEPT)
+    if spec.rollout.dapo.dynamic_sampling:
+        est = with_refill(est, generated_per_kept or DAPO_GENERATED_PER_KEPT)
+    chips, peak = s_mesh.devices.size, hw.peak_flops
+    return exact_on_policy_terms(est, spec, mc, prompt_len=prompt_len, devices=chips, peak=peak)
 
 
 # What `run` compiles: everything, the update alone (e.g. for a full vs LoRA memory

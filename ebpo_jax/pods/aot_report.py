@@ -171,6 +171,22 @@ def update_flops(run_spec, mc, prompt_len: int) -> float:
     return run_spec.update.loss.ppo_epochs * P * G * (3.0 * fwd + ref)
 
 
+def recompute_flops(run_spec, mc, prompt_len: int) -> float:
+    """Model FLOPs of the old-log-prob recompute (loss.recompute_old_logprobs): one padded
+    forward per step, each prompt once per group (forward_grouped), the head on completions."""
+    P, G = run_spec.rollout.prompts, run_spec.rollout.group_size
+    N = run_spec.rollout.max_new_tokens
+    m = matmul_params(mc)
+    attention = attention_flops(mc, prompt_len, prompt_len, causal=True)
+    prompt = 2.0 * m["layers"] * prompt_len + attention
+    comp = (
+        2.0 * (m["layers"] + m["head"]) * N
+        + attention_flops(mc, N, prompt_len, causal=False)
+        + attention_flops(mc, N, N, causal=True)
+    )
+    return P * (prompt + G * comp)
+
+
 def sampler_flops(mc, prompts: int, samples: int, prompt_len: int, new_tokens: int) -> dict:
     """Model FLOPs of one generate call: prefill (logits at every prompt slot) and decode."""
     m = matmul_params(mc)
@@ -689,7 +705,6 @@ def step_time_estimate(
     shards, tp, dp_attention = layout
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
-    page_size = int(run_spec.rollout.sampler.page_size or 16)
     elem = step_terms.element_bytes(run_spec.rollout.sampler, mc)
     cost = decode_cost(mc, tp, elem=elem)
     per_call = run_spec.rollout.prompts_per_call
@@ -816,6 +831,39 @@ def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dic
             ro.prompts * ro.group_size, x.run_spec.task.data.reward_workers)),
     }  # fmt: skip
     return step_terms.priced_terms(terms, chip)
+
+
+def exact_on_policy_terms(estimate: dict, run_spec, mc, *, prompt_len, devices, peak) -> dict:
+    """`estimate` with what model.batch_invariant saves: the recompute forward at bf16 peak
+    (`recompute_s`), and the step with the mode off and the recompute on (as TIS / MIS need)
+    vs the mode on (the sampler's log-probs are the old ones). The mode's own numerics are
+    not modelled: benchmarks/on_policy_bench.py measures their cost."""
+    recompute = recompute_flops(run_spec, mc, prompt_len) / devices / peak
+    step = estimate["step_s_after"]
+    loss = run_spec.update.loss
+    forwards = loss.ppo_epochs * (3.0 + (loss.kl_coef > 0))  # the update: fwd, bwd = 2 fwd, ref
+    terms = {
+        "recompute_s": recompute,
+        # Today's recompute runs padded; packed, it would cost one of the update's forwards.
+        "recompute_s_if_packed": estimate["update_s_after_packed"] / forwards,
+        "step_s_mode_off_recompute": step + recompute,
+        "step_s_mode_on": step,
+        "saved_frac": recompute / (step + recompute),
+    }
+    return estimate | {"exact_on_policy": terms}
+
+
+def exact_on_policy_lines(meta: dict) -> list[str]:
+    """The summary line of exact_on_policy_terms, if the estimate has them."""
+    e = meta.get("step_estimate", {}).get("exact_on_policy")
+    if not e:
+        return []
+    return [
+        f"exactly on-policy (model.batch_invariant): no recompute forward saves "
+        f"{e['recompute_s']:.1f} s (padded; {e['recompute_s_if_packed']:.1f} s if packed), step "
+        f"{e['step_s_mode_off_recompute']:.0f} s -> {e['step_s_mode_on']:.0f} s "
+        f"({e['saved_frac']:.1%}; the mode's numerics not counted)"
+    ]
 
 
 # DAPO's refill rounds, the stated default of tokens generated per kept token: with pass

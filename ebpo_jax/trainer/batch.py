@@ -10,6 +10,10 @@ not apply is None (an empty pytree node: nothing to shard, scan or donate).
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+
+# Reduced by max over micro-batches: a sum, as for the other metrics, would add their maxima.
+MAX_METRICS = ("mismatch/abs_diff_max",)
 
 
 class MicroBatch(NamedTuple):
@@ -27,3 +31,15 @@ class MicroBatch(NamedTuple):
     mb_tokens: jax.Array | None = None  # loss tokens of the whole mini-batch (float32)
     packed: Any = None  # packing.micro_batch's token rows: the packed layout
     noise: jax.Array | None = None  # [P', G, N] uniform draws for a sampling surrogate (clip_cov)
+
+
+def sum_micro(metrics_U: dict) -> dict:
+    """A mini-batch's metrics from its micro-batches' (stacked on a leading [U] axis): sums,
+    maxima for MAX_METRICS."""
+    return {k: v.max(0) if k in MAX_METRICS else v.sum(0) for k, v in metrics_U.items()}
+
+
+def add_micro(acc: dict, metrics: dict) -> dict:
+    """`acc` with one more micro-batch's metrics: added, maxima for MAX_METRICS."""
+    both = lambda k, v: jnp.maximum(acc[k], v) if k in MAX_METRICS else acc[k] + v
+    return {k: both(k, v) for k, v in metrics.items()}

@@ -34,7 +34,7 @@ from ebpo_jax import losses, models, sharding
 from ebpo_jax.models import attention
 from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import UpdateSpec
-from ebpo_jax.trainer.batch import MicroBatch
+from ebpo_jax.trainer.batch import MicroBatch, add_micro
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,7 +322,7 @@ def accumulate(grad_fn, params, frozen, mb: MicroBatch, denom, lay: Layout):
 
     def body(u, acc):
         (loss, metrics), grads = grad_fn(params, frozen, micro(u), denom)
-        return jax.tree.map(jnp.add, acc, (grads, loss, metrics))
+        return jax.tree.map(jnp.add, acc[0], grads), acc[1] + loss, add_micro(acc[2], metrics)
 
     shapes = jax.eval_shape(lambda: grad_fn(params, frozen, micro(0), denom))
     (loss_s, metrics_s), grads_s = shapes

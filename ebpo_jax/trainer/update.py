@@ -13,12 +13,19 @@ from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import UpdateSpec
 from ebpo_jax.trainer import packing
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer.batch import MicroBatch
+from ebpo_jax.trainer.batch import MicroBatch, sum_micro
 from ebpo_jax.trainer.state import TrainState
 
 METRIC_DEFAULTS = ("eb/shrinkage_mean", "eb/mu_glob", "eb/sigma2", "eb/tau2")
 _ROUTER = ("router/lb_loss", "router/load_max", "router/entropy")
-_TOKEN_WEIGHTED = ("actor/clip_frac_low", "actor/clip_frac_high", "actor/cov_frac", *_ROUTER)
+_MISMATCH_MEANS = ("mismatch/abs_diff_mean", "mismatch/k3_kl", "mismatch/ratio_out_frac")
+_TOKEN_WEIGHTED = (
+    "actor/clip_frac_low",
+    "actor/clip_frac_high",
+    "actor/cov_frac",
+    *_ROUTER,
+    *_MISMATCH_MEANS,
+)
 
 
 def pack_sequences(prompt_BTp, prompt_len_B, comp_BN, comp_len_B):
@@ -195,6 +202,8 @@ def _loss_fn(spec: UpdateSpec, model_config, params, frozen, mb: MicroBatch, den
     if spec.moe.lb_coef:
         loss = loss + spec.moe.lb_coef * share * router["router/lb_loss"]
     metrics = dict(metrics, **router)
+    if exact_on_policy(spec, model_config):  # the sampler's log-probs are the old ones
+        metrics.update(importance.mismatch_metrics(terms.old_logp_BT, logp_BN, mask_BN))
     metrics = {k: v * share if k in _TOKEN_WEIGHTED else v for k, v in metrics.items()}
     metrics.setdefault("actor/kl", jnp.zeros(()))
     return loss, metrics
@@ -215,7 +224,7 @@ def _scan_accumulate(U: int, grad_fn, params, frozen, mb: MicroBatch, denom):
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     grads, (loss_U, metrics_U) = jax.lax.scan(step, zeros, micro, unroll=U == 1)
-    return grads, loss_U.sum(), {k: v.sum() for k, v in metrics_U.items()}
+    return grads, loss_U.sum(), sum_micro(metrics_U)
 
 
 def accumulate(spec: UpdateSpec, model_config, grad_fn, params, frozen, mb: MicroBatch, denom):
@@ -294,6 +303,18 @@ def _with_noise(spec: UpdateSpec, batches: MicroBatch, k_perm) -> MicroBatch:
     # fold_in, not split: the key stream (so every other loss's run) stays as it was.
     k_noise = jax.random.fold_in(k_perm, 0xC0F)
     return batches._replace(noise=jax.random.uniform(k_noise, batches.loss_mask.shape))
+
+
+def exact_on_policy(spec: UpdateSpec, model_config) -> bool:
+    """The batch-invariant mode without a recompute: the sampler's log-probs are the old ones,
+    and mismatch/* is measured by the first mini-batch's own forward (issue 47)."""
+    return model_config.batch_invariant and not spec.loss.recompute_old_logprobs
+
+
+def _first_minibatch(upd: dict) -> dict:
+    """The mismatch/* metrics of the first mini-batch, popped from the per-update `upd`: later
+    ones compare an already updated policy with the sampler's."""
+    return {k: upd.pop(k)[0] for k in list(upd) if k.startswith("mismatch/")}
 
 
 def _recomputed_logprobs(spec: UpdateSpec, model_config, params, ro: Rollout):
@@ -416,6 +437,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
         unroll=spec.updates == 1,
     )
     skipped = upd.pop("skipped").sum()
+    first = _first_minibatch(upd)
     # A step whose update was skipped leaves the EB statistics as they were, so one bad
     # batch cannot poison every later step's prior.
     eb_state = jax.tree.map(
@@ -426,6 +448,7 @@ def update(spec: UpdateSpec, model_config, optimizer, eos_id, state: TrainState,
     metrics.update({k: jnp.zeros(()) for k in METRIC_DEFAULTS})
     metrics.update(est_metrics)
     metrics.update(off_metrics)
+    metrics.update(first)
     metrics.update(_step_metrics(ro, valid_PG, shaped_PG, adv_PG, trunc_PG, new_tokens))
     metrics["train/skipped_updates"] = skipped
     metrics["reward/nonfinite_count"] = (~finite_PG).sum().astype(jnp.float32)
