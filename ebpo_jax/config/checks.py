@@ -518,7 +518,6 @@ def _unbuilt(c: Config) -> None:
     """Settings declared ahead of their code: refused until it lands."""
     need(c.sampler.kv_dtype == "", f"sampler.kv_dtype={c.sampler.kv_dtype!r} is not built yet")
 
-    need(c.sampler.param_dtype != "int8", "sampler.param_dtype='int8' is not built yet")
 
     need(not c.model.batch_invariant, "model.batch_invariant=True is not built yet")
 
