@@ -21,8 +21,8 @@ PROMPTS = np.array([[5, 6, 7, 8, 9, 10], [11, 12, 13, 77, 77, 77], [14, 15, 16, 
 LENGTHS = np.array([6, 3, 5], np.int32)
 N = 8
 _int8 = jax.jit(quantize.int8_weights, static_argnums=1)  # eager qwix is one dispatch per op
-# |log p_int8 - log p_float32| of the sampled tokens on this model (weights x4: sharp logits,
-# which scale the gap): measured max 0.15, mean 0.021; greedy tokens all equal.
+# |log p_int8 - log p_float32| of the greedy tokens on this model (weights x4: sharp logits,
+# which scale the gap): measured max 0.12, mean 0.030; float32's argmax equal on all 24.
 LOGP_TOL = 0.3
 
 
@@ -75,10 +75,8 @@ def params():
     return jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, p)
 
 
-def _generate(params, temperature):
-    spec = sampler.SamplerSpec(
-        max_new_tokens=N, num_samples=4, sampling=sampler.Sampling(temperature=temperature)
-    )
+def _greedy(params):
+    spec = sampler.SamplerSpec(max_new_tokens=N, sampling=sampler.Sampling(temperature=0.0))
     return sampler.generate(CONFIG, params, PROMPTS, LENGTHS, spec, rng=jax.random.key(3))
 
 
@@ -88,7 +86,7 @@ def _logp_of(params, seq_BT):
 
 
 def _float32_logprobs(params, tokens):
-    """log p_float32 of each sampled token, from one forward on prompt + completion."""
+    """(log p_float32 of each token, float32's argmax), each row fed its own tokens."""
     rows = np.repeat(np.arange(len(PROMPTS)), tokens.shape[0] // len(PROMPTS))
     seq = np.zeros((len(rows), PROMPTS.shape[1] + N), np.int32)
     for r, b in enumerate(rows):
@@ -96,17 +94,18 @@ def _float32_logprobs(params, tokens):
         seq[r, LENGTHS[b] : LENGTHS[b] + N] = tokens[r]
     at = LENGTHS[rows][:, None] - 1 + np.arange(N)[None]
     logp = np.take_along_axis(np.asarray(_logp_of(params, jnp.asarray(seq))), at[..., None], 1)
-    return np.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+    return np.take_along_axis(logp, tokens[..., None], -1)[..., 0], logp.argmax(-1)
 
 
 def test_int8_sampler_logprobs_and_greedy_tokens_track_float32(params):
-    q = _int8(params, CONFIG.dtype)
-    gen = _generate(q, 1.0)
+    """The int8 sampler's greedy rows, scored by the float32 model on the same prefixes."""
+    gen = _greedy(_int8(params, CONFIG.dtype))
     tokens, logprobs = np.asarray(gen.tokens), np.asarray(gen.logprobs)
-    gap = np.abs(logprobs - _float32_logprobs(params, tokens))
+    ref, argmax = _float32_logprobs(params, tokens)
+    gap = np.abs(logprobs - ref)
     assert 0 < gap.max() < LOGP_TOL and gap.mean() < LOGP_TOL / 6, (gap.max(), gap.mean())
-    greedy8, greedy32 = (np.asarray(_generate(p, 0.0).tokens) for p in (q, params))
-    assert (greedy8 == greedy32).mean() >= 0.9
+    print("MEASURED", gap.max(), gap.mean(), (tokens == argmax).mean())
+    assert (tokens == argmax).mean() >= 0.9  # float32 would pick the same tokens
 
 
 _MISMATCH = {
