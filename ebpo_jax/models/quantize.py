@@ -1,22 +1,23 @@
 """int8 sampler weights (sampler.param_dtype="int8"): every projection matrix as int8 with
-one float32 scale per output channel (symmetric absmax), made from the trainer's weights at
-each weight move; the rest of the model in its compute dtype.
+one float32 scale per output channel (symmetric: absmax maps to 127.5), made from the
+trainer's weights at each weight move; the rest of the model in its compute dtype.
 
 Quantized: attention q, k, v, o; the dense MLP's and the dense_mlp stack's gate, up, down;
 the MoE experts' gate, up, down (a scale per layer, expert and output channel). Kept in the
 compute dtype: the embedding (a gather of B rows per decode step, no bandwidth to save),
-the output head (it alone sets the log-probs TIS/MIS weigh, and the serving engines keep it
-16-bit too), the MoE router (a flipped top-k changes the experts, not just a rounding) and
+the output head (it alone sets the log-probs TIS/MIS weigh; int8 serving recipes leave
+lm_head out too), the MoE router (a flipped top-k changes the experts, not just a rounding) and
 the norms (vectors).
 
 The representation and the matmul path are QLoRA's (models/lora.py): qwix's `quantize`
 (absmax, per channel) makes a `qwix.QArray` in the weight's Param, the layer scan slices it
 like an array, and `lora.matmul` (and MoE's expert weights) dequantize it in the compute
-dtype just before the einsum, one layer at a time: HBM holds int8 weights and the weight
-move carries int8 (whether XLA fuses the convert-and-scale into the matmul's operand read is
-the backend's choice; on CPU it does not, so CPU decode pays for it). qwix's own int8 matmul path (`qwix.quantize_model`, PTQ rules)
-intercepts `einsum` inside a module's `__call__`, which our scanned graphdef-merged layers
-do not keep (see models/lora.py's docstring), so it is not used.
+dtype just before the einsum, one layer at a time. HBM holds int8 weights and the weight
+move carries int8; whether XLA fuses the dequantize into the matmul's operand read is the
+backend's choice (on CPU it does not: the layer is materialized, so CPU decode gains
+nothing). qwix's PTQ path (`qwix.quantize_model`) intercepts a model's ops at call time as
+its LoRA does, which models/lora.py's docstring explains does not fit our scanned,
+graphdef-merged layers; it is not used (not tried).
 """
 
 import jax
