@@ -4,6 +4,7 @@ micro run whose mismatch metrics show the gap while it trains."""
 
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from flax import nnx
 
 from ebpo_jax import models, sampler
 from ebpo_jax.models import quantize
+from ebpo_jax.schema import ConfigError
 from ebpo_jax.trainer import loop
 from tests.helpers import micro_config
 
@@ -58,6 +60,13 @@ def test_int8_weights_are_within_half_a_scale_of_the_originals(preset):
         err = np.abs(np.asarray(q.qvalue, np.float64) * scale64 - w64)
         assert np.all(err <= scale64 / 2 * (1 + 1e-5)), path
         assert np.abs(np.asarray(q.qvalue, np.int32)).max() in (127, 128), path
+
+
+def test_int8_without_qwix_is_a_one_line_error_naming_the_setting(monkeypatch):
+    monkeypatch.setitem(sys.modules, "qwix", None)  # import qwix then raises ImportError
+    with pytest.raises(ConfigError, match=r"sampler.param_dtype='int8' needs qwix") as e:
+        quantize.int8(jnp.ones((4, 4)), (0,))
+    assert "\n" not in str(e.value)
 
 
 def test_int8_forward_of_a_mixed_moe_is_close_to_float32():
