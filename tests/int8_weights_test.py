@@ -141,6 +141,9 @@ def _check_mismatch(workdir):
         assert r["actor/grad_norm"] > 0 and np.isfinite(r["actor/loss"])
 
 
+# slow: 40 s (a 2-step run, compiling rollout, update and eval); its cheaper siblings in the
+# default suite: aot_programs_test's int8 case (the same programs traced) and the tests above
+@pytest.mark.slow
 def test_micro_run_with_int8_sampler_weights_logs_the_mismatch_and_trains(tmp_path):
     out = loop.train(micro_config(tmp_path, **_MISMATCH), log=lambda *_: None)
     assert out["step"] == 2
