@@ -28,6 +28,9 @@ temp module: it is no part of the package.
    prompt + mean response in bfloat16), and useful decode tokens/s with the same slots and
    pages, and with each pool filling the budget (int8: its pages and proportionally more
    slots). The model in bfloat16.
+8. weights: decode tokens/s with the sampler's weights in float32, bfloat16 and int8
+   (sampler.param_dtype; a wider model, `WEIGHTS_MODEL`, so the weights outweigh the KV
+   reads), int8 vs each (not in the default parts).
 Compile time is excluded (one warm-up call each).
 """
 
@@ -469,6 +472,32 @@ def turns(config, params, args):
     )
 
 
+# Wider than BENCH_MODEL: 63M parameters, 250 MB in float32, all read at every decode step.
+WEIGHTS_MODEL = BENCH_MODEL | {"hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16,
+                               "num_kv_heads": 8}  # fmt: skip
+
+
+def weight_dtypes(config, params, args, rows: int = 16, new_tokens: int = 64):
+    """Decode tokens/s of the same calls with float32, bfloat16 and int8 sampler weights."""
+    from ebpo_jax.models import quantize
+
+    tokens, lengths = prompts_for(config, rows, 16)
+    spec = sampler.SamplerSpec(max_new_tokens=new_tokens)  # greedy; no stop: equal tokens
+    call = lambda p: (
+        lambda: sampler.generate(config, p, tokens, lengths, spec, rng=jax.random.key(0)).tokens
+    )
+    int8 = jax.jit(quantize.int8_weights, static_argnums=1)(params, config.dtype)
+    made = rows * new_tokens
+    for name, dtype in (("float32", jnp.float32), ("bfloat16", jnp.bfloat16)):
+        cast = jax.tree.map(lambda x, dtype=dtype: x.astype(dtype), params)
+        a_s, b_s, ratios = pairs(call(cast), call(int8), args.pairs)
+        print(
+            f"decode tokens/s, sampler weights {name} {made / statistics.median(a_s):.0f} vs "
+            f"int8 {made / statistics.median(b_s):.0f} ({rows} rows x {new_tokens} tokens): "
+            f"int8 is {spread([1 / r for r in ratios])} of {name}'s speed over {args.pairs} pairs"
+        )
+
+
 def update_line(runs: int = 2):
     """Update tokens/s padded vs packed on the same long-tailed lengths (packed_bench)."""
     import packed_bench  # benchmarks/ is on sys.path when this file runs
@@ -524,6 +553,9 @@ def main(argv=None):
         turns(config, params, args)
     if "kv" in parts:
         kv_int8(config, params, args)
+    if "weights" in parts:
+        wide = models.get_config("tiny", **WEIGHTS_MODEL)
+        weight_dtypes(wide, models.init_params(wide, jax.random.key(0)), args)
 
 
 def smoke(args):
@@ -537,6 +569,7 @@ def smoke(args):
     longest(config, params, args, rows=2, live=20, tops=(8, 16))
     args.prompts, args.turns, args.turn_tokens, args.obs_tokens = 2, 2, 3, 2
     turns(config, params, args)
+    weight_dtypes(config, params, args, rows=2, new_tokens=3)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from configs import micro
-from ebpo_jax import sampler, sharding
+from ebpo_jax import models, sampler, sharding
 from ebpo_jax.pods import aot
 from ebpo_jax.spec import resolve
 from ebpo_jax.tasks.protocol import build_task
@@ -90,6 +90,7 @@ def _aot_programs(spec, mesh, shapes):
     [
         pytest.param({}, id="micro"),
         pytest.param({"model.lora.rank": 4}, marks=pytest.mark.slow, id="lora"),
+        pytest.param({"sampler.param_dtype": "int8"}, id="int8"),
     ],
 )
 def test_aot_lowers_the_programs_a_micro_run_executes(overrides):
@@ -102,27 +103,51 @@ def test_aot_lowers_the_programs_a_micro_run_executes(overrides):
     ran, shapes, ran_dtypes = _run_programs(spec, mesh)
     compiled, aot_dtypes = _aot_programs(spec, mesh, shapes)
     assert ran_dtypes == aot_dtypes  # the sampler runs the weights AOT compiles it for
-    assert set(ran) == {"prefill", "decode", "update", "update text"} | set(
-        overrides and ["lora merge"]
-    )
+    lora = {"lora merge"} if "model.lora.rank" in overrides else set()
+    assert set(ran) == {"prefill", "decode", "update", "update text"} | lora
     for name in ran:
         assert compiled[name] == ran[name], name
     assert "while" in ran["decode"] and np.all(["dot_general" in ran[n] for n in ran])
 
 
-def test_lora_merged_weights_are_cast_for_the_sampler():
-    """LoRA with sampler.param_dtype: the merge, then the cast of the merged model's weights
-    (laid out as the model's, not as the adapters') on the trainer's mesh."""
+def _lora_sampler_weights(overrides):
+    """(the step, its mesh, the weight programs' names, the sampler's abstract params) of
+    micro with LoRA rank 4 and `overrides`."""
     c = micro.get_config()
     c.unlock()
-    c.update_from_flattened_dict(
-        {"mesh.devices": 1, "model.lora.rank": 4, "sampler.param_dtype": "bfloat16"}
-    )
+    c.update_from_flattened_dict({"model.lora.rank": 4} | overrides)
     spec = resolve(c, jax.device_count())
     mesh = loop.make_mesh(spec.mesh)
     step, state, _ = aot.make_step(spec, aot.model_config_of(spec), mesh, 8)
     names = []
     params = step.pieces.weights.programs(state, lambda name, *_: names.append(name))
+    assert jax.tree.structure(params) == jax.tree.structure(step.sh.sampler_params)
+    return step, mesh, names, params
+
+
+def test_lora_merged_weights_are_cast_for_the_sampler():
+    """LoRA with sampler.param_dtype: the merge, then the cast of the merged model's weights
+    (laid out as the model's, not as the adapters') on the trainer's mesh."""
+    _, _, names, params = _lora_sampler_weights(
+        {"mesh.devices": 1, "sampler.param_dtype": "bfloat16"}
+    )
     assert names == ["lora merge", "cast weights"]
     assert {str(x.dtype) for x in jax.tree.leaves(params)} == {"bfloat16"}
-    assert jax.tree.structure(params) == jax.tree.structure(step.sh.sampler_params)
+
+
+def test_int8_sampler_weights_quantize_the_merged_lora_model_sharded_like_its_weights():
+    """LoRA with sampler.param_dtype=int8 on an fsdp x tp mesh: the merge, then the quantize;
+    each int8 array laid out as its weight, its scale too except along the reduced inputs."""
+    step, mesh, names, params = _lora_sampler_weights(
+        {"mesh.devices": 4, "mesh.shape": (2, 2), "mesh.axes": ("fsdp", "tp")}
+        | {"sampler.param_dtype": "int8", "model.overrides.num_kv_heads": 2}
+    )
+    assert names == ["lora merge", "cast weights"]
+    q = params["layers"]["attn"]["q"].get_value()  # [L, D, H, Dh], D reduced
+    assert q.qvalue.dtype == np.int8 and q.scale.shape == (*q.shape[:1], 1, *q.shape[2:])
+    weights = sharding.param_shardings(
+        None, models.abstract_params(step.pieces.view.model_config), mesh
+    )
+    want = weights["layers"]["attn"]["q"].get_value().spec
+    assert q.qvalue.sharding.spec == want and any(want)  # sharded, as the weight is
+    assert q.scale.sharding.spec[1] is None and tuple(q.scale.sharding.spec)[2:] == tuple(want)[2:]

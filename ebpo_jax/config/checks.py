@@ -562,7 +562,6 @@ def _context(c: Config) -> None:
 def _unbuilt(c: Config) -> None:
     """Settings declared ahead of their code: refused until it lands."""
 
-    need(c.sampler.param_dtype != "int8", "sampler.param_dtype='int8' is not built yet")
 
     need(not c.model.batch_invariant, "model.batch_invariant=True is not built yet")
 

@@ -101,7 +101,7 @@ def _is_qarray(w) -> bool:
     return qwix is not None and isinstance(w, qwix.QArray)
 
 
-def _dense(w, dtype):
+def dense(w, dtype):
     """The weight as an array in `dtype`, dequantized when it is a qwix QArray."""
     if _is_qarray(w):
         w = sys.modules["qwix"].dequantize(w)
@@ -115,14 +115,14 @@ def matmul(eq: str, x, w, dtype):
     """
     w = w.get_value() if isinstance(w, nnx.Variable) else w
     if not isinstance(w, LoraWeight):
-        return jnp.einsum(eq, x, _dense(w, dtype))
+        return jnp.einsum(eq, x, dense(w, dtype))
     lhs_rhs, out = eq.split("->")
     lhs, rhs = lhs_rhs.split(",")
     n_in = w.a.ndim - 1
     assert "r" not in eq, eq
     ins, outs = rhs[:n_in], rhs[n_in:]
     keep = lhs[: len(lhs) - n_in]
-    y = jnp.einsum(eq, x, _dense(w.base, dtype))
+    y = jnp.einsum(eq, x, dense(w.base, dtype))
     xa = jnp.einsum(f"{lhs},{ins}r->{keep}r", x, w.a.astype(dtype))
     return y + jnp.einsum(f"{keep}r,r{outs}->{out}", xa, w.b.astype(dtype)) * w.scale
 
@@ -218,9 +218,7 @@ def merge(params, adapters, spec: LoraSpec, dtype=None):
         w = base.get_value()
         w_dtype = dtype or (jnp.float32 if _is_qarray(w) else w.dtype)
         d = delta(ab["a"].get_value(), ab["b"].get_value(), spec.scale)
-        out["layers"][group][name] = base.replace(
-            value=(_dense(w, jnp.float32) + d).astype(w_dtype)
-        )
+        out["layers"][group][name] = base.replace(value=(dense(w, jnp.float32) + d).astype(w_dtype))
     out = dequantize_base(out, dtype)
     return out if dtype is None else jax.tree.map(lambda x: x.astype(dtype), out)
 
@@ -261,7 +259,7 @@ def dequantize_base(params, dtype=None):
     for group, name, var in _projection_vars(params):
         if _is_qarray(var.get_value()):
             out["layers"][group][name] = var.replace(
-                value=_dense(var.get_value(), dtype or jnp.float32)
+                value=dense(var.get_value(), dtype or jnp.float32)
             )
     return out
 

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from ebpo_jax import sharding
 from ebpo_jax.models import gmm
 from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.lora import dense
 
 
 def expert_dtype(num_experts: int):
@@ -149,7 +150,8 @@ class MoE(nnx.Module):
         )
         replay_Nk = None if replay_BTk is None else replay_BTk.reshape(B * T, self.k)
         weights_Nk, experts_Nk, probs_NE = route(logits_NE, self.k, self.norm_topk_prob, replay_Nk)
-        w = tuple(p[...].astype(self.dtype) for p in (self.gate, self.up, self.down))
+        # dense: int8 sampler weights (models/quantize.py) are dequantized here
+        w = tuple(dense(p.get_value(), self.dtype) for p in (self.gate, self.up, self.down))
         out_ND = sharded_dispatch(
             x_ND, experts_Nk, weights_Nk.astype(self.dtype), w, self.impl, self.rules
         )

@@ -9,13 +9,14 @@ this object; none of them branches on LoRA.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 
 from ebpo_jax import models, sharding
 from ebpo_jax.models import lora as lora_lib
-from ebpo_jax.models import lora_checkpoint
+from ebpo_jax.models import lora_checkpoint, quantize
 from ebpo_jax.schema import ConfigError
 from ebpo_jax.trainer.state import TrainState, init_lora_state, init_train_state
 
@@ -99,8 +100,9 @@ class Policy:
 
 class SamplerWeights:
     """The sampler's copy of the policy, made one way for the run and for AOT: `sampled` (the
-    params, or LoRA's one jitted merge per step), cast to sampler.param_dtype on the trainer's
-    mesh, then moved device to device onto the sampler's mesh when it has its own."""
+    params, or LoRA's one jitted merge per step), cast to sampler.param_dtype (int8: quantized,
+    models/quantize.py) on the trainer's mesh, then moved device to device onto the sampler's
+    mesh when it has its own."""
 
     def __init__(self, policy: Policy, param_dtype: str, sh):
         self.sh, self.is_lora = sh, policy.is_lora
@@ -146,13 +148,32 @@ class SamplerWeights:
 
 def _cast(policy: Policy, dtype: str, sh):
     """The sampled weights in `dtype`, laid out as they are on the trainer's mesh (LoRA: the
-    merged model's layout, not the adapters')."""
+    merged model's layout, not the adapters'; int8: the quantized arrays' like their weights)."""
+    mc = policy.model_config
+    if dtype == "int8":  # LoRA: the merged weights are quantized
+        int8 = functools.partial(quantize.int8_weights, dtype=mc.dtype)
+        return jax.jit(int8, out_shardings=int8_shardings(mc, sh.mesh))
     laid_out = sh.state.params
     if policy.is_lora:
-        mc = policy.model_config
         laid_out = sharding.param_shardings(mc, models.abstract_params(mc), sh.mesh)
     cast = lambda p: jax.tree.map(lambda x: x.astype(dtype), p)
     return jax.jit(cast, out_shardings=laid_out)
+
+
+def int8_shardings(model_config, mesh):
+    """Where the sampler's int8 weights live on `mesh`: each QArray's int8 values as its weight,
+    its scales likewise but replicated along the input dims they reduce."""
+    abstract = models.abstract_params(model_config)
+    quantized = jax.eval_shape(lambda p: quantize.int8_weights(p, model_config.dtype), abstract)
+    return lora_lib.base_shardings(model_config, quantized, mesh)
+
+
+def sampler_shardings(spec, model_config, abstract_state, mesh):
+    """Where the sampler's copy of the policy lives on `mesh` (sampler.param_dtype's layout)."""
+    if spec.rollout.sampler.param_dtype == "int8":
+        return int8_shardings(model_config, mesh)
+    sampled = of(spec, model_config).abstract_sampled(abstract_state)
+    return sharding.param_shardings(model_config, sampled, mesh)
 
 
 def of(spec, model_config) -> Policy:

@@ -86,9 +86,7 @@ def make_shardings(
         state=state_shardings(model_config, optimizer, abstract_state, mesh),
         rollout=rollout_shardings(mesh, P_, spec.rollout.moe.routing_replay),
         sampler_rollout=rollout_shardings(s_mesh, P_, spec.rollout.moe.routing_replay),
-        sampler_params=sharding.param_shardings(
-            model_config, policy.of(spec, model_config).abstract_sampled(abstract_state), s_mesh
-        ),
+        sampler_params=policy.sampler_shardings(spec, model_config, abstract_state, s_mesh),
         replicated=NamedSharding(mesh, P()),
         prompt_rows=spec.rollout.batch_prompts,
     )
