@@ -17,7 +17,7 @@ import pytest
 from helpers import micro_config
 
 from ebpo_jax.runtime import metrics, storage
-from ebpo_jax.runtime.checkpoint import Checkpointer, list_steps
+from ebpo_jax.runtime.checkpoint import MANIFEST, Checkpointer, list_steps, verify_manifest
 from ebpo_jax.runtime.object_lock import LockHeld, ObjectLock
 from ebpo_jax.runtime.workdir import WorkdirError, lock_for
 
@@ -115,6 +115,16 @@ def test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step(gcs):
         ckpt.save(1, tree, {"pos": 1})
         ckpt.save(2, jax.tree.map(lambda x: x + 1, tree), {"pos": 2})
     assert list_steps(directory) == [1, 2]
+    seen = len(gcs.proxy.log)
+    assert verify_manifest(f"{directory}/2") is None
+    reads = [ln for ln in gcs.proxy.log[seen:] if "alt=media" in ln]
+    assert reads == [
+        f"GET /download/storage/v1/b/runs/o/c%2Fcheckpoints%2F2%2F{MANIFEST}?alt=media "
+    ]
+    step1 = f"{directory}/1"  # an earlier version's manifest on gs:// (SHA-256s) still checks
+    names = json.loads(storage.read_text(f"{step1}/{MANIFEST}"))["crc32c"]
+    sha = {n: storage.sha256(f"{step1}/{n}") for n in names}
+    storage.write_text(f"{step1}/{MANIFEST}", json.dumps({"sha256": sha}))
     storage.write_text(f"{directory}/3/state/partial", "x")  # a save killed before its commit
     assert list_steps(directory) == [1, 2]
     storage.rmtree(f"{directory}/3")
@@ -130,7 +140,7 @@ def test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step(gcs):
         step, restored, extra = ckpt.restore_intact(tree, log=lines.append)
     assert (step, extra) == (1, {"pos": 1})
     np.testing.assert_array_equal(restored["w"], tree["w"])
-    assert "step 2" in lines[0] and "SHA-256" in lines[0] and ".corrupt/2-" in lines[0]
+    assert "step 2" in lines[0] and "CRC32C" in lines[0] and ".corrupt/2-" in lines[0]
     assert list_steps(directory) == [1]
 
 
