@@ -156,15 +156,21 @@ def verify_manifest(step_dir: str) -> str | None:
 
 
 def _host_target(tree: Any) -> Any:
-    """A restore target of host numpy leaves shaped like `tree` (ShapeDtypeStructs).
+    """A restore target of host numpy leaves for a saved tree's metadata.
 
-    Orbax restores a numpy leaf as numpy and a ShapeDtypeStruct without sharding with the
-    saved one; zero-stride broadcasts make the target cost no memory.
+    Orbax restores a numpy leaf as numpy but a ShapeDtypeStruct without sharding with the
+    saved one; zero-stride broadcasts make the target cost no memory. A Python number
+    comes back as one.
     """
     import jax  # late: this module knows nothing of jax otherwise
     import numpy as np
 
-    return jax.tree.map(lambda s: np.broadcast_to(np.zeros((), s.dtype), s.shape), tree)
+    def host(m):
+        if isinstance(m, ocp.metadata.value.ScalarMetadata):  # a Python number, saved as one
+            return np.zeros((), m.dtype).item()
+        return np.broadcast_to(np.zeros((), m.dtype), m.shape)
+
+    return jax.tree.map(host, tree)
 
 
 class Checkpointer:
@@ -246,7 +252,7 @@ class Checkpointer:
             if fault is not None:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory}: {fault}")
         if target is None:
-            target = _host_target(self.saved_tree(step))
+            target = _host_target(self._saved_metadata(step))
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
         )
@@ -297,11 +303,15 @@ class Checkpointer:
         import jax  # late: this module knows nothing of jax otherwise
 
         step = self.latest_step() if step is None else step
+        tree = self._saved_metadata(step)
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+
+    def _saved_metadata(self, step: int) -> Any:
+        """The orbax metadata tree of the pytree saved at `step`; reads no data."""
         # The manager only knows an item's handler once it saved or restored it in this process.
         with ocp.StandardCheckpointer() as reader:
             meta = reader.metadata(os.path.join(self.directory, str(step), "state"))
-        tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+        return getattr(getattr(meta, "item_metadata", meta), "tree", meta)
 
     def saved_extra(self, step: int | None = None) -> dict:
         """The `extra` JSON saved at `step` (default: the latest); reads no arrays."""
