@@ -45,7 +45,7 @@ class _NoItemMetadataWarning(logging.Filter):
 
     A Composite checkpoint (state + extra) writes that file once per step, not per item; on
     every restore orbax still looks for it inside the item and warns, which reads like a
-    corrupt checkpoint. Integrity is checked by the SHA-256 manifest instead.
+    corrupt checkpoint. Integrity is checked by the manifest instead.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -176,9 +176,9 @@ def _host_target(tree: Any) -> Any:
 class Checkpointer:
     """Saves `(pytree, extra)` every `save_every` steps into `directory`, keeping the last `max_to_keep`.
 
-    Every committed step carries its SHA-256 manifest; `checksums=True` checks it before a
-    restore (multi-host runs on a storage that one process cannot list whole should pass it
-    only on process 0).
+    Every committed step carries its manifest (SHA-256s; on gs:// CRC32Cs); `checksums=True`
+    checks it before a restore (multi-host runs on a storage that one process cannot list
+    whole should pass it only on process 0).
     """
 
     def __init__(
