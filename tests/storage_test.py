@@ -31,7 +31,7 @@ def gcs():
         yield server
 
 
-def test_gs_paths_stay_remote_and_files_round_trip(gcs):
+def test_gs_paths_stay_remote_and_files_round_trip(gcs, monkeypatch):
     assert storage.absolute("gs://runs/a/") == "gs://runs/a"
     assert storage.absolute("runs/a") == os.path.join(os.getcwd(), "runs/a")
     storage.write_text("gs://runs/p/x/a.txt", "one")
@@ -42,6 +42,13 @@ def test_gs_paths_stay_remote_and_files_round_trip(gcs):
     storage.move("gs://runs/p/x", "gs://runs/p/y")
     assert sorted(storage.walk_files("gs://runs/p")) == ["b.bin", "y/a.txt"]
     assert storage.listdir("gs://runs/nothing") == []
+    # The store's CRC32C, in the form a listing gives it (base64 of the big-endian sum).
+    sums = {"b.bin": "Awr00Q==", "y/a.txt": "KpSy6Q=="}
+    assert storage.stored_crc32c("gs://runs/p") == sums
+    fs, find = storage.filesystem("gs://runs/p"), storage.filesystem("gs://runs/p").find
+    bare = lambda *a, **k: {n: {**i, "crc32c": None} for n, i in find(*a, **k).items()}
+    monkeypatch.setattr(fs, "find", bare)  # a store whose listing has no sums: read and summed
+    assert storage.stored_crc32c("gs://runs/p") == sums
 
 
 def test_lock_refuses_a_live_owner_and_takes_over_a_stale_one(gcs):
