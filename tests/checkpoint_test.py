@@ -154,6 +154,33 @@ def test_restore_onto_sharding(tmp_path):
     assert got["w"].addressable_shards[0].data.shape == (2, 4)
 
 
+_READ_ON_ONE_DEVICE = """
+import sys
+from ebpo_jax.runtime.checkpoint import Checkpointer
+with Checkpointer(sys.argv[1]) as ck:
+    got, extra = ck.restore()
+print(type(got["w"]).__name__, got["w"].sum(), got["b"].tolist(), repr(got["n"]), extra)
+"""
+
+
+def test_restore_without_target_reads_another_topology_as_host_arrays(tmp_path):
+    """A pod's checkpoint (its arrays on devices this machine lacks) reads on one device."""
+    mesh = jax.make_mesh((4, 2), ("data", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    w = jax.device_put(jnp.arange(64.0).reshape(8, 8), NamedSharding(mesh, P("data", "tp")))
+    with Checkpointer(tmp_path / "ck") as ck:
+        ck.save(3, {"w": w, "b": jnp.arange(3), "n": 7}, {"step": 3})
+    env = dict(os.environ, XLA_FLAGS="")  # one CPU device: the saved devices 1-7 are absent
+    run = subprocess.run(
+        [sys.executable, "-c", _READ_ON_ONE_DEVICE, str(tmp_path / "ck")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n")[-2] == "ndarray 2016.0 [0, 1, 2] 7 {'step': 3}"
+
+
 def test_bad_options_raise(tmp_path):
     with pytest.raises(ValueError, match="save_every"):
         Checkpointer(tmp_path / "a", save_every=0)

@@ -17,7 +17,7 @@ import pytest
 from helpers import micro_config
 
 from ebpo_jax.runtime import metrics, storage
-from ebpo_jax.runtime.checkpoint import Checkpointer, list_steps
+from ebpo_jax.runtime.checkpoint import MANIFEST, Checkpointer, list_steps, verify_manifest
 from ebpo_jax.runtime.object_lock import LockHeld, ObjectLock
 from ebpo_jax.runtime.workdir import WorkdirError, lock_for
 
@@ -31,7 +31,7 @@ def gcs():
         yield server
 
 
-def test_gs_paths_stay_remote_and_files_round_trip(gcs):
+def test_gs_paths_stay_remote_and_files_round_trip(gcs, monkeypatch):
     assert storage.absolute("gs://runs/a/") == "gs://runs/a"
     assert storage.absolute("runs/a") == os.path.join(os.getcwd(), "runs/a")
     storage.write_text("gs://runs/p/x/a.txt", "one")
@@ -42,6 +42,13 @@ def test_gs_paths_stay_remote_and_files_round_trip(gcs):
     storage.move("gs://runs/p/x", "gs://runs/p/y")
     assert sorted(storage.walk_files("gs://runs/p")) == ["b.bin", "y/a.txt"]
     assert storage.listdir("gs://runs/nothing") == []
+    # The store's CRC32C, in the form a listing gives it (base64 of the big-endian sum).
+    sums = {"b.bin": "Awr00Q==", "y/a.txt": "KpSy6Q=="}
+    assert storage.stored_crc32c("gs://runs/p") == sums
+    fs, find = storage.filesystem("gs://runs/p"), storage.filesystem("gs://runs/p").find
+    bare = lambda *a, **k: {n: {**i, "crc32c": None} for n, i in find(*a, **k).items()}
+    monkeypatch.setattr(fs, "find", bare)  # a store whose listing has no sums: read and summed
+    assert storage.stored_crc32c("gs://runs/p") == sums
 
 
 def test_lock_refuses_a_live_owner_and_takes_over_a_stale_one(gcs):
@@ -116,6 +123,16 @@ def test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step(gcs):
         ckpt.save(1, tree, {"pos": 1})
         ckpt.save(2, jax.tree.map(lambda x: x + 1, tree), {"pos": 2})
     assert list_steps(directory) == [1, 2]
+    seen = len(gcs.proxy.log)
+    assert verify_manifest(f"{directory}/2") is None
+    reads = [ln for ln in gcs.proxy.log[seen:] if "alt=media" in ln]
+    assert reads == [
+        f"GET /download/storage/v1/b/runs/o/c%2Fcheckpoints%2F2%2F{MANIFEST}?alt=media "
+    ]
+    step1 = f"{directory}/1"  # an earlier version's manifest on gs:// (SHA-256s) still checks
+    names = json.loads(storage.read_text(f"{step1}/{MANIFEST}"))["crc32c"]
+    sha = {n: storage.sha256(f"{step1}/{n}") for n in names}
+    storage.write_text(f"{step1}/{MANIFEST}", json.dumps({"sha256": sha}))
     storage.write_text(f"{directory}/3/state/partial", "x")  # a save killed before its commit
     assert list_steps(directory) == [1, 2]
     storage.rmtree(f"{directory}/3")
@@ -131,7 +148,7 @@ def test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step(gcs):
         step, restored, extra = ckpt.restore_intact(tree, log=lines.append)
     assert (step, extra) == (1, {"pos": 1})
     np.testing.assert_array_equal(restored["w"], tree["w"])
-    assert "step 2" in lines[0] and "SHA-256" in lines[0] and ".corrupt/2-" in lines[0]
+    assert "step 2" in lines[0] and "CRC32C" in lines[0] and ".corrupt/2-" in lines[0]
     assert list_steps(directory) == [1]
 
 

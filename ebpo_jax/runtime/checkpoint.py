@@ -5,7 +5,8 @@ Knows nothing of the model or the trainer. Saves are atomic: orbax writes each s
 mid-save leaves the previous checkpoint as the latest.
 
 Orbax does not verify what it reads back (one flipped byte in a parameter file restores
-silently), so each file of a step gets a SHA-256 in `<step>/ebpo_manifest.json`, written into
+silently), so each file of a step gets a SHA-256 in `<step>/ebpo_manifest.json` (on `gs://` the
+CRC32C the store computed as each object was written, from one listing), written into
 the temporary folder just before orbax's commit renames it (`_ManifestedRename`): every
 committed step carries its manifest, also the newest one after a kill -9. It is checked
 before restoring. `restore_intact` walks back from the newest step past unreadable or corrupt
@@ -18,6 +19,7 @@ On `gs://` (no rename) orbax writes in place and commits a step by writing
 """
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -35,6 +37,7 @@ MANIFEST = "ebpo_manifest.json"
 # Rewritten by orbax's commit itself (commit time, commit marker): not hashed.
 COMMIT_FILE = "commit_success.txt"  # orbax's commit marker on object storage
 _UNHASHED = (MANIFEST, "_CHECKPOINT_METADATA", COMMIT_FILE)
+_DIGEST_NAMES = {"sha256": "SHA-256", "crc32c": "CRC32C"}
 
 
 class _NoItemMetadataWarning(logging.Filter):
@@ -42,7 +45,7 @@ class _NoItemMetadataWarning(logging.Filter):
 
     A Composite checkpoint (state + extra) writes that file once per step, not per item; on
     every restore orbax still looks for it inside the item and warns, which reads like a
-    corrupt checkpoint. Integrity is checked by the SHA-256 manifest instead.
+    corrupt checkpoint. Integrity is checked by the manifest instead.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -66,12 +69,6 @@ def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:500]
 
 
-def _step_files(step_dir: str) -> list[str]:
-    """Every file under a step folder, relative to it, sorted (the manifest and orbax's
-    commit records excepted)."""
-    return sorted(rel for rel in storage.walk_files(step_dir) if rel not in _UNHASHED)
-
-
 def list_steps(directory: str) -> list[int]:
     """Steps with a committed folder in `directory` (no orbax manager; [] if none), ascending.
 
@@ -84,10 +81,26 @@ def list_steps(directory: str) -> list[int]:
     return sorted(s for s in steps if os.path.isdir(os.path.join(directory, str(s))))
 
 
+def _digests(step_dir: str, kind: str) -> dict[str, Callable[[], str]]:
+    """{file: its `kind` digest, computed when called} for every file under a step folder.
+
+    "sha256" reads the bytes; "crc32c" (gs://) takes the store's own checksums from one
+    listing: reading a pod's checkpoint back at every save would download all of it.
+    """
+    if kind == "crc32c":
+        return {rel: (lambda c=c: c) for rel, c in storage.stored_crc32c(step_dir).items()}
+    files = storage.walk_files(step_dir)
+    return {rel: functools.partial(storage.sha256, storage.join(step_dir, rel)) for rel in files}
+
+
 def write_manifest(step_dir: str) -> None:
-    """Record the SHA-256 of every file of a committed step (atomically: tmp + rename)."""
-    digests = {rel: storage.sha256(storage.join(step_dir, rel)) for rel in _step_files(step_dir)}
-    storage.write_text(storage.join(step_dir, MANIFEST), json.dumps({"sha256": digests}))
+    """Record the digest of every file of a committed step (atomically: tmp + rename, or one
+    object PUT): SHA-256 on disk, the store's CRC32C on gs://."""
+    kind = "crc32c" if storage.is_remote(step_dir) else "sha256"
+    digests = {
+        rel: f() for rel, f in sorted(_digests(step_dir, kind).items()) if rel not in _UNHASHED
+    }
+    storage.write_text(storage.join(step_dir, MANIFEST), json.dumps({kind: digests}))
 
 
 class _ManifestedRename(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -126,25 +139,46 @@ def verify_manifest(step_dir: str) -> str | None:
     if not storage.exists(path):
         return f"no {MANIFEST} (every committed step has one)"
     try:
-        digests = json.loads(storage.read_text(path))["sha256"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        # Whichever kind it holds: gs:// steps of earlier versions carry SHA-256s.
+        ((kind, digests),) = json.loads(storage.read_text(path)).items()
+        digests = dict(digests)
+    except (OSError, ValueError, TypeError, AttributeError) as e:
         return f"unreadable {MANIFEST} ({type(e).__name__})"
-    present = set(storage.walk_files(step_dir))
+    if kind not in _DIGEST_NAMES:
+        return f"unreadable {MANIFEST} (unknown digest {kind!r})"
+    current = _digests(step_dir, kind)
     for rel, digest in digests.items():
-        file = storage.join(step_dir, rel)
-        if rel not in present:
+        if rel not in current:
             return f"file {rel} is missing"
-        if storage.sha256(file) != digest:
-            return f"file {rel} fails its SHA-256 check"
+        if current[rel]() != digest:
+            return f"file {rel} fails its {_DIGEST_NAMES[kind]} check"
     return None
+
+
+def _host_target(tree: Any) -> Any:
+    """A restore target of host numpy leaves for a saved tree's metadata.
+
+    Orbax restores a numpy leaf as numpy but a ShapeDtypeStruct without sharding with the
+    saved one; zero-stride broadcasts make the target cost no memory. A Python number
+    comes back as one.
+    """
+    import jax  # late: this module knows nothing of jax otherwise
+    import numpy as np
+
+    def host(m):
+        if isinstance(m, ocp.metadata.value.ScalarMetadata):  # a Python number, saved as one
+            return np.zeros((), m.dtype).item()
+        return np.broadcast_to(np.zeros((), m.dtype), m.shape)
+
+    return jax.tree.map(host, tree)
 
 
 class Checkpointer:
     """Saves `(pytree, extra)` every `save_every` steps into `directory`, keeping the last `max_to_keep`.
 
-    Every committed step carries its SHA-256 manifest; `checksums=True` checks it before a
-    restore (multi-host runs on a storage that one process cannot list whole should pass it
-    only on process 0).
+    Every committed step carries its manifest (SHA-256s; on gs:// CRC32Cs); `checksums=True`
+    checks it before a restore (multi-host runs on a storage that one process cannot list
+    whole should pass it only on process 0).
     """
 
     def __init__(
@@ -202,7 +236,8 @@ class Checkpointer:
 
         `target` is a pytree of `jax.ShapeDtypeStruct` (with shardings) or of arrays with the
         structure that was saved; leaves are restored with its dtypes and shardings. Without
-        it the saved shardings are reused, which needs the same device topology.
+        it every leaf comes back as a host numpy array, whatever topology saved it (a pod's
+        checkpoint read on one machine: orbax would refuse the saved devices).
         """
         self.wait()
         steps = self.all_steps()
@@ -212,13 +247,15 @@ class Checkpointer:
             step = steps[-1]
         elif step not in steps:
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}: {steps}")
-        args = ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
-        )
         if self.checksums:
             fault = verify_manifest(storage.join(self.directory, str(step)))
             if fault is not None:
                 raise CheckpointError(f"checkpoint step {step} in {self.directory}: {fault}")
+        if target is None:
+            target = _host_target(self._saved_metadata(step))
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(target), extra=ocp.args.JsonRestore()
+        )
         restored = self._manager.restore(step, args=args)
         return restored.state, dict(restored.extra or {})
 
@@ -266,11 +303,15 @@ class Checkpointer:
         import jax  # late: this module knows nothing of jax otherwise
 
         step = self.latest_step() if step is None else step
+        tree = self._saved_metadata(step)
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+
+    def _saved_metadata(self, step: int) -> Any:
+        """The orbax metadata tree of the pytree saved at `step`; reads no data."""
         # The manager only knows an item's handler once it saved or restored it in this process.
         with ocp.StandardCheckpointer() as reader:
             meta = reader.metadata(os.path.join(self.directory, str(step), "state"))
-        tree = getattr(getattr(meta, "item_metadata", meta), "tree", meta)
-        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+        return getattr(getattr(meta, "item_metadata", meta), "tree", meta)
 
     def saved_extra(self, step: int | None = None) -> dict:
         """The `extra` JSON saved at `step` (default: the latest); reads no arrays."""

@@ -8,6 +8,7 @@ Transient storage errors are retried by the client libraries (gcsfs: 6 tries wit
 exponential backoff; tensorstore for orbax's arrays; google-cloud-storage for the lock).
 """
 
+import base64
 import hashlib
 import logging
 import os
@@ -187,6 +188,24 @@ def sha256(p: str) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def stored_crc32c(top: str) -> dict[str, str]:
+    """{file relative to `top`: its CRC32C, base64 as GCS reports it} for every object under a
+    `gs://` prefix, from one listing: the store computed each when the object was written, so
+    nothing is read back (computed from the bytes only where a listing lacks one)."""
+    import google_crc32c  # late: a dependency of the GCS clients, needed only on gs://
+
+    fs = filesystem(top)
+    root = fs._strip_protocol(str(top)).rstrip("/") + "/"
+    out = {}
+    for name, info in fs.find(str(top), detail=True).items():
+        crc = info.get("crc32c")
+        if crc is None:
+            digest = google_crc32c.Checksum(read_bytes(f"gs://{name}")).digest()
+            crc = base64.b64encode(digest).decode()
+        out[name.removeprefix(root)] = crc
+    return out
 
 
 def filesystem(p: str) -> fsspec.AbstractFileSystem:
