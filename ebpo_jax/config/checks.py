@@ -514,13 +514,26 @@ def _context(c: Config) -> None:
     )
 
 
+def _batch_invariant_mesh(c: Config) -> None:
+    """model.batch_invariant holds where each contraction runs whole on one device: the
+    trainer's and the sampler's meshes split rows only (data, fsdp), never tp or context."""
+    if not c.model.batch_invariant:
+        return
+    meshes = (("mesh", tuple(zip(c.mesh.axes, c.mesh.shape))), ("sampler.mesh", sampler_mesh(c)))
+    for name, pairs in meshes:
+        split = [f"{a}={n}" for a, n in pairs if a in ("tp", "context") and n != 1]
+        need(
+            not split,
+            f"model.batch_invariant=True with {name} {', '.join(split)}: tensor and context "
+            "parallelism split a contraction over devices; use data / fsdp axes only",
+        )
+
+
 def _unbuilt(c: Config) -> None:
     """Settings declared ahead of their code: refused until it lands."""
     need(c.sampler.kv_dtype == "", f"sampler.kv_dtype={c.sampler.kv_dtype!r} is not built yet")
 
     need(c.sampler.param_dtype != "int8", "sampler.param_dtype='int8' is not built yet")
-
-    need(not c.model.batch_invariant, "model.batch_invariant=True is not built yet")
 
 
 def check(c: Config, num_devices: int | None = None) -> None:
@@ -540,6 +553,7 @@ def check(c: Config, num_devices: int | None = None) -> None:
     _splash_widths(c, num_devices)
     _lora_targets(c)
     _context(c)
+    _batch_invariant_mesh(c)
     _unbuilt(c)
     if num_devices is not None:
         _devices(c, num_devices)

@@ -53,6 +53,9 @@ class ModelConfig:
     # Grouped matmul of the experts (models/gmm.py): "xla" ragged_dot, "megablox" (Pallas,
     # TPU), "auto" (megablox when compiling for TPU, else xla).
     moe_impl: str = "xla"
+    # Batch-invariant numerics (models/invariant.py): a token's logits depend only on its
+    # own row; attention, MoE and paged decode then take their invariant XLA paths.
+    batch_invariant: bool = False
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):
@@ -68,6 +71,10 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {_DTYPES}"
                 )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(
+                f"ModelConfig.batch_invariant={self.batch_invariant!r}; expected a bool"
+            )
         if self.remat not in _REMAT:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {_REMAT}")
         if isinstance(self.scan_unroll, bool) or not (
