@@ -21,7 +21,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # train_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # configs/
 import train_bench  # noqa: E402
 
-from ebpo_jax import config as config_lib  # noqa: E402
 from ebpo_jax import models, sampler  # noqa: E402
 from ebpo_jax.spec import resolve  # noqa: E402
 from ebpo_jax.trainer.batch import MicroBatch  # noqa: E402
@@ -29,17 +28,6 @@ from ebpo_jax.trainer.state import init_train_state, make_optimizer  # noqa: E40
 from ebpo_jax.trainer.update import completion_logprobs, make_update_fn  # noqa: E402
 
 MODES = {"off": False, "on": True}
-
-
-def numerics_landed() -> bool:
-    """model.batch_invariant is no longer refused as unbuilt (issue 47 item 1 merged)."""
-    c = config_lib.default_config()
-    c.model.batch_invariant = True
-    try:
-        config_lib.validate(c)
-    except config_lib.ConfigError as e:
-        return "not built yet" not in str(e)
-    return True
 
 
 class Mode:
@@ -106,12 +94,6 @@ def measure(a) -> dict:
 
 def main(argv=None):
     a = train_bench.parse(argv)
-    landed = numerics_landed()
-    print(
-        "numerics: "
-        + ("landed (ModelConfig.batch_invariant switches them)" if landed else "NOT landed: "
-           "model.batch_invariant is still refused as unbuilt, 'on' runs today's numerics")
-    )  # fmt: skip
     r = measure(a)
     P, G, N, T = a.prompts, a.group, a.new_tokens, a.prompt_len + a.new_tokens
     tokens = {"update": P * G * T, "decode": P * G * N}

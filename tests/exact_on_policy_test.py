@@ -3,7 +3,6 @@ the old ones (no recompute), mismatch/* comes from the first mini-batch's own fo
 mode's config rules; the bitwise checks run once the numerics (item 1) have landed."""
 
 import dataclasses
-import inspect
 import json
 import os
 import subprocess
@@ -17,7 +16,6 @@ import pytest
 from configs import micro
 from ebpo_jax import config as config_lib
 from ebpo_jax import importance, models, tasks
-from ebpo_jax.config import checks
 from ebpo_jax.spec import resolve
 from ebpo_jax.tasks.families import arithmetic
 from ebpo_jax.tasks.protocol import model_config_from
@@ -31,12 +29,6 @@ MIXED = [[1, 0, 0, 1], [0, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0]]
 # Each prompt's sampler log-probs moved by its own amount on even positions: a mini-batch's
 # mismatch then tells which prompts it holds, and a sum over micro-batches from a maximum.
 SHIFT_P = np.array([0.1, 0.2, 0.3, 0.4], np.float32)
-
-
-def numerics_landed() -> bool:
-    """model.batch_invariant is no longer refused as unbuilt (issue 47 item 1 merged; as
-    benchmarks/on_policy_bench.py asks it)."""
-    return "model.batch_invariant" not in inspect.getsource(checks._unbuilt)
 
 
 def _config(**fields):
@@ -126,10 +118,8 @@ def test_mode_on_keeps_the_samplers_logprobs_and_logs_the_first_minibatchs_misma
         np.testing.assert_allclose(float(m[k]), float(v), rtol=1e-4, atol=1e-5, err_msg=k)
 
 
-def _refusal(monkeypatch, **fields):
-    """validate's one-line error for micro with the mode on and `fields` (the unbuilt
-    refusal of the mode bypassed until the numerics land)."""
-    monkeypatch.setattr(checks, "_unbuilt", lambda c: None)
+def _refusal(**fields):
+    """validate's one-line error for micro with the mode on and `fields`."""
     c = _config(**{"model.batch_invariant": True, **fields})
     try:
         config_lib.validate(c)
@@ -151,16 +141,16 @@ def _refusal(monkeypatch, **fields):
         ({"model.lora.rank": 4}, "model.lora.rank=4: the sampler runs the merged"),
     ],
 )
-def test_mode_rules_name_the_setting(monkeypatch, fields, setting):
-    assert setting in _refusal(monkeypatch, **fields)
+def test_mode_rules_name_the_setting(fields, setting):
+    assert setting in _refusal(**fields)
 
 
-def test_mode_rules_allow_the_packed_and_micro_batched_update(monkeypatch):
-    assert _refusal(monkeypatch) == ""
-    assert _refusal(monkeypatch, **{"loss.tokens_per_microbatch": 48}) == ""
-    assert _refusal(monkeypatch, **{"loss.num_microbatches": 2, "sampler.param_dtype": ""}) == ""
+def test_mode_rules_allow_the_packed_and_micro_batched_update():
+    assert _refusal() == ""
+    assert _refusal(**{"loss.tokens_per_microbatch": 48}) == ""
+    assert _refusal(**{"loss.num_microbatches": 2, "sampler.param_dtype": ""}) == ""
     assert "model.moe.routing_replay=True is redundant" in _refusal(
-        monkeypatch, **{"model.moe.routing_replay": True, "model.preset": "tiny_moe"}
+        **{"model.moe.routing_replay": True, "model.preset": "tiny_moe"}
     )
 
 
@@ -191,13 +181,7 @@ def test_the_pod_estimate_counts_the_recompute_the_mode_saves_by_hand():
     assert "saves" in aot_report.exact_on_policy_lines({"step_estimate": est})[0]
 
 
-needs_numerics = pytest.mark.skipif(
-    not numerics_landed(), reason="model.batch_invariant's numerics (issue 47 item 1) not merged"
-)
-
-
 @pytest.mark.slow  # ~3 min on a loaded 2-core CPU with the numerics merged
-@needs_numerics
 def test_mode_on_the_trainer_routes_as_the_sampler_recorded_without_replay():
     """Mixture of experts: the experts the trainer's forward picks for every input token equal
     the ones the sampler recorded (routing replay's record, used here only as the reference),
@@ -240,7 +224,6 @@ DONE_WHEN = (
 
 
 @pytest.mark.slow  # two CLI runs
-@needs_numerics
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_done_when_micro_runs_log_zero_mismatch_at_every_step(tmp_path, dtype):
     flags = [*DONE_WHEN, f"--config.workdir={tmp_path}"]
@@ -264,7 +247,6 @@ def test_on_policy_bench_smoke(capsys):
     spec = importlib.util.spec_from_file_location("on_policy_bench", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert bench.numerics_landed() == numerics_landed()
     small = "--hidden 64 --layers 1 --prompts 2 --group 2 --prompt_len 4 --new_tokens 4 --runs 1"
     bench.main(small.split())
     out = capsys.readouterr().out

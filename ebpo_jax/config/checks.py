@@ -559,11 +559,19 @@ def _context(c: Config) -> None:
     )
 
 
-def _unbuilt(c: Config) -> None:
-    """Settings declared ahead of their code: refused until it lands."""
-
-
-    need(not c.model.batch_invariant, "model.batch_invariant=True is not built yet")
+def _batch_invariant_mesh(c: Config, d: Derived) -> None:
+    """model.batch_invariant holds where each contraction runs whole on one device: the
+    trainer's and the sampler's meshes split rows only (data, fsdp), never tp or context."""
+    if not c.model.batch_invariant:
+        return
+    meshes = (("mesh", tuple(zip(c.mesh.axes, c.mesh.shape))), ("sampler.mesh", d.sampler_mesh))
+    for name, pairs in meshes:
+        split = [f"{a}={n}" for a, n in pairs if a in ("tp", "context") and n != 1]
+        need(
+            not split,
+            f"model.batch_invariant=True with {name} {', '.join(split)}: tensor and context "
+            "parallelism split a contraction over devices; use data / fsdp axes only",
+        )
 
 
 def check(c: Config, num_devices: int | None = None) -> Derived:
@@ -586,7 +594,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _splash_widths(c, d)
     _lora_targets(c)
     _context(c)
-    _unbuilt(c)
+    _batch_invariant_mesh(c, d)
     if num_devices is not None:
         d = d._replace(mesh_shape=mesh_shape(c, num_devices))
         _devices(c, d)

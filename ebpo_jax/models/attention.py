@@ -76,6 +76,12 @@ def flash(q_BTHd, k_BSKd, v_BSKd, *, scale, q_len_B, kv_len_B):
     return out_BTHd[:, :T]
 
 
+def _kernel(config) -> str:
+    """The kernel a forward uses: XLA's path in the batch-invariant mode (its attention is
+    models.invariant's; splash and cuDNN tile by the batch's shape), else `resolve`'s."""
+    return "xla" if config.batch_invariant else resolve(config.attention)
+
+
 def _causal_allowed(T):
     return jnp.arange(T)[None, :] <= jnp.arange(T)[:, None]
 
@@ -99,7 +105,7 @@ def make_attend(config, mask_BT, segment_ids_BT=None, prefix_ids_BT=None, slots_
     jax.nn.dot_product_attention, so packed rows use XLA there. Under a mesh whose `context`
     axis splits the sequence, keys and values are gathered whole (`kv_seq`) for each layer.
     """
-    kernel = resolve(config.attention)
+    kernel = _kernel(config)
     if kernel == "splash" and slots_BT is not None and config.attention == "auto":
         kernel = "xla"  # splash cannot order keys by slot; "auto" picks what can
     if kernel == "splash":
@@ -191,7 +197,7 @@ def make_grouped_attend(config, prompt_len_P, comp_len_B, *, Tp: int, N: int, G:
     the XLA path otherwise (splash only does self-attention, so under "splash" it is XLA).
     """
     B = prompt_len_P.shape[0] * G
-    if resolve(config.attention) == "cudnn":
+    if _kernel(config) == "cudnn":
         L_B = jnp.repeat(prompt_len_P, G)
         n_B = jnp.full((B,), N, jnp.int32) if comp_len_B is None else comp_len_B
 

@@ -71,6 +71,10 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name}={getattr(self, name)!r}; expected one of {_DTYPES}"
                 )
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(
+                f"ModelConfig.batch_invariant={self.batch_invariant!r}; expected a bool"
+            )
         if self.remat not in _REMAT:
             raise ValueError(f"ModelConfig.remat={self.remat!r}; expected one of {_REMAT}")
         if isinstance(self.scan_unroll, bool) or not (

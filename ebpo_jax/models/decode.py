@@ -23,7 +23,7 @@ def attend_prefix(attn, q_BTHd, k_BKSd, v_BKSd, allowed, limit, block=BLOCK):
     """
     B, T, H, Dh = q_BTHd.shape
     S = k_BKSd.shape[2]
-    if S <= block:  # one block: the plain attention, no loop
+    if S <= block or attn.invariant:  # one block, or the batch-invariant chunks of its own
         return attn.attend_cached(q_BTHd, k_BKSd, v_BKSd, allowed(0, S))
     K = attn.num_kv_heads
     f32 = jnp.float32

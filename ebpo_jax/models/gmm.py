@@ -9,7 +9,7 @@ dims must be multiples of its tiles: rows, K and N are zero-padded and the pad d
 import jax
 import jax.numpy as jnp
 
-from ebpo_jax.models import attention
+from ebpo_jax.models import attention, invariant
 
 IMPLS = ("xla", "megablox", "auto")
 # megablox's (rows, contraction, output) tile; K and N may be ragged against it.
@@ -64,3 +64,25 @@ def grouped_matmul(x_MK, w_GKN, group_sizes_G, impl: str = "xla", *, interpret=N
             interpret = attention.compile_platform() != "tpu"
         return _megablox(x_MK, w_GKN, group_sizes_G, interpret)
     return jax.lax.ragged_dot(x_MK, w_GKN, group_sizes_G, preferred_element_type=x_MK.dtype)
+
+
+def invariant_grouped(block_fn, x_MK, group_sizes_G, num_groups: int):
+    """[M, N]: block_fn(rows [TILE, K], group g) -> [TILE, N] over each group's rows in blocks
+    of models.invariant.TILE, so a row's result does not depend on how many share its group.
+
+    Rows past sum(group_sizes_G) give zeros. At most M / TILE + G blocks, padded with zeros.
+    """
+    T, M, G = invariant.TILE, x_MK.shape[0], num_groups
+    sizes_G = group_sizes_G.astype(jnp.int32)
+    start_G = jnp.cumsum(sizes_G) - sizes_G
+    blocks_G = (sizes_G + T - 1) // T
+    end_G = jnp.cumsum(blocks_G)  # blocks of groups 0..g
+    b_B = jnp.arange(-(-M // T) + G)
+    g_B = jnp.minimum(jnp.searchsorted(end_G, b_B, side="right"), G - 1)
+    within_BT = (b_B - (end_G[g_B] - blocks_G[g_B]))[:, None] * T + jnp.arange(T)[None]
+    ok_BT = (within_BT < sizes_G[g_B][:, None]) & (b_B < end_G[-1])[:, None]
+    row_BT = jnp.where(ok_BT, start_G[g_B][:, None] + within_BT, M)
+    x_BTK = jnp.where(ok_BT[..., None], x_MK[jnp.minimum(row_BT, M - 1)], 0)
+    y_BTN = jax.lax.map(lambda a: block_fn(*a), (x_BTK, g_B))
+    out = jnp.zeros((M, y_BTN.shape[-1]), y_BTN.dtype)
+    return out.at[row_BT.reshape(-1)].set(y_BTN.reshape(-1, y_BTN.shape[-1]), mode="drop")

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from ebpo_jax.models import invariant as invariant_lib
 from ebpo_jax.models.config import ModelConfig
 
 # target -> (module group, param name, number of leading input dims of the weight)
@@ -108,23 +109,25 @@ def dense(w, dtype):
     return w.astype(dtype)
 
 
-def matmul(eq: str, x, w, dtype):
+def matmul(eq: str, x, w, dtype, invariant: bool = False):
     """einsum(eq, x, w) in `dtype` for a weight, a quantized weight or a LoraWeight.
 
     `eq` is like "btd,dhk->bthk": x's last dims contract with w's leading dims.
+    `invariant`: by fixed row blocks (models.invariant), whatever the number of rows.
     """
+    ein = invariant_lib.einsum if invariant else jnp.einsum
     w = w.get_value() if isinstance(w, nnx.Variable) else w
     if not isinstance(w, LoraWeight):
-        return jnp.einsum(eq, x, dense(w, dtype))
+        return ein(eq, x, dense(w, dtype))
     lhs_rhs, out = eq.split("->")
     lhs, rhs = lhs_rhs.split(",")
     n_in = w.a.ndim - 1
     assert "r" not in eq, eq
     ins, outs = rhs[:n_in], rhs[n_in:]
     keep = lhs[: len(lhs) - n_in]
-    y = jnp.einsum(eq, x, dense(w.base, dtype))
-    xa = jnp.einsum(f"{lhs},{ins}r->{keep}r", x, w.a.astype(dtype))
-    return y + jnp.einsum(f"{keep}r,r{outs}->{out}", xa, w.b.astype(dtype)) * w.scale
+    y = ein(eq, x, dense(w.base, dtype))
+    xa = ein(f"{lhs},{ins}r->{keep}r", x, w.a.astype(dtype))
+    return y + ein(f"{keep}r,r{outs}->{out}", xa, w.b.astype(dtype)) * w.scale
 
 
 def _shapes(config: ModelConfig):

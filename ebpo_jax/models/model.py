@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from ebpo_jax import sharding
-from ebpo_jax.models import attention, decode
+from ebpo_jax.models import attention, decode, invariant
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.modules import Decoder, rope_cos_sin
 from ebpo_jax.models.moe import MoE
@@ -116,8 +116,20 @@ def _head(config, params, x_BTD, return_hidden):
     if return_hidden:
         return h_BTD
     w_DV = output_embedding(config, params).astype(config.dtype)
-    logits_BTV = jnp.einsum("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    ein = invariant.einsum if config.batch_invariant else jnp.einsum
+    logits_BTV = ein("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
     return sharding.constrain(logits_BTV, ("batch", "seq", "act_vocab"), config.sharding_rules)
+
+
+def head_logprobs(config: ModelConfig, params, h_XD, tokens_X, with_entropy=False):
+    """Batch-invariant log-probs (and entropies) [...] of tokens_X from final-normed hidden
+    states [..., D]: the head and log-softmax by fixed row blocks, as the sampler's."""
+    w_DV = output_embedding(config, params).astype(config.dtype)
+    lead = tokens_X.shape
+    out = invariant.head_logprobs(
+        h_XD.reshape(-1, h_XD.shape[-1]), w_DV, tokens_X.reshape(-1), with_entropy
+    )
+    return jax.tree.map(lambda x: x.reshape(lead), out)
 
 
 class LayerModules(NamedTuple):

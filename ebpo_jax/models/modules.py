@@ -1,5 +1,6 @@
 """NNX building blocks of the Llama-3 / Qwen3 decoder; every Param carries logical axis names."""
 
+import functools
 import math
 
 import jax
@@ -8,6 +9,7 @@ import numpy as np
 from flax import nnx
 
 from ebpo_jax import sharding
+from ebpo_jax.models import invariant
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.lora import matmul
 from ebpo_jax.models.moe import MoE
@@ -50,6 +52,20 @@ def rope_inv_freq(config: ModelConfig) -> np.ndarray:
 
 def rope_cos_sin(config: ModelConfig, positions_BT: jax.Array):
     """cos, sin [B, T, head_dim] float32 for the rotate-half RoPE convention of transformers."""
+    if config.batch_invariant:  # one fixed-shape table, gathered: cos/sin never see the batch
+        return invariant.rope_table(
+            _cos_sin(config.replace(batch_invariant=False)),
+            positions_BT,
+            config.max_position_embeddings,
+        )
+    return _cos_sin(config)(positions_BT)
+
+
+def _cos_sin(config: ModelConfig):
+    return lambda positions_BT: _rope_cos_sin(config, positions_BT)
+
+
+def _rope_cos_sin(config: ModelConfig, positions_BT: jax.Array):
     freqs_BTd = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
     emb_BTd = jnp.concatenate([freqs_BTd, freqs_BTd], axis=-1)
     return jnp.cos(emb_BTd), jnp.sin(emb_BTd)
@@ -62,6 +78,14 @@ def apply_rope(x_BTHd, cos_BTd, sin_BTd):
     return out.astype(x_BTHd.dtype)
 
 
+def _rope_rows(x_BTHd, cos_BTd, sin_BTd):
+    """apply_rope by fixed blocks of tokens (models.invariant)."""
+    B, T = x_BTHd.shape[:2]
+    flat = lambda a: a.reshape(B * T, 1, *a.shape[2:])
+    out = invariant.row_tiles(apply_rope, flat(x_BTHd), flat(cos_BTd), flat(sin_BTd))
+    return out.reshape(x_BTHd.shape)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm computed in float32, output in the compute dtype."""
 
@@ -70,8 +94,14 @@ class RMSNorm(nnx.Module):
         self.scale = _param((*lead, dim), (*lead_axes, axis_name), config.param_dtype, "ones")
         self.eps = config.rms_norm_eps
         self.dtype = config.dtype
+        self.invariant = config.batch_invariant
 
     def __call__(self, x):
+        if self.invariant:
+            return invariant.per_row(self._norm, x)
+        return self._norm(x)
+
+    def _norm(self, x):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return normed.astype(self.dtype) * self.scale[...].astype(self.dtype)
@@ -93,12 +123,13 @@ class Attention(nnx.Module):
         self.rules = c.sharding_rules
         self.num_kv_heads = K
         self.scale = Dh**-0.5
+        self.invariant = c.batch_invariant
 
     def project(self, x_BTD, cos_BTd, sin_BTd):
-        dt = self.dtype
-        q_BTHd = matmul("btd,dhk->bthk", x_BTD, self.q, dt)
-        k_BTKd = matmul("btd,dhk->bthk", x_BTD, self.k, dt)
-        v_BTKd = matmul("btd,dhk->bthk", x_BTD, self.v, dt)
+        dt, inv = self.dtype, self.invariant
+        q_BTHd = matmul("btd,dhk->bthk", x_BTD, self.q, dt, inv)
+        k_BTKd = matmul("btd,dhk->bthk", x_BTD, self.k, dt, inv)
+        v_BTKd = matmul("btd,dhk->bthk", x_BTD, self.v, dt, inv)
         if self.q_norm is not None:
             q_BTHd, k_BTKd = self.q_norm(q_BTHd), self.k_norm(k_BTKd)
         heads, kv_heads = (
@@ -108,9 +139,14 @@ class Attention(nnx.Module):
         q_BTHd = sharding.constrain(q_BTHd, heads, self.rules)
         k_BTKd = sharding.constrain(k_BTKd, kv_heads, self.rules)
         v_BTKd = sharding.constrain(v_BTKd, kv_heads, self.rules)
+        if self.invariant:
+            rope = functools.partial(_rope_rows, cos_BTd=cos_BTd, sin_BTd=sin_BTd)
+            return rope(q_BTHd), rope(k_BTKd), v_BTKd
         return apply_rope(q_BTHd, cos_BTd, sin_BTd), apply_rope(k_BTKd, cos_BTd, sin_BTd), v_BTKd
 
     def attend(self, q_BTHd, k_BSKd, v_BSKd, allowed_BTS):
+        if self.invariant:
+            return self._attend_invariant(q_BTHd, k_BSKd, v_BSKd, allowed_BTS)
         B, T, H, Dh = q_BTHd.shape
         K = self.num_kv_heads
         # Query head h reads kv head h // (H/K), as transformers' repeat_kv does.
@@ -129,6 +165,11 @@ class Attention(nnx.Module):
         Head-major, so that q.K and p.V are plain batched matmuls over each (row, head)'s
         contiguous [S, Dh] slots, read in place on every backend.
         """
+        if self.invariant:
+            head_major = lambda x: x.transpose(0, 2, 1, 3)
+            return self._attend_invariant(
+                q_BTHd, head_major(k_BKSd), head_major(v_BKSd), allowed_BTS
+            )
         B, T, H, Dh = q_BTHd.shape
         K = self.num_kv_heads
         q_BTKGd = q_BTHd.reshape(B, T, K, H // K, Dh)
@@ -139,8 +180,15 @@ class Attention(nnx.Module):
         out_BTKGd = jnp.einsum("bkgts,bksd->btkgd", probs_BKGTS, v_BKSd, preferred_element_type=f32)
         return self.output(out_BTKGd.astype(self.dtype).reshape(B, T, H, Dh))
 
+    def _attend_invariant(self, q_BTHd, k_BSKd, v_BSKd, allowed_BTS):
+        allowed_BTS = jnp.broadcast_to(allowed_BTS, (*q_BTHd.shape[:2], k_BSKd.shape[1]))
+        out = invariant.attend_masked(
+            q_BTHd, k_BSKd, v_BSKd, allowed_BTS, scale=self.scale, dtype=self.dtype
+        )
+        return self.output(out)
+
     def output(self, out_BTHd):
-        return matmul("bthk,hkd->btd", out_BTHd, self.o, self.dtype)
+        return matmul("bthk,hkd->btd", out_BTHd, self.o, self.dtype, self.invariant)
 
 
 class MLP(nnx.Module):
@@ -154,8 +202,14 @@ class MLP(nnx.Module):
         self.down = _param((*lead, F, D), (*la, "mlp", "embed"), pd)
         self.dtype = config.dtype
         self.rules = config.sharding_rules
+        self.invariant = config.batch_invariant
 
     def __call__(self, x_BTD):
+        if self.invariant:  # SiLU too: XLA's vector and scalar exp differ, so fixed blocks
+            return invariant.per_row(lambda x_TD: self._swiglu(x_TD[None])[0], x_BTD)
+        return self._swiglu(x_BTD)
+
+    def _swiglu(self, x_BTD):
         dt = self.dtype
         gate_BTF = matmul("btd,df->btf", x_BTD, self.gate, dt)
         up_BTF = matmul("btd,df->btf", x_BTD, self.up, dt)

@@ -22,7 +22,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import sharding
-from ebpo_jax.models import gmm
+from ebpo_jax.models import gmm, invariant
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.lora import dense
 
@@ -65,8 +65,11 @@ def router_stats(probs_NE, experts_Nk, mask_N):
     }
 
 
-def dispatch(x_ND, experts_Nk, weights_Nk, expert_fn, E: int):
-    """sum_j weights[n, j] * expert_fn(sorted rows, group sizes)[row of (n, j)]: [N, D]."""
+def dispatch(x_ND, experts_Nk, weights_Nk, expert_fn, E: int, fixed_order: bool = False):
+    """sum_j weights[n, j] * expert_fn(sorted rows, group sizes)[row of (n, j)]: [N, D].
+
+    `fixed_order`: the k terms are summed in order j = 0..k-1 (batch-invariant numerics).
+    """
     N, k = experts_Nk.shape
     flat_M = experts_Nk.reshape(-1)
     order_M = jnp.argsort(flat_M, stable=True)
@@ -74,7 +77,17 @@ def dispatch(x_ND, experts_Nk, weights_Nk, expert_fn, E: int):
     sizes_E = jnp.zeros((E,), jnp.int32).at[flat_M].add(1)
     y_MD = expert_fn(x_MD, sizes_E)
     y_NkD = jnp.zeros_like(y_MD).at[order_M].set(y_MD).reshape(N, k, -1)
+    if fixed_order:
+        return invariant.row_tiles(_mix_in_order, y_NkD, weights_Nk.astype(y_NkD.dtype))
     return jnp.einsum("nkd,nk->nd", y_NkD, weights_Nk.astype(y_NkD.dtype))
+
+
+def _mix_in_order(y_NkD, w_Nk):
+    """sum_j w[n, j] * y[n, j] added in order j = 0..k-1."""
+    out_ND = y_NkD[:, 0] * w_Nk[:, :1]
+    for j in range(1, y_NkD.shape[1]):
+        out_ND = out_ND + y_NkD[:, j] * w_Nk[:, j : j + 1]
+    return out_ND
 
 
 def _axes(rules, name, mesh) -> tuple[str, ...]:
@@ -83,7 +96,15 @@ def _axes(rules, name, mesh) -> tuple[str, ...]:
 
 
 def swiglu_experts(x_MD, sizes_E, gate_EDI, up_EDI, down_EID, impl):
-    """The experts' SwiGLU on expert-sorted rows (three grouped matmuls)."""
+    """The experts' SwiGLU on expert-sorted rows (three grouped matmuls; impl "invariant":
+    by fixed blocks of one expert's rows, models.invariant)."""
+    if impl == "invariant":
+
+        def block(x_TD, e):
+            h_TI = jax.nn.silu(jnp.dot(x_TD, gate_EDI[e])) * jnp.dot(x_TD, up_EDI[e])
+            return jnp.dot(h_TI, down_EID[e])
+
+        return gmm.invariant_grouped(block, x_MD, sizes_E, gate_EDI.shape[0])
     gate_MI = gmm.grouped_matmul(x_MD, gate_EDI, sizes_E, impl)
     up_MI = gmm.grouped_matmul(x_MD, up_EDI, sizes_E, impl)
     return gmm.grouped_matmul(jax.nn.silu(gate_MI) * up_MI, down_EID, sizes_E, impl)
@@ -95,7 +116,7 @@ def sharded_dispatch(x_ND, experts_Nk, weights_Nk, w, impl, rules=None):
 
     def local(x_ND, experts_Nk, weights_Nk, gate, up, down, tp=()):
         fn = lambda x_MD, sizes_E: swiglu_experts(x_MD, sizes_E, gate, up, down, impl)
-        y_ND = dispatch(x_ND, experts_Nk, weights_Nk, fn, E)
+        y_ND = dispatch(x_ND, experts_Nk, weights_Nk, fn, E, impl == "invariant")
         return jax.lax.psum(y_ND, tp) if tp else y_ND
 
     mesh = jax.sharding.get_abstract_mesh()
@@ -133,7 +154,7 @@ class MoE(nnx.Module):
         self.down = zeros((*lead, E, I, D), (*la, "expert", "moe_mlp", "embed"))
         self.k = config.num_experts_per_tok
         self.norm_topk_prob = config.norm_topk_prob
-        self.impl = config.moe_impl
+        self.impl = "invariant" if config.batch_invariant else config.moe_impl
         self.dtype = config.dtype
         self.rules = config.sharding_rules
         self.num_experts = E
@@ -142,14 +163,15 @@ class MoE(nnx.Module):
         """(out [B, T, D], {"experts": [B, T, k] compact ints, "lb_loss", "load_max", "entropy"})."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        logits_NE = jnp.einsum(
+        ein = invariant.einsum if self.impl == "invariant" else jnp.einsum
+        logits_NE = ein(
             "nd,de->ne",
             x_ND,
             self.router[...].astype(self.dtype),
             preferred_element_type=jnp.float32,
         )
         replay_Nk = None if replay_BTk is None else replay_BTk.reshape(B * T, self.k)
-        weights_Nk, experts_Nk, probs_NE = route(logits_NE, self.k, self.norm_topk_prob, replay_Nk)
+        weights_Nk, experts_Nk, probs_NE = self._route(logits_NE, replay_Nk)
         # dense: int8 sampler weights (models/quantize.py) are dequantized here
         w = tuple(dense(p.get_value(), self.dtype) for p in (self.gate, self.up, self.down))
         out_ND = sharded_dispatch(
@@ -159,3 +181,11 @@ class MoE(nnx.Module):
         aux = router_stats(probs_NE, experts_Nk, mask_N)
         aux["experts"] = experts_Nk.astype(expert_dtype(self.num_experts)).reshape(B, T, self.k)
         return out_ND.reshape(B, T, D), aux
+
+    def _route(self, logits_NE, replay_Nk):
+        one = lambda lg, rp=None: route(lg, self.k, self.norm_topk_prob, rp)
+        if self.impl != "invariant":
+            return one(logits_NE, replay_Nk)
+        if replay_Nk is None:
+            return invariant.row_tiles(one, logits_NE)
+        return invariant.row_tiles(one, logits_NE, replay_Nk)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from ebpo_jax.kernels import quant
 from ebpo_jax.models import attention as model_attention
+from ebpo_jax.models import invariant
 
 IMPLS = ("xla", "pallas_tpu", "pallas_gpu")
 _KERNELS = {
@@ -131,3 +132,18 @@ def _xla(q_RHD, kv_PSCD, table_RN, lens_R):
     # A row with no valid token (an idle slot) gets zeros, not NaN.
     out_RKGD = acc_RKGD / jnp.where(l_RKG > 0, l_RKG, 1.0)[..., None]
     return out_RKGD.reshape(R, H, D).astype(q_RHD.dtype)
+
+
+def paged_invariant(q_RHD, kv_PSCD, table_RN, lens_R):
+    """The batch-invariant decode attention (models.invariant): each row's tokens read from
+    its pages in position order, in the chunks the trainer's forward uses, so the result
+    depends neither on the page size nor on the other rows."""
+    R, H, D = q_RHD.shape
+    P, S, C = kv_PSCD.shape[:3]
+    pos_N = jnp.arange(table_RN.shape[1] * S)
+    idx_RN = table_RN[:, pos_N // S] * S + pos_N % S
+    flat = lambda x: x.reshape(P * S, C // 2, D)
+    k_NKD, v_NKD = flat(kv_PSCD[:, :, 0::2]), flat(kv_PSCD[:, :, 1::2])
+    return invariant.attention(
+        q_RHD, k_NKD, v_NKD, idx_RN, lens_R, scale=D**-0.5, dtype=q_RHD.dtype, differentiable=False
+    )

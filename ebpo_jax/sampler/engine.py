@@ -150,7 +150,10 @@ def prefill(params, prompt_PT, lengths_P, rng, *, call: Call):
     last_RV = jnp.repeat(last_PV, G, axis=0)
     s = spec.sampling
     first_R, logp_R = selection.select_tokens(
-        selection.row_keys(rng, jnp.arange(last_RV.shape[0]), 0), last_RV, **s._asdict()
+        selection.row_keys(rng, jnp.arange(last_RV.shape[0]), 0),
+        last_RV,
+        **s._asdict(),
+        invariant=config.batch_invariant,
     )
     if spec.record_routing:
         prompt_routes = jnp.repeat(route[0]["experts"].transpose(1, 0, 2, 3), G, axis=0)
@@ -217,6 +220,8 @@ def _forward(params, layers, st, pools, *, call: Call):
     attend_one = functools.partial(
         attention.paged_decode_attention, impl=plan.impl, row_axes=layout.lead_axes(plan.lead)
     )
+    if config.batch_invariant:
+        attend_one = attention.paged_invariant
 
     def attend(layer, attn, q_B1Hd, k_B1Kd, v_B1Kd):
         q_B1Hd, k_B1Kd, v_B1Kd = layout.rows_over_tp(q_B1Hd, k_B1Kd, v_B1Kd, plan.lead)
@@ -247,7 +252,9 @@ def _draw(st, pools, *, params, layers, rng, call: Call):
     logits_BV, pools, experts_DSLk = _forward(params, layers, st, pools, call=call)
     row_DS = st.row_S + (plan.rows * jnp.arange(D))[:, None]
     keys = selection.row_keys(rng, row_DS.reshape(-1), st.t_S.reshape(-1))
-    tok_B, logp_B = selection.select_tokens(keys, logits_BV, **spec.sampling._asdict())
+    tok_B, logp_B = selection.select_tokens(
+        keys, logits_BV, **spec.sampling._asdict(), invariant=call.config.batch_invariant
+    )
     return tok_B.reshape(D, S), logp_B.reshape(D, S), pools, experts_DSLk
 
 

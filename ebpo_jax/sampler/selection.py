@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ebpo_jax.models import invariant as invariant_lib
+
 
 def validate_sampling(temperature, top_p, top_k, eos_id, vocab_size):
     """Checks the sampling arguments; returns eos ids as a tuple of ints."""
@@ -57,11 +59,12 @@ def truncated_logits(logits_BV, *, temperature=1.0, top_k=0, top_p=1.0):
     return jnp.where(scaled_BV >= cutoff_B, scaled_BV, -jnp.inf)
 
 
-def select_tokens(keys_B, logits_BV, *, temperature=1.0, top_k=0, top_p=1.0):
+def select_tokens(keys_B, logits_BV, *, temperature=1.0, top_k=0, top_p=1.0, invariant=False):
     """Chosen tokens [B] and their temperature-1 full-vocabulary log-probs [B].
 
     keys_B holds one PRNG key per row, so a row's draw does not depend on the batch.
-    temperature == 0 is greedy (top_k/top_p ignored).
+    temperature == 0 is greedy (top_k/top_p ignored). `invariant`: log-probs by fixed row
+    blocks (models.invariant), as the trainer computes them in the batch-invariant mode.
     """
     logits_BV = logits_BV.astype(jnp.float32)
     if temperature == 0:
@@ -70,6 +73,8 @@ def select_tokens(keys_B, logits_BV, *, temperature=1.0, top_k=0, top_p=1.0):
         masked_BV = truncated_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p)
         tokens_B = jax.vmap(jax.random.categorical)(keys_B, masked_BV)
     tokens_B = tokens_B.astype(jnp.int32)
+    if invariant:
+        return tokens_B, invariant_lib.token_logprobs(logits_BV, tokens_B)
     logp_BV = jax.nn.log_softmax(logits_BV, axis=-1)
     logp_B = jnp.take_along_axis(logp_BV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, logp_B

@@ -99,9 +99,11 @@ def _checked_env(name: str, tokenizer):
 
 
 def model_config_from(model_spec, vocab_size: int) -> models.ModelConfig:
-    """The policy's ModelConfig: the preset, the vocabulary size, then `model.overrides`."""
+    """The policy's ModelConfig: the preset, the vocabulary size, `model.batch_invariant`, then
+    `model.overrides`."""
     overrides = model_spec.overrides.to_dict()
-    return models.get_config(model_spec.preset, **{"vocab_size": vocab_size, **overrides})
+    fields = {"vocab_size": vocab_size, "batch_invariant": model_spec.batch_invariant}
+    return models.get_config(model_spec.preset, **{**fields, **overrides})
 
 
 def tokenizer_vocab(tokenizer) -> int:

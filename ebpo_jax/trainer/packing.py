@@ -267,7 +267,10 @@ def packed_completion_logprobs(
     R, L, D = h_RLD.shape
     w_DV = models.output_embedding(model_config, params)
     t_RL = packed["targets"]
-    if chunk_size:  # large vocabularies: chunks of positions over the flattened rows
+    if model_config.batch_invariant:
+        out = models.head_logprobs(model_config, params, h_RLD, t_RL, with_entropy)
+        logp_T, ent_T = (x.reshape(-1) if x is not None else None for x in _pair(out))
+    elif chunk_size:  # large vocabularies: chunks of positions over the flattened rows
         pad = -(R * L) % chunk_size
         h_1TD = jnp.pad(h_RLD.reshape(1, R * L, D), ((0, 0), (0, pad), (0, 0)))
         t_1T = jnp.pad(t_RL.reshape(1, R * L), ((0, 0), (0, pad)))

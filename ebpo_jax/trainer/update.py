@@ -107,6 +107,8 @@ def _shift(h_PTD, h_BND, prompt_len_P, G):
 
 def _head_logprobs(model_config, params, h_BND, comp_BN, with_entropy, chunk_size):
     """Log-probs [B, N] (and entropies) of comp_BN from the hidden states before each token."""
+    if model_config.batch_invariant:  # row blocks bound the logits held: no chunks needed
+        return models.head_logprobs(model_config, params, h_BND, comp_BN, with_entropy)
     w_DV = models.output_embedding(model_config, params)
     if chunk_size:  # large vocabularies: never hold all [B, N, V] logits at once
         return losses.logprobs_from_hidden(

@@ -55,7 +55,7 @@ def hf_model_config(model_spec) -> models.ModelConfig:
                 f"{getattr(ckpt, name)!r} (model.hf_path={model_spec.hf_path!r})"
             )
     try:
-        return ckpt.replace(**overrides)
+        return ckpt.replace(**{"batch_invariant": model_spec.batch_invariant, **overrides})
     except (TypeError, ValueError) as e:
         raise ConfigError(f"model.overrides: {e}") from None
 
