@@ -20,6 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Script -> the test file that runs it in the default suite (this file: "scripts_test").
 SCRIPT_TESTS = {
     "benchmarks/advantage_bench.py": "scripts_test",
+    "benchmarks/batch_invariant_bench.py": "scripts_test",
     "benchmarks/async_bench.py": "scripts_test",
     "benchmarks/lora_bench.py": "scripts_test",
     "benchmarks/packed_bench.py": "scripts_test",
@@ -84,6 +85,12 @@ def _run(*args: str) -> str:
 def test_advantage_bench(capsys):
     _load("benchmarks/advantage_bench.py").main(["--repeats=1", "--P=8", "--G=4"])
     assert "ebpo/grpo" in capsys.readouterr().out
+
+
+def test_batch_invariant_bench(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))  # it imports advantage_bench
+    _load("benchmarks/batch_invariant_bench.py").main(["--rows=2", "--len=8", "--repeats=1"])
+    assert "on / off time" in capsys.readouterr().out
 
 
 def test_train_bench_default_sizes_resolve_and_a_tiny_run(capsys):
