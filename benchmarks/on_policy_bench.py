@@ -2,9 +2,7 @@
 `ModelConfig.batch_invariant` off and on, in alternating runs of one process, and their ratios.
 
 Also the sampler-vs-trainer gap each way (max |log-prob difference| of the sampled tokens),
-which is 0.0 with the mode on once its numerics have landed. Until then (model.batch_invariant
-still refused as "not built yet") "on" runs today's numerics and the ratios measure
-nothing: the first line says which. Sizes as benchmarks/train_bench.py (its flags).
+which is 0.0 with the mode on. Sizes as benchmarks/train_bench.py (its flags).
 Run: python benchmarks/on_policy_bench.py [--hidden 256 --layers 4 --runs 5]
 """
 
