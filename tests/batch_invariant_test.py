@@ -216,3 +216,49 @@ def test_the_mode_reaches_the_model_and_refuses_meshes_that_split_a_contraction(
     c.sampler.mesh = "data=2,tp=2"
     with pytest.raises(ConfigError, match=r"with sampler.mesh tp=2: "):
         validate(c)
+
+
+def test_the_attentions_gradient_is_the_float64_softmaxs_and_its_forward_keeps_its_bits():
+    """attention's custom VJP (a dense softmax per block, rematerialised) against a float64
+    masked softmax and against autodiff of the chunked forward; the forward's bits are the
+    chunked forward's, so the mode's log-probs do not change."""
+    from ebpo_jax.models import invariant as inv
+
+    rng = np.random.default_rng(0)
+    B, T, H, K, d = 2, 37, 4, 2, 8  # 37: chunks of 16 with a ragged last one
+    q, k, v, w = (rng.normal(size=(B, T, n, d)).astype(np.float32) for n in (H, K, K, H))
+    allowed = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
+    allowed[1, :, 30:] = False  # row 1 padded after 30 tokens
+    idx, n = inv.visible_keys(jnp.asarray(allowed))
+    flat = lambda x: x.reshape(B * T, K, d)
+
+    def loss(q, k, v, chunked):
+        args = (q.reshape(B * T, H, d), flat(k), flat(v), idx, n)
+        if chunked:
+            out = inv._chunked_attention(*args, d**-0.5, jnp.float32, True)
+        else:
+            out = inv.attention(*args, scale=d**-0.5, dtype=jnp.float32)
+        return jnp.sum(out.reshape(B, T, H, d) * w)
+
+    def ref_grads():  # d/dq, d/dk, d/dv of sum(softmax(q k / sqrt d) v * w), float64
+        q64, k64, v64, w64 = (np.asarray(x, np.float64) for x in (q, k, v, w))
+        kk, vv = (np.repeat(x, H // K, axis=2) for x in (k64, v64))
+        s = np.where(allowed[:, None], np.einsum("bthd,bshd->bhts", q64, kk) * d**-0.5, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        dp = np.einsum("bthd,bshd->bhts", w64, vv)
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * d**-0.5
+        dq = np.einsum("bhts,bshd->bthd", ds, kk)
+        fold = lambda x: x.reshape(B, T, K, H // K, d).sum(3)
+        dk = fold(np.einsum("bhts,bthd->bshd", ds, q64))
+        dv = fold(np.einsum("bhts,bthd->bshd", p, w64))
+        return dq, dk, dv
+
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, False)
+    for g, want in zip(got, ref_grads()):
+        np.testing.assert_allclose(np.asarray(g), want, rtol=1e-4, atol=1e-5)
+    chunked = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, True)
+    for g, want in zip(got, chunked):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert float(loss(q, k, v, False)) == float(loss(q, k, v, True))

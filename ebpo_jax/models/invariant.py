@@ -12,6 +12,7 @@ chunk order; chunks past the query's length are skipped (the state is kept, not 
 by zeros), so padding, packing, pages and slots only change where the keys are read from.
 """
 
+import functools
 import math
 
 import jax
@@ -94,10 +95,58 @@ def head_logprobs(h_ND, w_DV, tok_N, with_entropy=False):
 def attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, *, scale, dtype, differentiable=True):
     """out [Q, H, d]: query q's softmax over keys k_NKd[idx_QP[q, p]], p < n_Q[q] (positions).
 
-    A query with n = 0 gives zeros. `differentiable`: every block walks all chunks of idx_QP
-    (a scan); else only up to its longest query's (a while loop: decode reads what is live).
-    Skipped chunks leave the state as it is, so both give the same bits.
+    A query with n = 0 gives zeros. `differentiable`: every block walks all chunks of idx_QP,
+    and the gradient comes from `_dense_attention` (the same function, other rounding: only
+    the log-probs need be invariant), so no chunk's softmax state is kept for the backward;
+    else only up to its longest query's chunk (decode reads what is live). Skipped chunks
+    leave the state as it is, so both give the same bits.
     """
+    if differentiable:
+        return _attention_vjp(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype)
+    return _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attention_vjp(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
+    return _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, True)
+
+
+def _attention_fwd(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
+    out = _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, True)
+    return out, (q_QHd, k_NKd, v_NKd, idx_QP, n_Q)
+
+
+def _attention_bwd(scale, dtype, res, dout_QHd):
+    q_QHd, k_NKd, v_NKd, idx_QP, n_Q = res
+    dense = lambda q, k, v: _dense_attention(q, k, v, idx_QP, n_Q, scale, dtype)
+    _, vjp = jax.vjp(dense, q_QHd, k_NKd, v_NKd)
+    return (*vjp(dout_QHd), None, None)
+
+
+_attention_vjp.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _dense_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
+    """`attention`'s function as one softmax per block of queries over all its keys, each
+    block recomputed in the backward (jax.checkpoint): what its gradient is taken of."""
+    Q, H, d = q_QHd.shape
+    K, f32 = k_NKd.shape[1], jnp.float32
+
+    @jax.checkpoint
+    def block(q_THd, idx_TP, n_T):
+        q_TKGd = q_THd.reshape(TILE, K, H // K, d)
+        k_TPKd, v_TPKd = k_NKd[idx_TP], v_NKd[idx_TP]
+        ok_T11P = (jnp.arange(idx_TP.shape[1])[None] < n_T[:, None])[:, None, None]
+        s = jnp.einsum("tkgd,tpkd->tkgp", q_TKGd, k_TPKd, preferred_element_type=f32) * scale
+        p = jnp.where(ok_T11P, jax.nn.softmax(jnp.where(ok_T11P, s, _NEG), axis=-1), 0.0)
+        out = jnp.einsum("tkgp,tpkd->tkgd", p.astype(dtype), v_TPKd, preferred_element_type=f32)
+        return out.reshape(TILE, H, d).astype(dtype)
+
+    return row_tiles(block, q_QHd, idx_QP, n_Q.astype(jnp.int32))
+
+
+def _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, differentiable):
+    """`attention`'s forward: fixed key chunks in position order, an online softmax."""
     Q, H, d = q_QHd.shape
     K = k_NKd.shape[1]
     if idx_QP.shape[1] % CHUNK:
