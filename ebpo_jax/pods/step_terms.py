@@ -63,14 +63,14 @@ def dtype_bytes(dtype) -> int:
 def element_bytes(sampler, mc) -> ElementBytes:
     """sampler.param_dtype ("" = the trainer's params) and sampler.kv_dtype ("" = the model's
     compute dtype) as bytes per element; int8 adds its float32 scales: one per output channel
-    of a weight (over hidden_size inputs), one per token and kv head of the cache
-    (kernels/quant.py: appending a token never rescales its page)."""
+    of a weight (over hidden_size inputs), and the cache's as the pool stores them
+    (kernels/quant.py)."""
+    from ebpo_jax.kernels import quant  # late: the pool's own layout, one formula
+
     weight = dtype_bytes(sampler.param_dtype or mc.param_dtype)
     if sampler.param_dtype == "int8":
         weight += 4 / mc.hidden_size
-    kv = dtype_bytes(sampler.kv_dtype or mc.dtype)
-    if sampler.kv_dtype == "int8":
-        kv += 4 / mc.head_dim
+    kv = quant.bytes_per_element(sampler.kv_dtype, mc.dtype, mc.head_dim)
     return ElementBytes(float(weight), float(kv))
 
 
