@@ -197,3 +197,15 @@ def test_slice_types_parse_to_hosts_and_chips():
     assert ray_slice.parse_slice("v5p-16").head == "TPU-v5p-16-head"
     with pytest.raises(ValueError, match="--slice='v9-8': not a TPU slice type"):
         ray_slice.parse_slice("v9-8")
+
+
+@pytest.mark.slow
+def test_executor_bench_smoke():
+    """benchmarks/executor_bench.py runs both executors once and finds equal results."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    run = subprocess.run(
+        [sys.executable, "benchmarks/executor_bench.py", "--repeats=1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "results equal" in run.stdout and "overhead per run" in run.stdout

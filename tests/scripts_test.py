@@ -21,6 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT_TESTS = {
     "benchmarks/advantage_bench.py": "scripts_test",
     "benchmarks/batch_invariant_bench.py": "scripts_test",
+    "benchmarks/executor_bench.py": "ray_executor_test",
     "benchmarks/async_bench.py": "scripts_test",
     "benchmarks/lora_bench.py": "scripts_test",
     "benchmarks/packed_bench.py": "scripts_test",
