@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from ebpo_jax.runtime import metrics, storage
+from ebpo_jax.runtime import compile_cache, metrics, storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,8 +33,9 @@ def gcs():
         yield server
 
 
-def _hosts(tmp_path, workdir, *flags, mount="/mnt"):
-    """Starts train.py as 2 processes, each with its own disk bound at tmp_path/disk."""
+def _hosts(tmp_path, workdir, *flags, caches=None):
+    """Starts train.py as 2 processes, each with its own disk bound at tmp_path/disk (and
+    its own compilation cache folder from `caches`, kept across launches as a host keeps it)."""
     mountpoint = tmp_path / "disk"
     mountpoint.mkdir(parents=True, exist_ok=True)
     addr = f"127.0.0.1:{gcs_emulator.free_port()}"
@@ -55,6 +56,8 @@ def _hosts(tmp_path, workdir, *flags, mount="/mnt"):
             JAX_NUM_PROCESSES="2",
             JAX_PROCESS_ID=str(i),
         )
+        if caches is not None:
+            env[compile_cache.ENV] = str(caches / f"host{i}")
         train = [sys.executable, os.path.join(ROOT, "experiments", "train.py")]
         train += ["--config=" + os.path.join(ROOT, "configs", "micro.py")]
         train += [f"--config.workdir={workdir}", "--config.mesh.shape=(-1,)", *flags]
@@ -98,13 +101,14 @@ def _rows(workdir):
     return [{k: v for k, v in r.items() if keep(k)} for r in metrics.read_metrics(workdir)]
 
 
-@pytest.mark.slow  # three 2-process launches of the micro run: over 13 min on the loaded 2-core CPU
 def test_two_hosts_on_gs_survive_a_kill_9_of_one_and_resume_bitwise(gcs, tmp_path):
     from ebpo_jax.runtime.checkpoint import load_params
 
-    for p, out in zip(procs := _hosts(tmp_path / "a", "gs://runs/mh/ref"), _finish(procs)):
+    caches = tmp_path / "caches"  # each host's own, outside the disks checked empty below
+    hosts = lambda name, workdir, *flags: _hosts(tmp_path / name, workdir, *flags, caches=caches)
+    for p, out in zip(procs := hosts("a", "gs://runs/mh/ref"), _finish(procs)):
         assert p.returncode == 0, out[-3000:]
-    procs = _hosts(tmp_path / "b", "gs://runs/mh/cut", "--config.total_steps=400")
+    procs = hosts("b", "gs://runs/mh/cut", "--config.total_steps=400")
     t0 = time.time()
     while not storage.exists("gs://runs/mh/cut/checkpoints/2/commit_success.txt"):
         assert all(p.poll() is None for p in procs), _finish(procs)[0][-3000:]
@@ -113,7 +117,7 @@ def test_two_hosts_on_gs_survive_a_kill_9_of_one_and_resume_bitwise(gcs, tmp_pat
     procs[1].send_signal(signal.SIGKILL)  # host 1 is preempted; the job restarts every host
     procs[0].send_signal(signal.SIGKILL)
     _finish(procs)
-    for p, out in zip(procs := _hosts(tmp_path / "c", "gs://runs/mh/cut"), _finish(procs)):
+    for p, out in zip(procs := hosts("c", "gs://runs/mh/cut"), _finish(procs)):
         assert p.returncode == 0, out[-3000:]
     assert _rows("gs://runs/mh/cut") == _rows("gs://runs/mh/ref")
     assert [r["step"] for r in _rows("gs://runs/mh/ref")] == [0, 1, 2, 3, 4]
