@@ -3,6 +3,7 @@ and final pass@1 per setting with a 95% t-interval over seeds."""
 
 import json
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,6 +16,8 @@ from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
 from ebpo_jax.runtime.metrics import PER_PROBLEM_FILE, read_metrics
 
 VALIDATION_KEY = "eval/validation/pass@1"  # the validation split's (trainer.task.VALIDATION)
+# A held-out band's pass@1 (e.g. a difficulty quartile, tasks/difficulty.py) -> "pass@1/<band>".
+BAND_KEY = re.compile(r"^eval/heldout/([^/]+)/pass@1$")
 # Training curves averaged over the steps since the previous eval in results.csv.
 CURVES = (
     "reward/mean",
@@ -75,12 +78,19 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
                 row["pass@1"] = rec["eval/pass@1"]
                 if rec.get(VALIDATION_KEY) is not None:  # chooses hyperparameters only
                     row["val_pass@1"] = rec[VALIDATION_KEY]
+                row.update(band_columns(rec))
                 for k in CURVES:
                     vals = [r[k] for r in since if r.get(k) is not None]
                     row[k] = float(np.mean(vals)) if vals else np.nan
                 evals.append({**row, **prov})
                 since = []
     return pd.DataFrame(evals), pd.DataFrame(steps)
+
+
+def band_columns(rec: dict) -> dict:
+    """{"pass@1/<band>": value} of a metrics row's held-out bands."""
+    bands = ((BAND_KEY.match(k), v) for k, v in rec.items())
+    return {f"pass@1/{m.group(1)}": v for m, v in bands if m and v is not None}
 
 
 def collect_problems(runs_dir: str, runs: Sequence[Run]) -> pd.DataFrame:
