@@ -97,11 +97,13 @@ def run_toy(config, out: str, n: int, seed: int = 0) -> list[dict]:
     warm = generated.warm_start(spec, fam, train)
     t0 = time.time()
     problems = {difficulty.TRAIN: train, difficulty.HELDOUT: test}
-    rows = generated.estimate_difficulty(spec, fam, *warm, problems, seed=seed)
+    rows = generated.estimate_difficulty(spec, fam, warm, problems, seed=seed)
     difficulty.write(out, rows)
     rate = sum(r["pass_rate"] for r in rows) / len(rows)
-    print(f"{len(rows)} problems x {n} samples in {time.time() - t0:.0f} s from warm start "
-          f"{warm[2][:12]}; mean pass rate {rate:.3f}; wrote {out}")  # fmt: skip
+    print(
+        f"{len(rows)} problems x {n} samples in {time.time() - t0:.0f} s from warm start "
+        f"{warm.digest[:12]}; mean pass rate {rate:.3f}; wrote {out}"
+    )
     return rows
 
 

@@ -16,6 +16,7 @@ from ebpo_jax.ablation import expand, power, runner
 from ebpo_jax.schema import ConfigError
 
 N = 8  # samples per problem
+ORDERS = ["naive", "difficulty", "reverse_difficulty"]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +141,30 @@ def test_band_views_stay_out_of_the_mean_and_reach_the_claims():
     assert claims._difference({**claim, "band": ""}, rows_of).tolist() == pytest.approx([0.1])
 
 
+def test_bootstrap_over_a_band_per_warm_start_matches_a_loop():
+    """Each warm start's band holds other problems (nan elsewhere): a draw's effect is the
+    mean over drawn warm starts of the mean over the drawn problems in that warm start's band."""
+    from ebpo_jax.ablation import twolevel
+
+    rng = np.random.default_rng(0)
+    d_kj = rng.normal(0.02, 0.1, (6, 8))
+    cluster_k = np.repeat([0, 1, 2], 2)
+    band = np.array([[1, 1, 0, 0, 1, 0, 1, 0], [0, 1, 1, 1, 0, 0, 0, 1], [1, 0, 0, 1, 0, 1, 1, 0]])
+    d_kj[~band[cluster_k].astype(bool)] = np.nan
+    a_cj = np.stack([d_kj[cluster_k == c].mean(0) for c in range(3)])
+    n_c, n_j = rng.multinomial(3, [1 / 3] * 3, 40), rng.multinomial(8, [1 / 8] * 8, 40)
+    effects, diff = twolevel._ragged(a_cj, n_c, n_j)
+    assert len(effects) == 40  # every draw holds problems of some drawn warm start's band
+    for e, nc, nj in zip(effects, n_c, n_j):
+        means = [np.average(a_cj[c][band[c] == 1], weights=nj[band[c] == 1]) if
+                 nj[band[c] == 1].sum() else np.nan for c in range(3)]  # fmt: skip
+        ok = [c for c in range(3) if nc[c] and np.isfinite(means[c])]
+        assert e == pytest.approx(np.average([means[c] for c in ok], weights=nc[ok]))
+    assert diff == pytest.approx(np.mean([a_cj[c][band[c] == 1].mean() for c in range(3)]))
+    out = twolevel.bootstrap(d_kj, cluster_k, draws=2000)
+    assert out["diff"] == pytest.approx(diff) and out["ci_low"] < diff < out["ci_high"]
+
+
 def _module():
     return load_experiment("claims").load_module("configs/ablations/paper_curriculum_claims.py")
 
@@ -157,7 +182,7 @@ def test_curriculum_part_is_fresh_powered_and_names_its_runs():
     assert warm == set(range(300, 309)) and not warm & earlier
     assert power.warm_starts_needed(0.015, 0.0107, 0.0108, 2) == len(warm)
     over = [dict(r.overrides) for r in runs]
-    assert {o["task.difficulty_file"] for o in over} == {"auto"}
+    assert {(o["task.difficulty_file"], o["task.test_per_cell"]) for o in over} == {("auto", 80)}
     steps, prompts = over[0]["total_steps"], over[0]["prompts_per_step"]
     assert steps * prompts <= 9 * 400 < (steps + 1) * prompts and over[0]["eval_every"] * 4 == steps
     assert set(module.RERUNS["curriculum"]) <= {r.run_id for r in runs}
@@ -193,3 +218,51 @@ def test_dry_run_lists_the_runs_and_training_needs_committed_claims(tmp_path):
     with pytest.raises(ValueError, match="paper_curriculum_claims.py: not committed"):
         runner.run_grid(grid, log=lambda *_: None)
     assert not os.path.exists(os.path.join(grid.out_dir, "runs"))
+
+
+@pytest.mark.slow
+def test_micro_curriculum_grid_estimates_once_and_reads_its_quartiles(tmp_path):
+    """Three orders from two warm starts with task.difficulty_file=auto: one difficulty file
+    per warm start beside it, quartile columns whose mean is pass@1 at every evaluation, a
+    band column per problem, and the part's claims (steps and bands) computed from them."""
+    from ebpo_jax.ablation import grid as grid_lib
+
+    grid = grid_lib.load_config_file("configs/ablations/micro.py")
+    grid.out_dir = str(tmp_path / "grid")
+    grid.commit_warm_starts = True
+    grid.blocks = [
+        {
+            "name": "epoch",
+            "axes": {"sft.seed": [0, 1], "seed": [0], "method": ["ebpo"], "order": ORDERS},
+            "fixed": {"mesh.devices": 1, "group_size": 2, "prompts_per_step": 4,
+                      "total_steps": 4, "eval_every": 2, "sft": {"steps": 30},
+                      "task": {"difficulty_file": "auto", "difficulty_samples": 4}},
+        }
+    ]  # fmt: skip
+    out = runner.run_grid(grid, log=lambda *_: None)
+    results = pd.read_csv(out["results"])
+    warm = os.path.join(grid.out_dir, "warm_starts")
+    hashes = set(results.warm_start_sha256)
+    files = sorted(os.listdir(warm))
+    assert len(hashes) == 2 and len(files) == 4  # per warm start: its params, its difficulty
+    assert {f.split(".")[0] for f in files} == hashes
+    quarters = results[[f"pass@1/q{i}" for i in range(1, 5)]].mean(axis=1)
+    assert np.allclose(quarters, results["pass@1"])  # 16 held-out problems: 4 per quartile
+    problems = pd.read_csv(out["problems"])
+    assert (problems.groupby(["run_id", "band"]).size() == 4).all()
+    module, claims = _module(), load_experiment("claims")
+    tests = [
+        module._vs("end", "difficulty", "naive"),
+        module._vs("step 2", "difficulty", "naive", step=2),
+        module._vs("q4", "difficulty", "naive", band="q4"),
+    ]
+    rows_of = lambda _: results
+    table = claims.claims_table(tests, rows_of, problems_of=lambda _: problems)
+    assert (table.seeds == 2).all() and (table.warm_starts == 2).all()
+    final = results[results.step == 4].set_index(["sft.seed", "order"])
+    for order, col, row in (("end", "pass@1", 0), ("q4", "pass@1/q4", 2)):
+        d = final.xs("difficulty", level=1)[col] - final.xs("naive", level=1)[col]
+        assert table["diff"][row] == pytest.approx(d.mean())
+    q4 = problems[problems.band == "q4"].problem_id.nunique()  # each warm start has its own q4
+    assert table.boot_problems[2] == q4 and np.isnan(table.boot_diff[1])  # no step-2 problems
+    assert table.boot_diff[2] == pytest.approx(table["diff"][2])  # its own band's problems

@@ -21,10 +21,11 @@
 Every part evaluates 80 held-out problems per cell (720, 4x the 180 of the earlier grids:
 problem sampling is no longer the binding noise) at 4 samples. No run is shared with
 another grid or part, and no warm start with any earlier grid (those used `sft.seed` 0-4).
-The claims, verdict rule, seed rule and rerun rule are in CLAIMS_FILE, committed before
-any run (`ablate.py` refuses to train otherwise); every run records its SHA-256. Seeds are
-fixed here: run without --power_effect or --seeds. Warm starts are written content-addressed
-to `<out_dir>/warm_starts/` (commit them with the results).
+The claims, verdict rule, seed rule and rerun rule are in CLAIMS_FILE (the curriculum's in
+CLAIMS_FILES), committed before any run (`ablate.py` refuses to train otherwise); every run
+records its SHA-256. Seeds are fixed here: run without --power_effect or --seeds. Warm
+starts are written content-addressed to `<out_dir>/warm_starts/` (commit them with the
+results; the curriculum's difficulty files sit beside them).
 
 Power analysis (ebpo_jax.ablation.power.warm_starts_needed), from the robust warm_starts
 grid's variance components (results/ablations/robust_warm_starts, twolevel.interval):

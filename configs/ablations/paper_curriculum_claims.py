@@ -64,8 +64,12 @@ def _term(order: str, step: int | None = None) -> tuple:
 def _vs(claim: str, a: str, b: str, direction: int = 1, *, band: str = "", step=None) -> dict:
     """Order `a` minus order `b` (EBPO), paired by (warm start, seed); `band`: that held-out
     quartile's pass@1; `step`: that evaluation instead of the last."""
-    out = {"claim": claim, "direction": direction,
-           "plus": [_term(a, step)], "minus": [_term(b, step)]}  # fmt: skip
+    out = {
+        "claim": claim,
+        "direction": direction,
+        "plus": [_term(a, step)],
+        "minus": [_term(b, step)],
+    }
     return {**out, "band": band} if band else out
 
 

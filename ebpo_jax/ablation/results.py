@@ -95,7 +95,7 @@ def band_columns(rec: dict) -> dict:
 
 def collect_problems(runs_dir: str, runs: Sequence[Run]) -> pd.DataFrame:
     """Each run's final evaluation per problem (the trainer's eval_problems.csv.gz) with the
-    run's columns: set, problem_id, topic, difficulty, samples, correct."""
+    run's columns: set, problem_id, topic, difficulty, samples, correct (and band)."""
     frames = []
     for run in runs:
         path = os.path.join(runs_dir, run.run_id, PER_PROBLEM_FILE)
@@ -104,8 +104,8 @@ def collect_problems(runs_dir: str, runs: Sequence[Run]) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame()
     out = pd.concat(frames, ignore_index=True)
-    first = [c for c in out.columns if c not in _PROBLEM_COLUMNS]
-    return out[first + list(_PROBLEM_COLUMNS)]
+    last = [*_PROBLEM_COLUMNS, *(["band"] if "band" in out else [])]  # band: where a set has one
+    return out[[c for c in out.columns if c not in last] + last]
 
 
 def paired_by_problem(problems: pd.DataFrame, by: Sequence[str], column: str, a, b):

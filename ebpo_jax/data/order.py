@@ -1,4 +1,4 @@
-"""Record orders for RL (naive, topic-grouped, easy-to-hard, hard-to-easy), resumable, sharded across hosts.
+"""Record orders for RL (naive, topic-grouped, easy or hard first), resumable, sharded across hosts.
 
 Each epoch is one global order of all records, identical on every host; host i of n takes
 every n-th record of it (positions i, i+n, ...), cut to the same count on every host so all

@@ -23,16 +23,29 @@ TRAIN, HELDOUT = "train", "heldout"
 QUARTILES = ("q1", "q2", "q3", "q4")
 
 
-def records(problems: Mapping[str, Sequence], correct: Mapping[str, np.ndarray], samples: int,
-            warm_start: str) -> list[dict]:  # fmt: skip
+def records(
+    problems: Mapping[str, Sequence],
+    correct: Mapping[str, np.ndarray],
+    samples: int,
+    warm_start: str,
+) -> list[dict]:
     """The file's rows: per set, each problem's correct-sample count out of `samples`."""
     out = []
     for name, probs in problems.items():
         for p, c in zip(probs, np.asarray(correct[name]), strict=True):
             rate = float(c) / samples
-            out.append({"set": name, "id": p.id, "prompt": p.prompt, "samples": samples,
-                        "correct": int(round(float(c))), "pass_rate": rate,
-                        "difficulty": 1.0 - rate, "warm_start": warm_start})  # fmt: skip
+            out.append(
+                {
+                    "set": name,
+                    "id": p.id,
+                    "prompt": p.prompt,
+                    "samples": samples,
+                    "correct": int(round(float(c))),
+                    "pass_rate": rate,
+                    "difficulty": 1.0 - rate,
+                    "warm_start": warm_start,
+                }
+            )
     return out
 
 

@@ -116,9 +116,16 @@ def generated(family: str) -> Generated:
     raise ConfigError(f"task.family={family!r}: not a generated family (arithmetic, reasoning)")
 
 
-def warm_start(spec: TaskSpec, fam: Generated, train_problems, *, log=print):
-    """(model config, the warm start's params, their SHA-256): preset init, then the SFT
-    warm start (or the committed sft.params_file)."""
+class WarmStart(NamedTuple):
+    """The policy RL starts from: its model config, params and their SHA-256."""
+
+    model_config: Any
+    params: Any
+    digest: str
+
+
+def warm_start(spec: TaskSpec, fam: Generated, train_problems, *, log=print) -> WarmStart:
+    """Preset init, then the SFT warm start (or the committed sft.params_file)."""
     model_config = model_config_from(spec.model, tokenizer_vocab(fam.tokenizer))
     prompt_len = max_lengths(train_problems)[0] + 1  # BOS + the longest prompt
     need = prompt_len + spec.max_new_tokens  # checked before the SFT warm start
@@ -133,39 +140,40 @@ def warm_start(spec: TaskSpec, fam: Generated, train_problems, *, log=print):
         spec, model_config, params, train_problems, fam.tokenizer, family=fam.module, log=log
     )
     try:
-        return model_config, params, sft.check_digest(spec, params)
+        return WarmStart(model_config, params, sft.check_digest(spec, params))
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
 
-def estimate_difficulty(spec: TaskSpec, fam: Generated, model_config, params, digest: str,
-                        problems: dict, *, mesh=None, seed: int = 0) -> list[dict]:  # fmt: skip
+def estimate_difficulty(
+    spec: TaskSpec, fam: Generated, warm: WarmStart, problems: dict, *, mesh=None, seed: int = 0
+) -> list[dict]:
     """The difficulty file's rows of `problems` ({set: problems}): each problem's correct
-    count over `task.difficulty_samples` samples of `params` at temperature 1 (one evaluation
-    over every set's problems, in order: one compile)."""
+    count over `task.difficulty_samples` samples of the warm start at temperature 1 (one
+    evaluation over every set's problems, in order: one compile)."""
     n = spec.task.difficulty_samples
     every = [p for probs in problems.values() for p in probs]
     est = difficulty.estimate_spec(spec.eval, n, seed)
     one = eval_set(every, fam.tokenizer, fam.reward_fn, "all")
-    scores = make_evaluator(est, model_config, [one], fam.tokenizer.eos_id, mesh)(
-        params, matrix=True
-    )
+    evaluate = make_evaluator(est, warm.model_config, [one], fam.tokenizer.eos_id, mesh)
+    scores = evaluate(warm.params, matrix=True)
     ends = np.cumsum([len(probs) for probs in problems.values()])[:-1]
     counts = np.split(scores["all"].sum(1), ends)
-    return difficulty.records(problems, dict(zip(problems, counts)), n, digest)
+    return difficulty.records(problems, dict(zip(problems, counts)), n, warm.digest)
 
 
-def file_difficulty(spec: TaskSpec, fam: Generated, warm: tuple, problems: dict, *, mesh=None,
-                    log=print) -> dict | None:  # fmt: skip
+def file_difficulty(
+    spec: TaskSpec, fam: Generated, warm: WarmStart, problems: dict, *, mesh=None, log=print
+) -> dict | None:
     """{set: [n] difficulty} from `task.difficulty_file` ("auto": estimated from the warm start
-    `warm` = (model config, params, digest) on first use, then read); None without one."""
+    on first use, then read); None without one."""
     f = spec.task.difficulty_file
     if not f:
         return None
-    model_config, params, digest = warm
+    digest = warm.digest
     path = difficulty.auto_path(spec, digest) if f == difficulty.AUTO else f
     if f == difficulty.AUTO and not storage.exists(path):
-        rows = estimate_difficulty(spec, fam, model_config, params, digest, problems, mesh=mesh)
+        rows = estimate_difficulty(spec, fam, warm, problems, mesh=mesh)
         log(f"difficulty: the warm start's pass rate over {rows[0]['samples']} samples -> {path}")
         difficulty.write(path, rows)
     rows = difficulty.read(path)
@@ -179,7 +187,8 @@ def build_synthetic(spec: TaskSpec, family, tokenizer, reward_fn, *, mesh=None, 
     `task.difficulty_file`, its difficulty orders training and bands the held-out problems."""
     tokenizer, train_problems, test_problems = load_problems(spec, family, tokenizer)
     fam = Generated(family, tokenizer, reward_fn)
-    model_config, params, digest = warm = warm_start(spec, fam, train_problems, log=log)
+    warm = warm_start(spec, fam, train_problems, log=log)
+    model_config, params, digest = warm
     split = {difficulty.TRAIN: train_problems, difficulty.HELDOUT: test_problems}
     diff = file_difficulty(spec, fam, warm, split, mesh=mesh, log=log)
     source = tasks.PromptSource(
