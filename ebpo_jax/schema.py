@@ -218,7 +218,7 @@ class Data:
     system: str = setting("", "optional system prompt (chat only)")
     max_prompt_len: int = setting(1024, "tokens", positive)
     on_overflow: str = setting("drop", "drop (and count) or error")
-    order: str = setting("naive", "naive | topic | difficulty")
+    order: str = setting("naive", "naive | topic | difficulty | reverse_difficulty")
     shuffle_clusters: bool = setting(True, "topic order: clusters in seeded order per epoch")
     topics: str = setting("field", "field (the schema's topic) | kmeans (MiniLM embeddings) | none")
     num_clusters: int = setting(10, "for topics=kmeans (data.clustering.NUM_CLUSTERS)", positive)
@@ -261,8 +261,17 @@ class Task:
     )
     order: str = setting(
         "naive",
-        "naive | topic | difficulty (EBPO curricula)",
-        one_of("naive", "topic", "difficulty"),
+        "naive | topic | difficulty (EBPO curricula, easy to hard) | reverse_difficulty",
+        one_of("naive", "topic", "difficulty", "reverse_difficulty"),
+    )
+    difficulty_file: str = setting(
+        "",
+        "per-problem difficulty (experiments/estimate_difficulty.py's toy output) for the "
+        'difficulty orders and the held-out quartiles; "auto" = estimated from the warm start; '
+        '"" = the generator\'s levels',
+    )
+    difficulty_samples: int = setting(
+        16, 'samples per problem at temperature 1 for difficulty_file="auto"', at_least(1)
     )
 
 

@@ -11,7 +11,10 @@ term's pass@1 read at the smallest final token count among the terms, from the e
 cumulative token counts), and across several warm starts the two-level interval
 (ebpo_jax/ablation/twolevel.py) next to the first warm start's. A claim with `select`
 ({"axis": "lr", "by": "val_pass@1"}) reads each term at its own best value on the
-validation split. A claim whose runs are missing says "not run". A family file's COMPARE
+validation split. A claim with `band` (e.g. "q4") reads that held-out band's pass@1
+(`pass@1/q4`: a difficulty quartile of tasks/difficulty.py) and bootstraps over its problems;
+a term's `step` reads that evaluation instead of the last. A claim whose runs are missing
+says "not run". A family file's COMPARE
 names another family whose effects and verdicts join as extra columns, by claim text.
 Writes the file's CLAIMS_OUT (markdown) and prints it; its `seeds for +0.02` column is the
 paired seeds each claim would need for 80% power at a 2-point effect, at the std it shows.
@@ -109,16 +112,23 @@ def _indexed(rows: pd.DataFrame, column: str) -> pd.Series:
     return rows.set_index(key)[column]
 
 
-def term(finals: pd.DataFrame, where: dict, select: dict | None = None) -> pd.Series:
-    """Final pass@1 by pairing key of the rows where every `where` column has its value."""
-    return _indexed(_finals(_select(_where(finals, where), select)), "pass@1")
+def metric(claim: dict) -> str:
+    """The results column a claim reads: pass@1, or its band's (`pass@1/<band>`)."""
+    return f"pass@1/{claim['band']}" if claim.get("band") else "pass@1"
 
 
-def side(terms, finals_of, select: dict | None = None) -> pd.Series:
+def term(finals: pd.DataFrame, where: dict, select: dict | None = None, column: str = "pass@1"):
+    """Final `column` (pass@1) by pairing key of the rows where every `where` column has its
+    value."""
+    rows = _finals(_select(_where(finals, where), select))
+    return _indexed(rows, column) if column in rows or rows.empty else pd.Series(dtype=float)
+
+
+def side(terms, finals_of, select: dict | None = None, column: str = "pass@1") -> pd.Series:
     """The key-aligned sum of `terms` ((part, where) pairs); empty when any is missing."""
     series = []
     for part, where in terms:
-        s = term(finals_of(part), where, select)
+        s = term(finals_of(part), where, select, column)
         if s.index.duplicated().any():  # e.g. GRPO G=4 sits in two blocks of one grid
             raise ValueError(
                 f"claim term ({part!r}, {where}) matches {len(s)} runs for "
@@ -134,7 +144,8 @@ def side(terms, finals_of, select: dict | None = None) -> pd.Series:
 def _difference(claim, rows_of) -> pd.Series:
     """plus - minus by pairing key."""
     sel = claim.get("select")
-    plus, minus = side(claim["plus"], rows_of, sel), side(claim["minus"], rows_of, sel)
+    col = metric(claim)
+    plus, minus = side(claim["plus"], rows_of, sel, col), side(claim["minus"], rows_of, sel, col)
     both = pd.concat([plus, minus], axis=1, join="inner").dropna()
     return both.iloc[:, 0] - both.iloc[:, 1] if len(both) else pd.Series(dtype=float)
 
@@ -170,6 +181,8 @@ def problem_differences(claim, problems_of, finals_of) -> pd.DataFrame:
             if rows.empty:
                 return pd.DataFrame()
             rows = rows[rows["set"] == "heldout"]
+            if claim.get("band"):  # that band's problems (none without the column)
+                rows = rows[rows.get("band", pd.Series("", rows.index)) == claim["band"]]
             if sel:
                 best = _best_value(_where(finals_of(part), where), sel)
                 rows = _where(rows, {sel["axis"]: best})
@@ -236,13 +249,13 @@ def _held_with_bootstrap(table: pd.DataFrame) -> pd.DataFrame:
                        ci_high=np.where(has, hi, held.ci_high), p=np.where(has, p, held.p))  # fmt: skip
 
 
-def _curves(rows: pd.DataFrame) -> dict:
-    """Pairing key -> (cumulative generated tokens, pass@1) at a run's eval steps."""
+def _curves(rows: pd.DataFrame, column: str = "pass@1") -> dict:
+    """Pairing key -> (cumulative generated tokens, `column`) at a run's eval steps."""
     key = [c for c in PAIR if c in rows]
     out = {}
     for k, run in rows.sort_values("step").groupby(key):
         k = k if len(key) > 1 else (k[0] if isinstance(k, tuple) else k)
-        out[k] = (run.generated_tokens.to_numpy(np.float64), run["pass@1"].to_numpy(np.float64))
+        out[k] = (run.generated_tokens.to_numpy(np.float64), run[column].to_numpy(np.float64))
     return out
 
 
@@ -255,9 +268,10 @@ def equal_tokens(claim, rows_of) -> dict:
     for sign, terms in ((1, claim["plus"]), (-1, claim["minus"])):
         for part, where in terms:
             rows = _select(_where(rows_of(part), where), sel)
-            if rows.empty or "generated_tokens" not in rows or "step" not in rows:
+            need = ("generated_tokens", "step", metric(claim))
+            if rows.empty or any(c not in rows for c in need):
                 return {}
-            signed.append((sign, _curves(rows)))
+            signed.append((sign, _curves(rows, metric(claim))))
     keys = sorted(set.intersection(*(set(c) for _, c in signed)))
     d, ratio = [], []
     for k in keys:

@@ -4,8 +4,18 @@ python experiments/estimate_difficulty.py --model=/ckpt/Qwen3-8B \
   --data=/data/dapo.parquet --schema=dapo --n=16 --out=/data/dapo_difficulty.jsonl
 The output holds the records (prompt, answer, id, topic, difficulty) plus a pass_rate
 column; train on it with schema "record" and order "difficulty".
+
+Toy mode, on a generated task (arithmetic, reasoning) and its own warm start:
+python experiments/estimate_difficulty.py --config=configs/reasoning.py --config.sft.seed=300 \
+  [--config.sft.params_file=results/.../warm_starts/<sha256>.npz] --n=16 --out=difficulty.jsonl
+samples every training and held-out problem n times at temperature 1 (the warm start: the
+committed params file, or the SFT run the config names, cached) and writes the difficulty
+file of ebpo_jax/tasks/difficulty.py; train on it with `--config.task.difficulty_file=` and
+`--config.task.order=difficulty` (or reverse_difficulty). A grid's `task.difficulty_file=auto`
+writes the same file beside the warm start.
 """
 
+import sys
 import time
 
 from absl import flags
@@ -27,6 +37,8 @@ _BATCH = flags.DEFINE_integer("batch_size", 32, "Prompts per generate call.")
 _REWARD = flags.DEFINE_string("reward", "math", "Reward name or pkg.module:fn.")
 _LIMIT = flags.DEFINE_integer("limit", None, "Only the first N problems.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_CONFIG = cli.define_config("config", None, "Toy mode: a generated task's training config.")
+_RECORD_FLAGS = ("model", "checkpoint", "data", "schema", "template", "chat", "reward")
 
 
 def run() -> list[float]:
@@ -68,14 +80,53 @@ def run() -> list[float]:
     return rates
 
 
+def run_toy(config, out: str, n: int, seed: int = 0) -> list[dict]:
+    """The toy task's difficulty file at `out`: the warm start's correct count over n samples
+    at temperature 1 of every training and held-out problem; returns its rows."""
+    import jax
+
+    from ebpo_jax import spec as spec_lib
+    from ebpo_jax.tasks import difficulty
+    from ebpo_jax.tasks.families import arithmetic as generated
+
+    config = config.copy_and_resolve_references()
+    config.task.difficulty_file, config.task.difficulty_samples = "", n
+    spec = spec_lib.resolve(config, jax.device_count()).task
+    fam = generated.generated(spec.family)
+    _, train, test = generated.load_problems(spec, fam.module, fam.tokenizer)
+    warm = generated.warm_start(spec, fam, train)
+    t0 = time.time()
+    problems = {difficulty.TRAIN: train, difficulty.HELDOUT: test}
+    rows = generated.estimate_difficulty(spec, fam, warm, problems, seed=seed)
+    difficulty.write(out, rows)
+    rate = sum(r["pass_rate"] for r in rows) / len(rows)
+    print(
+        f"{len(rows)} problems x {n} samples in {time.time() - t0:.0f} s from warm start "
+        f"{warm.digest[:12]}; mean pass rate {rate:.3f}; wrote {out}"
+    )
+    return rows
+
+
 def main(argv):
     del argv
-    run()
+    if _CONFIG.value is None:
+        missing = [f"--{n}" for n in ("model", "data", "out") if flags.FLAGS[n].value is None]
+        if missing:
+            sys.exit(f"give {', '.join(missing)} (or --config=<toy task config> and --out)")
+        run()
+        return
+    given = [f"--{n}" for n in _RECORD_FLAGS if flags.FLAGS[n].present]
+    if _OUT.value is None:
+        sys.exit("toy mode (--config): give --out")
+    if given:
+        sys.exit(f"toy mode (--config): {given[0]} is for the --model/--data mode")
+    if _TEMP.value != 1.0:
+        sys.exit("toy mode (--config): the difficulty is the pass rate at --temperature=1")
+    run_toy(_CONFIG.value, _OUT.value, _N.value, _SEED.value)
 
 
 if __name__ == "__main__":
     from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
-    flags.mark_flags_as_required(["model", "data", "out"])
     cli.run(main)

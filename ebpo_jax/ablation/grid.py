@@ -149,15 +149,15 @@ def with_seeds(grid: ml_collections.ConfigDict, seeds) -> ml_collections.ConfigD
     return out
 
 
-def load_config_file(path: str) -> ml_collections.ConfigDict:
-    """`get_config()` of a config file (relative paths are from the repository root)."""
+def load_config_file(path: str, *args) -> ml_collections.ConfigDict:
+    """`get_config(*args)` of a config file (relative paths are from the repository root)."""
     full = path if os.path.isabs(path) else os.path.join(REPO, path)
     if not os.path.exists(full):
         raise ConfigError(f"base_config {path!r}: no such file ({full})")
     spec = importlib.util.spec_from_file_location("_base_config", full)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module.get_config(*args)
 
 
 def run_config(base: ml_collections.ConfigDict, run: Run, workdir: str):

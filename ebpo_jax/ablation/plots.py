@@ -34,7 +34,7 @@ def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> BlockAxes:
     fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "val_pass@1", *CURVES}
     fixed.add("prompts_per_step")
     fixed |= set(PROVENANCE_FIELDS)  # runs adopted from other grids may differ in XLA flags
-    axes = [c for c in df.columns if c not in fixed]
+    axes = [c for c in df.columns if c not in fixed and not c.startswith("pass@1/")]  # bands
     varying = [a for a in axes if a not in ignore and df[a].nunique(dropna=True) > 1]
     facet = "group_size" if "group_size" in varying else None
     return BlockAxes([a for a in varying if a != facet], facet)

@@ -3,6 +3,7 @@ and final pass@1 per setting with a 95% t-interval over seeds."""
 
 import json
 import os
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -15,6 +16,8 @@ from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
 from ebpo_jax.runtime.metrics import PER_PROBLEM_FILE, read_metrics
 
 VALIDATION_KEY = "eval/validation/pass@1"  # the validation split's (trainer.task.VALIDATION)
+# A held-out band's pass@1 (e.g. a difficulty quartile, tasks/difficulty.py) -> "pass@1/<band>".
+BAND_KEY = re.compile(r"^eval/heldout/([^/]+)/pass@1$")
 # Training curves averaged over the steps since the previous eval in results.csv.
 CURVES = (
     "reward/mean",
@@ -75,6 +78,7 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
                 row["pass@1"] = rec["eval/pass@1"]
                 if rec.get(VALIDATION_KEY) is not None:  # chooses hyperparameters only
                     row["val_pass@1"] = rec[VALIDATION_KEY]
+                row.update(band_columns(rec))
                 for k in CURVES:
                     vals = [r[k] for r in since if r.get(k) is not None]
                     row[k] = float(np.mean(vals)) if vals else np.nan
@@ -83,9 +87,15 @@ def collect(runs_dir: str, runs: Sequence[Run]) -> tuple[pd.DataFrame, pd.DataFr
     return pd.DataFrame(evals), pd.DataFrame(steps)
 
 
+def band_columns(rec: dict) -> dict:
+    """{"pass@1/<band>": value} of a metrics row's held-out bands."""
+    bands = ((BAND_KEY.match(k), v) for k, v in rec.items())
+    return {f"pass@1/{m.group(1)}": v for m, v in bands if m and v is not None}
+
+
 def collect_problems(runs_dir: str, runs: Sequence[Run]) -> pd.DataFrame:
     """Each run's final evaluation per problem (the trainer's eval_problems.csv.gz) with the
-    run's columns: set, problem_id, topic, difficulty, samples, correct."""
+    run's columns: set, problem_id, topic, difficulty, samples, correct (and band)."""
     frames = []
     for run in runs:
         path = os.path.join(runs_dir, run.run_id, PER_PROBLEM_FILE)
@@ -94,8 +104,8 @@ def collect_problems(runs_dir: str, runs: Sequence[Run]) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame()
     out = pd.concat(frames, ignore_index=True)
-    first = [c for c in out.columns if c not in _PROBLEM_COLUMNS]
-    return out[first + list(_PROBLEM_COLUMNS)]
+    last = [*_PROBLEM_COLUMNS, *(["band"] if "band" in out else [])]  # band: where a set has one
+    return out[[c for c in out.columns if c not in last] + last]
 
 
 def paired_by_problem(problems: pd.DataFrame, by: Sequence[str], column: str, a, b):

@@ -83,19 +83,40 @@ def bootstrap(d_kj, cluster_k, *, draws: int = 10_000, seed: int = 0) -> dict:
 
     The effect is the mean over clusters of the mean over their runs of the mean over
     problems, the two-level estimate; each draw resamples clusters and problems with
-    replacement, independently.
+    replacement, independently. A cluster none of whose runs has a problem (e.g. a
+    difficulty band of its own warm start) averages over the problems it has.
     """
     d_kj = np.asarray(d_kj, np.float64)
     labels, cluster_k = np.unique(np.asarray(cluster_k), return_inverse=True)
     big_c, big_j = labels.size, d_kj.shape[1]
-    # a_cj: per cluster, the mean over its runs of each problem's difference.
-    a_cj = np.stack([np.nanmean(d_kj[cluster_k == c], axis=0) for c in range(big_c)])
+    # a_cj: per cluster, the mean over its runs of each problem's difference (nan: none).
+    seen_cj = np.stack([np.isfinite(d_kj[cluster_k == c]).sum(0) for c in range(big_c)])
+    sum_cj = np.stack([np.nansum(d_kj[cluster_k == c], axis=0) for c in range(big_c)])
+    a_cj = np.where(seen_cj > 0, sum_cj / np.maximum(seen_cj, 1), np.nan)
     rng = np.random.default_rng(seed)
     n_c = rng.multinomial(big_c, np.full(big_c, 1 / big_c), size=draws)
     n_j = rng.multinomial(big_j, np.full(big_j, 1 / big_j), size=draws)
-    effects = np.einsum("bc,cj,bj->b", n_c, a_cj, n_j) / (big_c * big_j)
+    if np.isfinite(a_cj).all():
+        effects = np.einsum("bc,cj,bj->b", n_c, a_cj, n_j) / (big_c * big_j)
+        diff = float(a_cj.mean())
+    else:  # clusters with their own problems (e.g. a band per warm start)
+        effects, diff = _ragged(a_cj, n_c, n_j)
     lo, hi = np.quantile(effects, [0.025, 0.975])
     p = min(1.0, 2 * min((effects <= 0).mean(), (effects >= 0).mean()))
-    diff = float(a_cj.mean())
     return {"diff": diff, "ci_low": float(lo), "ci_high": float(hi), "p": float(p),
             "clusters": big_c, "problems": big_j}  # fmt: skip
+
+
+def _ragged(a_cj, n_c, n_j):
+    """(draws' effects, effect) when a cluster lacks some problems (nan): each cluster's mean
+    over the drawn problems it has, then the mean over the drawn clusters that have any; a
+    draw where none has any is left out."""
+    has_cj = np.isfinite(a_cj)
+    num_bc = n_j @ np.where(has_cj, a_cj, 0.0).T
+    den_bc = n_j @ has_cj.T.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_bc = num_bc / den_bc
+        w_bc = n_c * np.isfinite(mean_bc)
+        effects = (w_bc * np.nan_to_num(mean_bc)).sum(1) / w_bc.sum(1)
+    diff = np.mean([row[ok].mean() for row, ok in zip(a_cj, has_cj) if ok.any()])
+    return effects[np.isfinite(effects)], float(diff)

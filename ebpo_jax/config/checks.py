@@ -300,6 +300,21 @@ def _data_and_model(c: Config) -> None:
     _math_trainer(c)
 
 
+def _difficulty_file(c: Config) -> None:
+    """A difficulty file orders the generated tasks; math records carry their own."""
+    f = c.task.difficulty_file
+    if not f:
+        return
+    need(
+        not c.data.path,
+        f"task.difficulty_file={f!r} is for the generated tasks; math records carry their "
+        "difficulty (experiments/estimate_difficulty.py --data, data.order)",
+    )
+    from ebpo_jax.runtime import storage
+
+    need(f == "auto" or storage.exists(f), f"task.difficulty_file={f!r}: no such file")
+
+
 def _math_trainer(c: Config) -> None:
     """The trainer options math records allow (a host reward, their own tokenizer)."""
     m, d = c.model, c.data
@@ -584,6 +599,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _packing(c)
     _steps(c, d)
     _data_and_model(c)
+    _difficulty_file(c)
     _overrides(c)
     _positions(c)
     _estimator_options(c, d)

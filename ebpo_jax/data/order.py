@@ -1,4 +1,4 @@
-"""Record orders for RL (naive, topic-grouped, easy-to-hard), resumable, sharded across hosts.
+"""Record orders for RL (naive, topic-grouped, easy or hard first), resumable, sharded across hosts.
 
 Each epoch is one global order of all records, identical on every host; host i of n takes
 every n-th record of it (positions i, i+n, ...), cut to the same count on every host so all
@@ -12,7 +12,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-ORDERS = ("naive", "topic", "difficulty")
+ORDERS = ("naive", "topic", "difficulty", "reverse_difficulty")
+BY_DIFFICULTY = ("difficulty", "reverse_difficulty")
 
 
 class Shard(NamedTuple):
@@ -30,6 +31,7 @@ class RecordOrder:
       (or ascending with `shuffle_clusters=False`), records shuffled within a cluster.
     - `difficulty`: easy to hard (ascending difficulty, EBPO-diff), ties shuffled; each epoch
       is another easy-to-hard pass.
+    - `reverse_difficulty`: hard to easy by the same key (the curriculum's order control).
     """
 
     def __init__(
@@ -53,7 +55,7 @@ class RecordOrder:
         self.num_records, self.order, self.seed = num_records, order, seed
         self.num_hosts, self.host_id, self.shuffle_clusters = num_hosts, host_id, shuffle_clusters
         self.topic_ids = self._key("topic_ids", topic_ids, order == "topic", np.int64)
-        self.difficulty = self._key("difficulty", difficulty, order == "difficulty", np.float64)
+        self.difficulty = self._key("difficulty", difficulty, order in BY_DIFFICULTY, np.float64)
         if self.difficulty is not None and np.isnan(self.difficulty).any():
             raise ValueError(
                 f"difficulty has NaN at records {np.flatnonzero(np.isnan(self.difficulty))[:10]}"
@@ -88,8 +90,9 @@ class RecordOrder:
             cluster_order = rng.permutation(clusters) if self.shuffle_clusters else clusters
             rank[cluster_order - clusters.min()] = np.arange(clusters.size)
             perm = perm[np.argsort(rank[self.topic_ids[perm] - clusters.min()], kind="stable")]
-        elif self.order == "difficulty":
-            perm = perm[np.argsort(self.difficulty[perm], kind="stable")]
+        elif self.order in BY_DIFFICULTY:
+            sign = 1.0 if self.order == "difficulty" else -1.0
+            perm = perm[np.argsort(sign * self.difficulty[perm], kind="stable")]
         return perm
 
     def epoch_order(self, epoch: int) -> np.ndarray:

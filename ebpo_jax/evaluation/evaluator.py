@@ -25,13 +25,17 @@ class EvalSet(NamedTuple):
     key_stride: int = 1  # chunk i samples with fold_in(key(seed), i * key_stride)
     # Per problem (id, topic, difficulty), for the per-problem record; () = not recorded.
     problems: tuple = ()
+    # Per problem, a band label (e.g. a difficulty quartile): each band's pass@1 is reported
+    # as "<name>/<band>" from the same samples; () = none.
+    bands: tuple = ()
 
 
 def make_evaluator(
     spec: EvalSpec, model_config, sets: Sequence[EvalSet], stop_ids, mesh=None
 ) -> Callable[[Any], dict[str, float]] | None:
     """evaluate(params) -> {set name: pass@1}: the mean score over `spec.run.eval_samples` samples per
-    problem at `spec.run.eval_temperature` (0 = greedy, one sample); the same draws at every call.
+    problem at `spec.run.eval_temperature` (0 = greedy, one sample); the same draws at every call;
+    a set with bands adds {"<set>/<band>": pass@1} (a view, not a set: tasks.protocol.mean_pass).
     `evaluate.per_problem` holds the last call's {set name: correct samples [n]};
     `evaluate(params, matrix=True)` returns {set name: scores [problems, samples]} instead of
     the means (experiments/eval.py's pass@k). None when there is no set."""
@@ -61,6 +65,8 @@ def make_evaluator(
             correct = np.asarray(s.score(tokens, lengths), np.float64)  # prompt-major [n*k]
             out[s.name] = correct.reshape(-1, k) if matrix else float(correct.mean())
             per_problem[s.name] = correct.reshape(len(s.prompt_lengths), -1).sum(axis=1)
+            if s.bands and not matrix:
+                out.update(band_means(s, per_problem[s.name] / k))
         return out
 
     evaluate.per_problem = per_problem
@@ -69,20 +75,30 @@ def make_evaluator(
     return evaluate
 
 
+def band_means(s: EvalSet, rate_n: np.ndarray) -> dict[str, float]:
+    """{"<set>/<band>": mean pass rate of the set's problems in that band}, bands sorted."""
+    bands = np.asarray(s.bands)
+    return {f"{s.name}/{b}": float(rate_n[bands == b].mean()) for b in sorted(set(s.bands))}
+
+
 def write_per_problem(evaluate, workdir: str) -> str | None:
-    """The last evaluation per problem (set, problem_id, topic, difficulty, samples, correct)
-    as `<workdir>/eval_problems.csv.gz`; None when no set records its problems."""
-    rows = []
-    for s in getattr(evaluate, "sets", ()):
+    """The last evaluation per problem (set, problem_id, topic, difficulty, samples, correct,
+    and band where a set has bands) as `<workdir>/eval_problems.csv.gz`; None when no set
+    records its problems."""
+    rows, sets = [], getattr(evaluate, "sets", ())
+    for s in sets:
         correct = evaluate.per_problem.get(s.name)
         if not s.problems or correct is None:
             continue
-        for (pid, topic, difficulty), c in zip(s.problems, correct):
-            rows.append((s.name, pid, topic, difficulty, evaluate.samples, c))
+        bands = s.bands or ("",) * len(s.problems)
+        for (pid, topic, difficulty), c, b in zip(s.problems, correct, bands):
+            rows.append((s.name, pid, topic, difficulty, evaluate.samples, c, b))
     if not rows:
         return None
-    cols = ["set", "problem_id", "topic", "difficulty", "samples", "correct"]
+    cols = ["set", "problem_id", "topic", "difficulty", "samples", "correct", "band"]
     path = os.path.join(workdir, PER_PROBLEM_FILE)
     df = pd.DataFrame(rows, columns=cols).astype({"correct": float})
+    if not any(s.bands for s in sets):  # the columns of every run before bands existed
+        df = df.drop(columns="band")
     df.to_csv(path, index=False, compression={"method": "gzip", "mtime": 0})
     return path

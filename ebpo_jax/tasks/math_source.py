@@ -18,7 +18,7 @@ from ebpo_jax import rewards
 from ebpo_jax.data.clustering import cluster_texts, topic_ids_from_field
 from ebpo_jax.data.config import validate_data_config
 from ebpo_jax.data.loading import load_records
-from ebpo_jax.data.order import RecordOrder, Shard
+from ebpo_jax.data.order import BY_DIFFICULTY, RecordOrder, Shard
 from ebpo_jax.data.prompts import render_prompt
 from ebpo_jax.data.schemas import DataError, Record
 from ebpo_jax.data.tokenize import decode_completions, encode_prompts
@@ -120,13 +120,13 @@ class MathPromptSource(BatchStream):
             self.topic_ids, self.topic_names = np.zeros(len(self.records), np.int32), ("all",)
 
     def _ordered_difficulty(self, order: str):
-        """Each record's difficulty for `difficulty` order (DataError if one has none)."""
-        if order != "difficulty":
+        """Each record's difficulty for the difficulty orders (DataError if one has none)."""
+        if order not in BY_DIFFICULTY:
             return None
         missing = [r.id for r in self.records if r.difficulty is None]
         if missing:
             raise DataError(
-                f"order 'difficulty' needs every record's difficulty; {len(missing)} have none "
+                f"order {order!r} needs every record's difficulty; {len(missing)} have none "
                 f"(first: {missing[:3]}); write it with experiments/estimate_difficulty.py"
             )
         return [r.difficulty for r in self.records]

@@ -115,6 +115,7 @@ VALIDATION = "validation"  # the eval set that picks hyperparameters: never in e
 
 
 def mean_pass(per_set: dict[str, float]) -> float:
-    """The test sets' mean pass@1, without the validation set (NaN with no test set)."""
-    test = [v for name, v in per_set.items() if name != VALIDATION]
+    """The test sets' mean pass@1, without the validation set and the bands ("<set>/<band>",
+    views of a set's problems) (NaN with no test set)."""
+    test = [v for name, v in per_set.items() if name != VALIDATION and "/" not in name]
     return float(sum(test) / len(test)) if test else math.nan

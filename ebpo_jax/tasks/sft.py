@@ -30,6 +30,8 @@ def _task_key(task) -> dict:
     if not d.get("family"):
         d.pop("family", None)
     d.pop("val_per_cell", None)  # validation problems are never trained on
+    d.pop("difficulty_file", None)  # estimated from the warm start, not SFT's input
+    d.pop("difficulty_samples", None)
     return d
 
 

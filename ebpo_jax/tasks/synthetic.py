@@ -95,8 +95,10 @@ class PromptSource(BatchStream):
     """Batches of P problems in a seeded order per epoch; its whole state is {epoch, position}.
 
     Orders (`ebpo_jax.data.order.RecordOrder`): `naive` shuffles each epoch; `topic` and `difficulty`
-    stably sort that shuffle by topic id or difficulty (easy first), so each epoch sweeps the
-    groups in turn. A batch that runs past the end of an epoch continues with the next one.
+    stably sort that shuffle by topic id or difficulty (easy first; `reverse_difficulty` hard
+    first), so each epoch sweeps the groups in turn. `difficulty` ([n] floats, e.g. a
+    difficulty file's) replaces the generator's levels as the key. A batch that runs past the
+    end of an epoch continues with the next one.
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class PromptSource(BatchStream):
         order: str = "naive",
         prompt_len: int | None = None,
         answer_len: int | None = None,
+        difficulty: Sequence[float] | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -127,11 +130,13 @@ class PromptSource(BatchStream):
             order=order,
             seed=seed,
             topic_ids=self._encoded.topic_ids,
-            difficulty=self._encoded.difficulty,
+            difficulty=self._encoded.difficulty if difficulty is None else difficulty,
             shuffle_clusters=False,
         )
         # Identifies the problem list, seed and order, so a resume on other data fails loudly.
         key = "\n".join([str(seed), order] + [p.prompt for p in self.problems])
+        if difficulty is not None:  # another difficulty file is another order
+            key += np.asarray(difficulty, np.float64).tobytes().hex()
         self.fingerprint = zlib.crc32(key.encode())
 
     def epoch_order(self, epoch: int) -> np.ndarray:
