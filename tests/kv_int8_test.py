@@ -291,6 +291,23 @@ def test_gpu_kernel_in_the_interpreter_takes_int8_pages_with_their_scales():
 
 
 @pytest.mark.slow
+def test_engine_decode_runs_the_int8_tpu_kernel_on_pages_of_128():
+    """The engine's decode on v5p (tiny model, dp attention on tp=4, pages of 128 tokens) runs
+    the int8 fork. Its temporaries were 1.55x the int8 pool (bfloat16 with the stock kernel:
+    1.06x; int8 on the XLA path: 1.31x): XLA keeps the loop-carried scales lane-padded
+    ([.., 128, 16] f32) outside the step loop and converts them around it."""
+    from helpers import compile_tiny_decode
+    from paged_kernels_test import _topology_mesh
+
+    mesh = _topology_mesh("v5p-8", (1, 4))
+    decode, pool = compile_tiny_decode(mesh, "pallas_tpu", True, "int8", page_size=128)
+    text = decode.as_text()
+    assert "ragged_paged_attention_int8_kernel" in text
+    assert "ragged_paged_attention_kernel" not in text  # not the stock kernel
+    assert decode.memory_analysis().temp_size_in_bytes < 1.6 * pool
+
+
+@pytest.mark.slow
 def test_int8_pages_with_dp_attention_on_eight_devices_equal_the_unsharded_rows(params):
     """Pools (values and scales) split over data x tp, every head on each chip."""
     from ebpo_jax import sharding
