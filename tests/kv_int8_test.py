@@ -298,8 +298,8 @@ def test_gpu_kernel_in_the_interpreter_takes_int8_pages_with_their_scales():
 def test_engine_decode_runs_the_int8_tpu_kernel_on_pages_of_128():
     """The engine's decode on v5p (tiny model, dp attention on tp=4, pages of 128 tokens) runs
     the int8 fork. Its temporaries were 1.55x the int8 pool (bfloat16 with the stock kernel:
-    1.06x; int8 on the XLA path: 1.31x): XLA keeps the loop-carried scales lane-padded
-    ([.., 128, 16] f32) outside the step loop and converts them around it."""
+    1.06x; int8 on the XLA path: 1.31x): the decode still holds a lane-padded copy of each
+    layer's scales ([.., 128, 16] f32) and converts it to and from the kernel's layout."""
     from helpers import compile_tiny_decode
     from paged_kernels_test import _topology_mesh
 
