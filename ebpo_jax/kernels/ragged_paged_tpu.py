@@ -15,7 +15,7 @@ XLA keeps a decode loop's pool in another tiled layout than the kernel's and con
 around every call, a copy of the pool per layer per step and 3x the pool in memory; with 8
 or 16 it does not (tests/paged_kernels_test.py compiles the engine's decode to check).
 An int8 pool (`quant.Int8Pages`) runs `ragged_paged_int8`, a fork of the kernel that DMAs the
-scale pages beside the int8 pages and dequantizes in VMEM: the stock kernel takes int8 pages
+scale pages beside the int8 pages and applies them in VMEM: the stock kernel takes int8 pages
 but only one static scale per tensor (`k_scale`, `v_scale`), not the per-token scales here.
 Under a mesh the kernel runs per device (`paged_shard`: page tables are local to the row
 shard's pool slab).
@@ -85,8 +85,8 @@ def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret=F
     blocks = dict(sm_scale=scale, num_kv_pages_per_block=kv_pages, num_queries_per_block=queries)
     if isinstance(kv_pages_PSCD, Int8Pages):
         values_PSCD, scales_PSC = kv_pages_PSCD
-        # Head-major scales for the kernel: in a decode loop XLA keeps the pool's scales in
-        # this order (page_size minor), so the swap is a bitcast, not a copy per call.
+        # The kernel reads the scales head-major (lane-dense); laid out page_size-minor, as
+        # the pool's writes ask (pages._set_head_major), the swap is a bitcast.
         out_RHD = ragged_paged_attention_int8(
             q_RHD, values_PSCD, scales_PSC.swapaxes(1, 2), *ragged, interpret=interpret, **blocks
         )

@@ -57,8 +57,8 @@ def resolve_for_pages(impl: str, platform: str | None, kv_dtype: str, page_size:
     page size (a multiple of 128: lane-dense scale pages); the kernel's per-device fallback
     gathers each row's whole page table, where "xla" reads live pages only."""
     impl = resolve(impl, platform)
-    from_lanes = page_size % INT8_TPU_PAGE_MULTIPLE
-    return "xla" if kv_dtype == "int8" and impl == "pallas_tpu" and from_lanes else impl
+    unaligned = page_size % INT8_TPU_PAGE_MULTIPLE
+    return "xla" if kv_dtype == "int8" and impl == "pallas_tpu" and unaligned else impl
 
 
 def paged_decode_attention(

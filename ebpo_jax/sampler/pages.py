@@ -50,8 +50,8 @@ def _set(pool, index, x):
 
 
 def _set_head_major(scales_PSC, index, s):
-    """scales_PSC.at[index].set(s), written through the [P, 2K, S] view the TPU kernel reads:
-    XLA then lays the scales out page_size-minor, with no conversion around the kernel."""
+    """scales_PSC.at[index].set(s), written through the [P, 2K, S] view the TPU kernel reads,
+    so the scatter asks XLA for the kernel's page_size-minor layout, not the lane-padded one."""
     if not isinstance(index, tuple):  # whole pages: [..., S, 2K] sources
         return _set(scales_PSC.swapaxes(-1, -2), index, s.swapaxes(-1, -2)).swapaxes(-1, -2)
     page, offset = index
