@@ -47,6 +47,7 @@ def _problems(cfg):
     return spec, fam, train, test, generated.warm_start(spec, fam, train, log=lambda *_: None)
 
 
+@pytest.mark.slow  # the shared warm start: a 30-step SFT and a sampler compile
 def test_toy_difficulty_equals_a_brute_force_pass_count(toy):
     """Each row's difficulty is 1 - (correct / N) counted by hand from the same draws: the
     response up to its first EOS must spell the answer."""
@@ -80,6 +81,7 @@ def test_toy_difficulty_equals_a_brute_force_pass_count(toy):
     assert 0 < correct.sum() < N * len(every)  # a policy with something to order
 
 
+@pytest.mark.slow  # the shared warm start: a 30-step SFT and a sampler compile
 def test_orders_by_the_file_and_bands_by_its_quartiles(toy, tmp_path):
     """task.difficulty_file orders training easy to hard (hard to easy reversed) by the
     file's values, bands the held-out problems, and refuses another warm start's file."""
