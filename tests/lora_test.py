@@ -16,8 +16,8 @@ from ebpo_jax import config as config_lib
 from ebpo_jax.models import lora, lora_checkpoint
 from ebpo_jax.runtime.checkpoint import Checkpointer
 from ebpo_jax.trainer.batch import MicroBatch
-from ebpo_jax.trainer.policy import Policy
-from ebpo_jax.trainer.state import init_lora_state, state_shardings
+from ebpo_jax.trainer.policy import Policy, init_lora_state
+from ebpo_jax.trainer.state import state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
 
 CFG = models.get_config("tiny_qwen3")  # qk-norm, tied embeddings, float32

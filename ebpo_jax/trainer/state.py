@@ -105,18 +105,3 @@ def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainSt
         generated_tokens=rep,
         base=None if state.base is None else lora.base_shardings(model_config, state.base, mesh),
     )
-
-
-_ADAPTER_STREAM = 19  # fold_in(key(seed), ·) for the adapters' init: apart from the step rngs
-
-
-def init_lora_state(
-    base_params, optimizer, spec: lora.LoraSpec, model_config, *, seed: int, num_clusters=1
-) -> TrainState:
-    """A fresh LoRA TrainState around the base weights; jit-able (build it with out_shardings)."""
-    key = jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM)
-    adapters = lora.init_adapters(model_config, spec, key)
-    base = lora.quantize_base(base_params, spec)
-    return init_train_state(
-        adapters, optimizer, seed=seed, num_clusters=num_clusters, with_ref=False, base=base
-    )
