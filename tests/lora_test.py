@@ -230,7 +230,7 @@ def test_checkpoint_round_trip_of_adapters_is_exact(tmp_path):
     opt = optax.adamw(1e-3)
     state = init_lora_state(_params(), opt, spec, CFG, seed=0)
     state = state._replace(params=_trained(state.params))
-    tree = Policy(CFG, spec).checkpoint_tree(state)
+    tree = state.saved()
     assert "base" not in tree and "ref_params" not in tree
     ref = lora_checkpoint.base_reference(config.model, "/ckpt/base")
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:

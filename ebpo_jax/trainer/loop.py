@@ -262,7 +262,7 @@ def _restore(ckpt: Checkpointer, state, runner, check, task: Task, log):
     """
     if ckpt.latest_step() is None:
         return state, {}
-    target = runner.view.checkpoint_tree(state)
+    target = state.saved()
     try:
         saved = ckpt.saved_tree()
         saved_extra = ckpt.saved_extra()
@@ -394,7 +394,7 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
             step += len(rows)
             out.samples(step, task.tokenizer, runner.last_rollout)
             extra = out.extra(task, policy_extra)  # the position counts every batch drawn
-            saved = {**runner.view.checkpoint_tree(state), **runner.checkpoint_entries()}
+            saved = {**state.saved(), **runner.checkpoint_entries()}
             ckpt.check()  # a failed asynchronous save ends the run now, not in a log
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:

@@ -1,5 +1,6 @@
 """The policy view: for full fine-tuning and LoRA/QLoRA alike, which weights train, which
-stay frozen, what the KL reference is, what the sampler runs, and what a checkpoint holds.
+stay frozen, what the KL reference is, what the sampler runs, and which base a checkpoint's
+adapters belong to.
 
 Full fine-tuning: `TrainState.params` train; `ref_params` (a copy made at step 0, only when
 the KL term needs it) is frozen and is the reference. LoRA: `params` are the adapters, `base`
@@ -94,11 +95,6 @@ class Policy:
         if param_dtype == "int8":
             return int8_shardings(self.model_config, mesh)
         return sharding.param_shardings(self.model_config, sampled, mesh)
-
-    def checkpoint_tree(self, state: TrainState) -> dict:
-        """What a checkpoint saves of the state: all but the frozen LoRA base, which every
-        start rebuilds from the task's source."""
-        return {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
 
     def checkpoint_extra(self, model, source: str) -> dict:
         """The checkpoint's extra entries: under LoRA, the base the adapters belong to."""

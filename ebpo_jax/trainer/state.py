@@ -13,7 +13,7 @@ from ebpo_jax.spec import OptimSpec
 
 
 class TrainState(NamedTuple):
-    """Everything a step reads and writes; a checkpoint saves exactly this."""
+    """Everything a step reads and writes; a checkpoint saves `saved()` of it."""
 
     params: Any
     opt_state: Any
@@ -26,6 +26,11 @@ class TrainState(NamedTuple):
     # LoRA (model.lora.rank > 0): the frozen base weights, `params` being the adapters and
     # the KL reference the base itself; None for full fine-tuning. Not checkpointed.
     base: Any = None
+
+    def saved(self) -> dict:
+        """What a checkpoint saves: all but the frozen LoRA base, which every start rebuilds
+        from the task's source."""
+        return {k: v for k, v in self._asdict().items() if v is not None and k != "base"}
 
 
 def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
