@@ -229,6 +229,21 @@ def batch_sharded(tree, mesh: Mesh, rows: int, rules=None, axis: int = 0, strict
     return jax.tree.map(one, tree)
 
 
+def put(tree, shardings):
+    """Host arrays (identical on every process) -> global arrays placed by `shardings`."""
+
+    def one(x, sh):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+    return jax.tree.map(one, tree, shardings)
+
+
+def put_batch(tree, mesh: Mesh, rows: int, axis: int = 0, strict: bool = True):
+    """Host arrays (the same on every process) placed as `batch_sharded` lays them out."""
+    return put(tree, batch_sharded(tree, mesh, rows, axis=axis, strict=strict))
+
+
 def constrain(x, names: Sequence[str | None], rules=None):
     """with_sharding_constraint by logical names under the ambient mesh (`jax.set_mesh`); else x.
 

@@ -16,7 +16,7 @@ from ebpo_jax.spec import resolve
 from ebpo_jax.tasks.protocol import build_task
 from ebpo_jax.trainer import loop
 from ebpo_jax.trainer.runners import make_runner
-from ebpo_jax.trainer.step import first, put
+from ebpo_jax.trainer.step import first
 
 
 def _normal(jaxpr) -> str:
@@ -41,10 +41,10 @@ def _run_programs(spec, mesh):
     sampler's weights' dtypes."""
     task = build_task(spec.task, mesh=mesh, log=lambda *_: None)
     optimizer = loop.make_optimizer(spec.optim)
-    state, sh = loop._init_state(spec, task, optimizer, mesh)
-    pieces = make_runner(spec, task, optimizer, sh).pieces
-    batches = task.source.next_batches(1)
-    batch = first(put(batches, sh.batches(batches)))
+    view = loop.policy_lib.of(spec, task.model_config)
+    state, sh = loop._init_state(spec, view, task, optimizer, mesh)
+    pieces = make_runner(spec, task, optimizer, sh, view).pieces
+    batch = first(sh.place_batches(task.source.next_batches(1)))
     weights = pieces.sampler_weights(pieces.policy(state))
     key = jax.random.key(0)
     with jax.set_mesh(sh.sampler_mesh):

@@ -16,8 +16,8 @@ from ebpo_jax import config as config_lib
 from ebpo_jax.models import lora, lora_checkpoint
 from ebpo_jax.runtime.checkpoint import Checkpointer
 from ebpo_jax.trainer.batch import MicroBatch
-from ebpo_jax.trainer.policy import Policy
-from ebpo_jax.trainer.state import init_lora_state, state_shardings
+from ebpo_jax.trainer.policy import Policy, init_lora_state
+from ebpo_jax.trainer.state import state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
 
 CFG = models.get_config("tiny_qwen3")  # qk-norm, tied embeddings, float32
@@ -230,7 +230,7 @@ def test_checkpoint_round_trip_of_adapters_is_exact(tmp_path):
     opt = optax.adamw(1e-3)
     state = init_lora_state(_params(), opt, spec, CFG, seed=0)
     state = state._replace(params=_trained(state.params))
-    tree = Policy(CFG, spec).checkpoint_tree(state)
+    tree = state.saved()
     assert "base" not in tree and "ref_params" not in tree
     ref = lora_checkpoint.base_reference(config.model, "/ckpt/base")
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:

@@ -47,7 +47,7 @@ def test_full_fine_tuning_trains_the_params_against_a_frozen_copy():
     assert view.forward_params(state.params, state.ref_params) is state.params
     assert view.sampled(state) is state.params
     assert view.abstract_sampled(state) is state.params
-    assert set(view.checkpoint_tree(state)) == set(state._fields) - {"base"}
+    assert set(state.saved()) == set(state._fields) - {"base"}
     assert view.checkpoint_extra(_model_section(0), "src") == {}
     view.check_checkpoint({}, _model_section(0), "src")
     lora_extra = Policy(CFG, lora=SPEC).checkpoint_extra(_model_section(4), "src")
@@ -66,7 +66,7 @@ def test_lora_trains_adapters_on_a_frozen_base_that_is_the_reference():
     # The sampler runs base + A B merged in the compute dtype: full-model weights.
     merged = jax.eval_shape(view.sampled, state)
     assert _shapes(merged) == _shapes(view.abstract_sampled(state)) == _shapes(params)
-    tree = view.checkpoint_tree(state)
+    tree = state.saved()
     assert "base" not in tree and "ref_params" not in tree
     model = _model_section(4)
     extra = view.checkpoint_extra(model, "src")

@@ -157,11 +157,12 @@ def test_aot_lowers_the_update_the_loop_runs():
     params = models.init_params(mc, jax.random.key(0))
     task = aot.shape_task(spec, mc, params)
     optimizer = loop.make_optimizer(spec.optim)
-    state, sh = loop._init_state(spec, task, optimizer, mesh)
+    view = loop.policy_lib.of(spec, task.model_config)
+    state, sh = loop._init_state(spec, view, task, optimizer, mesh)
     step, abstract_state, abstract_ro = aot.make_step(spec, mc, mesh, prompt_len=8)
     ro = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_ro)
     ro = jax.device_put(ro, sh.rollout)  # as the loop places a rollout
-    ran = _program(make_runner(spec, task, optimizer, sh).update, mesh, state, ro)
+    ran = _program(make_runner(spec, task, optimizer, sh, view).update, mesh, state, ro)
     assert _program(step.update, mesh, abstract_state, abstract_ro) == ran
 
 

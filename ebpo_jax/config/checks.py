@@ -39,40 +39,32 @@ class Derived(NamedTuple):
 
 
 def derive(c: Config, num_devices: int | None = None) -> Derived:
-    """The sampler's mesh, the attention kernel and the estimator's options, each asked once
-    (the trainer's mesh is resolved last, by `check`, as its rule comes last).
+    """The meshes (the trainer's once the device count is known), the attention kernel and
+    the estimator's options, each asked once.
 
     Splash is `model.overrides.attention`, or "auto" once the run has its devices (the
-    platform's kernel); False when that is not known yet.
+    platform's kernel); False when that is not known yet. `num_devices` is every device
+    there is; `mesh.devices` may pick fewer.
     """
     from ebpo_jax.models import attention  # late: this module stays free of jax
-    from ebpo_jax.sharding import parse_mesh
+    from ebpo_jax.sharding import parse_mesh, resolve_shape
 
-    attention_name = c.model.overrides.get("attention", "xla")
+    devices = None if num_devices is None else mesh_devices(c, num_devices)
+    shape, axes = c.mesh.shape, c.mesh.axes
+    need(len(shape) == len(axes), f"mesh.shape {shape} and mesh.axes {axes} differ in length")
     try:
         sampler = tuple(parse_mesh(c.sampler.mesh))
     except ValueError:
         raise ConfigError(f"sampler.mesh={c.sampler.mesh!r} is not like 'data=8,tp=4'") from None
-    if attention_name == "auto" and num_devices is not None:
-        attention_name = attention.resolve(attention_name)
-    return Derived(sampler, attention_name == "splash", c.estimator_options.as_kwargs())
-
-
-def mesh_shape(c: Config, num_devices: int) -> tuple[int, ...]:
-    """The mesh shape with -1 resolved against the mesh's devices; ConfigError when impossible.
-
-    `num_devices` is every device there is; `mesh.devices` may pick fewer.
-    """
-    from ebpo_jax.sharding import resolve_shape  # late: this module stays free of jax
-
-    num_devices = mesh_devices(c, num_devices)
-    shape, axes = c.mesh.shape, c.mesh.axes
-    if len(shape) != len(axes):
-        raise ConfigError(f"mesh.shape {shape} and mesh.axes {axes} differ in length")
     try:
-        return resolve_shape(shape, num_devices)
+        shape = None if devices is None else resolve_shape(shape, devices)
     except ValueError as e:
         raise ConfigError(f"mesh.shape: {e}") from None
+    attention_name = c.model.overrides.get("attention", "xla")
+    if attention_name == "auto" and num_devices is not None:
+        attention_name = attention.resolve(attention_name)
+    splash = attention_name == "splash"
+    return Derived(sampler, splash, c.estimator_options.as_kwargs(), shape)
 
 
 def model_setting(c: Config, name: str, hf_names: tuple[str, ...] = (), hf_absent=None):
@@ -293,11 +285,11 @@ def _data_and_model(c: Config) -> None:
             "(the synthetic tasks use their own char tokenizer and held-out split)",
         )
         return
+    _math_trainer(c)
     try:
         validate_data_config(d)
     except DataError as e:
         raise ConfigError(str(e)) from None
-    _math_trainer(c)
 
 
 def _difficulty_file(c: Config) -> None:
@@ -598,8 +590,6 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _loss_choice(c)
     _packing(c)
     _steps(c, d)
-    _data_and_model(c)
-    _difficulty_file(c)
     _overrides(c)
     _positions(c)
     _estimator_options(c, d)
@@ -612,6 +602,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _context(c)
     _batch_invariant_mesh(c, d)
     if num_devices is not None:
-        d = d._replace(mesh_shape=mesh_shape(c, num_devices))
         _devices(c, d)
+    _data_and_model(c)  # last: these read files
+    _difficulty_file(c)
     return d

@@ -27,9 +27,8 @@ from ebpo_jax.tasks.protocol import Reward, Task, build_task, mean_pass
 from ebpo_jax.tasks.protocol import get as get_family
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.runners import make_runner
-from ebpo_jax.trainer.shardings import make_shardings
+from ebpo_jax.trainer.shardings import bundle
 from ebpo_jax.trainer.state import make_optimizer
-from ebpo_jax.trainer.step import put
 from ebpo_jax.trainer.update import SAMPLE_ADVANTAGES
 
 
@@ -103,16 +102,15 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     return {**summary, "wall_time_s": time.time() - t_start}
 
 
-def _init_state(spec: RunSpec, task: Task, optimizer, mesh):
+def _init_state(spec: RunSpec, view: policy_lib.Policy, task: Task, optimizer, mesh):
     """The step-0 TrainState, built inside jit on its shardings, and the shardings bundle.
 
     No replicated copy of the params, Adam moments or reference policy ever exists.
     """
-    view = policy_lib.of(spec, task.model_config)
     init = lambda params: view.init(
         params, optimizer, seed=spec.run.seed, num_clusters=task.num_clusters
     )
-    sh = make_shardings(spec, task.model_config, optimizer, jax.eval_shape(init, task.params), mesh)
+    sh = bundle(spec, view, optimizer, jax.eval_shape(init, task.params), mesh)
     with jax.set_mesh(mesh):
         return jax.jit(init, out_shardings=sh.state)(task.params), sh
 
@@ -243,13 +241,12 @@ class _Log:
         adv = None if self.sample_adv is None else [float(a) for a in self.sample_adv[:n]]
         self.writer.write_samples(step, [prompt] * n, texts, rewards, adv)
 
-    def extra(self, task: Task, view: policy_lib.Policy) -> dict:
-        """What a checkpoint saves besides the state (JSON has no NaN: no eval stores None)."""
+    def extra(self, task: Task, policy_extra: dict) -> dict:
+        """What a checkpoint saves besides the state (JSON has no NaN: no eval stores None);
+        `policy_extra`: the policy's own entries (LoRA: the base's name)."""
         start = None if math.isnan(self.start) else self.start
         out = {"data": task.source.state(), "pass@1_start": start, "generated_tokens": self.tokens}
-        model = self.spec.task.model
-        out.update(view.checkpoint_extra(model, task.base_source))  # LoRA: the base's name
-        return out
+        return {**out, **policy_extra}
 
     def close(self):
         self.writer.close()
@@ -265,7 +262,7 @@ def _restore(ckpt: Checkpointer, state, runner, check, task: Task, log):
     """
     if ckpt.latest_step() is None:
         return state, {}
-    target = runner.view.checkpoint_tree(state)
+    target = state.saved()
     try:
         saved = ckpt.saved_tree()
         saved_extra = ckpt.saved_extra()
@@ -305,7 +302,8 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     """The host loop of train() over a built task; `save_config()` once the resume checks
     (the checkpoint's too) have passed, before anything else is written to the workdir."""
     optimizer = make_optimizer(spec.optim)
-    state, sh = _init_state(spec, task, optimizer, mesh)
+    view = policy_lib.of(spec, task.model_config)  # the one policy view of the run
+    state, sh = _init_state(spec, view, task, optimizer, mesh)
     ckpt = Checkpointer(
         os.path.join(spec.workdir, "checkpoints"),
         max_to_keep=spec.run.keep_checkpoints,
@@ -316,9 +314,10 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     watch = watchdog_lib.Watchdog(spec.run.step_timeout_s, spec.workdir, jax.process_index())
     watch.start()
     try:  # a save in flight is always committed (or named as failed), whatever happens
-        runner = make_runner(spec, task, optimizer, sh)
-        model = spec.task.model
-        check = lambda extra: runner.view.check_checkpoint(extra, model, task.base_source)
+        runner = make_runner(spec, task, optimizer, sh, view)
+        model, source = spec.task.model, task.base_source
+        check = lambda extra: view.check_checkpoint(extra, model, source)
+        policy_extra = view.checkpoint_extra(model, source)  # the same at every save
         state, extra = _restore(ckpt, state, runner, check, task, log)
         save_config()
         resumed_from = int(state.step) if extra else None
@@ -328,7 +327,8 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
         out = _Log(spec, first, extra, policy, state, task.evaluate, log)
         if first < spec.run.total_steps:
             out.bar.compiling()
-        step, stopped = _loop(spec, task, runner, state, _Host(ckpt, out, watch), stop_after)
+        host = _Host(ckpt, out, watch, policy_extra)
+        step, stopped = _loop(spec, task, runner, state, host, stop_after)
         if step == first:  # nothing left to train: `state` is the run's last one (not donated)
             out.final_eval(step, lambda: runner.policy(state))
     finally:
@@ -354,12 +354,14 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
 
 
 class _Host(NamedTuple):
-    """What the loop reports to, built once by `_run`: the checkpointer, the log (metrics rows,
-    progress bar, evaluations) and the watchdog, which hears each phase."""
+    """What the loop reports to, built once by `_run`: the checkpointer (and the policy's
+    entries of every checkpoint), the log (metrics rows, progress bar, evaluations) and the
+    watchdog, which hears each phase."""
 
     ckpt: Checkpointer
     out: _Log
     watch: watchdog_lib.Watchdog
+    policy_extra: dict
 
 
 def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
@@ -368,7 +370,7 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
     The runner's phase times and the previous step's checkpoint time go into each step's row
     (`phase/<name>_s`).
     """
-    ckpt, out, watch = host
+    ckpt, out, watch, policy_extra = host
     step = first = int(state.step)
     stopped = False
     log = out.bar.write
@@ -376,8 +378,7 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
     watch.attach(timer)
 
     def next_batches():
-        batches = task.source.next_batches(spec.run.steps_per_jit)
-        return put(batches, runner.sh.batches(batches))
+        return runner.sh.place_batches(task.source.next_batches(spec.run.steps_per_jit))
 
     with PreemptionGuard() as guard, trace:
         while step < spec.run.total_steps:
@@ -392,8 +393,8 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
             rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
             step += len(rows)
             out.samples(step, task.tokenizer, runner.last_rollout)
-            extra = out.extra(task, runner.view)  # the position counts every batch drawn
-            saved = {**runner.view.checkpoint_tree(state), **runner.checkpoint_entries()}
+            extra = out.extra(task, policy_extra)  # the position counts every batch drawn
+            saved = {**state.saved(), **runner.checkpoint_entries()}
             ckpt.check()  # a failed asynchronous save ends the run now, not in a log
             # No regular save inside a non-finite streak: the kept checkpoints stay good ones.
             if ckpt.should_save(step) and rows[-1]["train/nonfinite_run"] == 0:

@@ -1,5 +1,6 @@
 """The policy view: for full fine-tuning and LoRA/QLoRA alike, which weights train, which
-stay frozen, what the KL reference is, what the sampler runs, and what a checkpoint holds.
+stay frozen, what the KL reference is, what the sampler runs, and which base a checkpoint's
+adapters belong to.
 
 Full fine-tuning: `TrainState.params` train; `ref_params` (a copy made at step 0, only when
 the KL term needs it) is frozen and is the reference. LoRA: `params` are the adapters, `base`
@@ -18,7 +19,21 @@ from ebpo_jax import models, sharding
 from ebpo_jax.models import lora as lora_lib
 from ebpo_jax.models import lora_checkpoint, quantize
 from ebpo_jax.schema import ConfigError
-from ebpo_jax.trainer.state import TrainState, init_lora_state, init_train_state
+from ebpo_jax.trainer.state import TrainState, init_train_state
+
+_ADAPTER_STREAM = 19  # fold_in(key(seed), ·) for the adapters' init: apart from the step rngs
+
+
+def init_lora_state(
+    base_params, optimizer, spec: lora_lib.LoraSpec, model_config, *, seed: int, num_clusters=1
+) -> TrainState:
+    """A fresh LoRA TrainState around the base weights; jit-able (build it with out_shardings)."""
+    key = jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM)
+    adapters = lora_lib.init_adapters(model_config, spec, key)
+    base = lora_lib.quantize_base(base_params, spec)
+    return init_train_state(
+        adapters, optimizer, seed=seed, num_clusters=num_clusters, with_ref=False, base=base
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -74,10 +89,12 @@ class Policy:
             return abstract_state.params
         return models.abstract_params(self.model_config)
 
-    def checkpoint_tree(self, state: TrainState) -> dict:
-        """What a checkpoint saves of the state: all but the frozen LoRA base, which every
-        start rebuilds from the task's source."""
-        return {k: v for k, v in state._asdict().items() if v is not None and k != "base"}
+    def sampler_shardings(self, param_dtype: str, abstract_state: TrainState, mesh):
+        """Where the sampler's copy of the policy lives on `mesh` (sampler.param_dtype's layout)."""
+        sampled = self.abstract_sampled(abstract_state)
+        if param_dtype == "int8":
+            return int8_shardings(self.model_config, mesh)
+        return sharding.param_shardings(self.model_config, sampled, mesh)
 
     def checkpoint_extra(self, model, source: str) -> dict:
         """The checkpoint's extra entries: under LoRA, the base the adapters belong to."""
@@ -166,14 +183,6 @@ def int8_shardings(model_config, mesh):
     abstract = models.abstract_params(model_config)
     quantized = jax.eval_shape(lambda p: quantize.int8_weights(p, model_config.dtype), abstract)
     return lora_lib.base_shardings(model_config, quantized, mesh)
-
-
-def sampler_shardings(spec, model_config, abstract_state, mesh):
-    """Where the sampler's copy of the policy lives on `mesh` (sampler.param_dtype's layout)."""
-    if spec.rollout.sampler.param_dtype == "int8":
-        return int8_shardings(model_config, mesh)
-    sampled = of(spec, model_config).abstract_sampled(abstract_state)
-    return sharding.param_shardings(model_config, sampled, mesh)
 
 
 def of(spec, model_config) -> Policy:

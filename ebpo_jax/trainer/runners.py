@@ -23,7 +23,7 @@ import numpy as np
 
 from ebpo_jax.runtime.watchdog import PhaseTimer
 from ebpo_jax.spec import RunSpec
-from ebpo_jax.trainer import pipeline
+from ebpo_jax.trainer import pipeline, policy
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
 from ebpo_jax.trainer.step import Pieces, first, multi_step
@@ -100,9 +100,11 @@ class HostRunner(_Runner):
         return state, m, times
 
 
-def make_runner(spec: RunSpec, task, optimizer, sh: Shardings):
-    """The runner `spec` asks for: the stale pipeline, the K-step scan, or K = 1 via the host."""
-    pieces = Pieces(spec, task, optimizer, sh)
+def make_runner(spec: RunSpec, task, optimizer, sh: Shardings, view: policy.Policy | None = None):
+    """The runner `spec` asks for: the stale pipeline, the K-step scan, or K = 1 via the host.
+
+    `view`: the run's policy view (default: the one `spec` and the task's model make)."""
+    pieces = Pieces(spec, task, optimizer, sh, view or policy.of(spec, task.model_config))
     if spec.rollout.rollout.max_staleness:
         return pipeline.Pipeline(pieces, spec.run.total_steps)
     return ScanRunner(pieces) if spec.run.steps_per_jit > 1 else HostRunner(pieces)

@@ -70,23 +70,37 @@ class Shardings(NamedTuple):
         mesh = self.sampler_mesh if on_sampler else self.mesh
         return sharding.batch_sharded(tree, mesh, self.prompt_rows, axis=axis, strict=False)
 
+    def place_batches(self, tree):
+        """Host prompt batches ([K]-stacked, the same on every process), placed as `batches`."""
+        return sharding.put_batch(tree, self.mesh, self.prompt_rows, axis=1, strict=False)
+
 
 def make_shardings(
     spec: RunSpec, model_config, optimizer, abstract_state, mesh, devices=None
 ) -> Shardings:
-    """The bundle for `abstract_state` (a TrainState of arrays or ShapeDtypeStructs).
+    """`bundle` for the policy view of `spec` and `model_config`."""
+    view = policy.of(spec, model_config)
+    return bundle(spec, view, optimizer, abstract_state, mesh, devices)
+
+
+def bundle(
+    spec: RunSpec, view: policy.Policy, optimizer, abstract_state, mesh, devices=None
+) -> Shardings:
+    """The shardings of a run whose policy `view` holds `abstract_state` (a TrainState of
+    arrays or ShapeDtypeStructs).
 
     `devices`: all devices of the run (default: jax.devices()), for a disjoint sampler mesh.
     """
     s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
-    P_ = spec.rollout.prompts
+    P_, routing = spec.rollout.prompts, spec.rollout.moe.routing_replay
+    param_dtype = spec.rollout.sampler.param_dtype
     return Shardings(
         mesh=mesh,
         sampler_mesh=s_mesh,
-        state=state_shardings(model_config, optimizer, abstract_state, mesh),
-        rollout=rollout_shardings(mesh, P_, spec.rollout.moe.routing_replay),
-        sampler_rollout=rollout_shardings(s_mesh, P_, spec.rollout.moe.routing_replay),
-        sampler_params=policy.sampler_shardings(spec, model_config, abstract_state, s_mesh),
+        state=state_shardings(view.model_config, optimizer, abstract_state, mesh),
+        rollout=rollout_shardings(mesh, P_, routing),
+        sampler_rollout=rollout_shardings(s_mesh, P_, routing),
+        sampler_params=view.sampler_shardings(param_dtype, abstract_state, s_mesh),
         replicated=NamedSharding(mesh, P()),
         prompt_rows=spec.rollout.batch_prompts,
     )

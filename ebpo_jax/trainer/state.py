@@ -13,7 +13,7 @@ from ebpo_jax.spec import OptimSpec
 
 
 class TrainState(NamedTuple):
-    """Everything a step reads and writes; a checkpoint saves exactly this."""
+    """Everything a step reads and writes; a checkpoint saves `saved()` of it."""
 
     params: Any
     opt_state: Any
@@ -26,6 +26,11 @@ class TrainState(NamedTuple):
     # LoRA (model.lora.rank > 0): the frozen base weights, `params` being the adapters and
     # the KL reference the base itself; None for full fine-tuning. Not checkpointed.
     base: Any = None
+
+    def saved(self) -> dict:
+        """What a checkpoint saves: all but the frozen LoRA base, which every start rebuilds
+        from the task's source."""
+        return {k: v for k, v in self._asdict().items() if v is not None and k != "base"}
 
 
 def learning_rate_schedule(opt: OptimSpec) -> optax.Schedule:
@@ -104,19 +109,4 @@ def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainSt
         nonfinite_run=rep,
         generated_tokens=rep,
         base=None if state.base is None else lora.base_shardings(model_config, state.base, mesh),
-    )
-
-
-_ADAPTER_STREAM = 19  # fold_in(key(seed), ·) for the adapters' init: apart from the step rngs
-
-
-def init_lora_state(
-    base_params, optimizer, spec: lora.LoraSpec, model_config, *, seed: int, num_clusters=1
-) -> TrainState:
-    """A fresh LoRA TrainState around the base weights; jit-able (build it with out_shardings)."""
-    key = jax.random.fold_in(jax.random.key(seed), _ADAPTER_STREAM)
-    adapters = lora.init_adapters(model_config, spec, key)
-    base = lora.quantize_base(base_params, spec)
-    return init_train_state(
-        adapters, optimizer, seed=seed, num_clusters=num_clusters, with_ref=False, base=base
     )

@@ -15,7 +15,8 @@ from ebpo_jax.rollout.multi_turn import MultiTurnRollout
 from ebpo_jax.rollout.refill import HostRefill
 from ebpo_jax.rollout.single_turn import make_rollout_fn, make_round_fn
 from ebpo_jax.runtime import distributed
-from ebpo_jax.spec import RunSpec
+from ebpo_jax.sharding import put
+from ebpo_jax.spec import RolloutSpec, RunSpec
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.shardings import Shardings
 from ebpo_jax.trainer.state import TrainState
@@ -57,53 +58,56 @@ def make_train_step(
 class Pieces:
     """The jitted rollout and update of a run, and the helpers every runner shares."""
 
-    def __init__(self, spec: RunSpec, task, optimizer, sh: Shardings):
-        self.sh = sh
+    def __init__(self, spec: RunSpec, task, optimizer, sh: Shardings, view: policy_lib.Policy):
+        self.sh, self.view = sh, view
         self.host_reward = None if task.reward.jittable else task.reward.fn
-        reward_fn = task.reward.fn if task.reward.jittable else None
-        mc, stops = task.model_config, task.stop_ids
-        rollout = make_rollout_fn(
-            spec.rollout, mc, reward_fn, stops, task.cluster_ids, sh.sampler_mesh
+        self.episodes = self.refill = self.scan_body = None
+        # DAPO's dynamic sampling scored on the host: each round its own sampler program.
+        host_rounds = spec.rollout.dapo.dynamic_sampling and (
+            task.env is not None or not task.reward.jittable
         )
-        update = make_update_fn(spec.update, mc, optimizer, stops)
-        self.rollout = jax.jit(rollout, out_shardings=sh.sampler_rollout)
-        self.episodes = None  # a task with an environment: the host turn loop samples
-        if task.env is not None:  # one step per call: config.checks
-            self.episodes = MultiTurnRollout(spec.rollout, task, sh.sampler_mesh)
-            self.host_reward = None  # the episodes score themselves (task + environment)
-            self.rollout = lambda params, batch, key: jax.device_put(
-                self.episodes(params, batch, key), sh.sampler_rollout
-            )
-        self.refill = None  # DAPO's dynamic sampling scored on the host: trainer/refill.py
-        if spec.rollout.dapo.dynamic_sampling and (self.episodes or not task.reward.jittable):
-            self._host_rounds(spec, task, sh)
+        update = make_update_fn(spec.update, task.model_config, optimizer, task.stop_ids)
         self.update = jax.jit(
             update,
             in_shardings=(sh.state, sh.rollout),
             out_shardings=(sh.state, sh.replicated),
             donate_argnums=0,
         )
-        self.view = policy_lib.of(spec, mc)
         # The sampler's weights: state.params itself, or (LoRA) one merge per step; then
         # their cast and move (AOT compiles the same programs from `weights`).
-        self.weights = policy_lib.SamplerWeights(self.view, spec.rollout.sampler.param_dtype, sh)
+        self.weights = policy_lib.SamplerWeights(view, spec.rollout.sampler.param_dtype, sh)
         self.policy = self.weights.sampled
-        self.scan_body = functools.partial(train_step, rollout, update, self.view.sampled)
+        if task.env is None:
+            rollout = self._single_turn(spec.rollout, task, host_rounds)
+            self.scan_body = functools.partial(train_step, rollout, update, view.sampled)
+        else:  # one step per call: config.checks
+            self._multi_turn(spec.rollout, task, host_rounds)
+        if host_rounds:
+            self.refill = HostRefill(spec.rollout, sh)
 
-    def _host_rounds(self, spec: RunSpec, task, sh: Shardings):
-        """Round r of a refilled step as its own sampler program; round 0 is the rollout."""
-        if self.episodes is not None:
-            ep = self.episodes
-            self.round = lambda params, batch, r, key: jax.device_put(
-                ep.round(params, batch, r, key), sh.sampler_rollout
-            )
+    def _single_turn(self, spec: RolloutSpec, task, host_rounds: bool):
+        """The jitted rollout on the sampler mesh and, with `host_rounds`, round r's program;
+        returns the rollout function (the scan body's)."""
+        sh, mc, stops, clusters = self.sh, task.model_config, task.stop_ids, task.cluster_ids
+        reward_fn = task.reward.fn if task.reward.jittable else None
+        rollout = make_rollout_fn(spec, mc, reward_fn, stops, clusters, sh.sampler_mesh)
+        self.rollout = jax.jit(rollout, out_shardings=sh.sampler_rollout)
+        if host_rounds:
+            round_fn = make_round_fn(spec, mc, stops, clusters, sh.sampler_mesh)
+            self.round = jax.jit(round_fn, out_shardings=sh.sampler_rollout)
+        return rollout
+
+    def _multi_turn(self, spec: RolloutSpec, task, host_rounds: bool):
+        """The host turn loop, which scores its own episodes (task + environment); with
+        `host_rounds`, round r of a refilled step, round 0 being the rollout."""
+        sh = self.sh
+        ep = self.episodes = MultiTurnRollout(spec, task, sh.sampler_mesh)
+        self.host_reward = None
+        on_sampler = lambda ro: jax.device_put(ro, sh.sampler_rollout)
+        self.rollout = lambda params, batch, key: on_sampler(ep(params, batch, key))
+        if host_rounds:
+            self.round = lambda params, batch, r, key: on_sampler(ep.round(params, batch, r, key))
             self.rollout = lambda params, batch, key: self.round(params, batch, 0, key)
-        else:
-            fn = make_round_fn(
-                spec.rollout, task.model_config, task.stop_ids, task.cluster_ids, sh.sampler_mesh
-            )
-            self.round = jax.jit(fn, out_shardings=sh.sampler_rollout)
-        self.refill = HostRefill(spec.rollout, sh)
 
     def scored(self, state: TrainState, batch, stream: int, weights=None):
         """rollout_from then finish; with a host-scored DAPO step, every refill round.
@@ -168,13 +172,3 @@ def first(batches):
 
 
 _REPLICATED = jax.sharding.PartitionSpec()
-
-
-def put(tree, shardings):
-    """Host arrays (identical on every process) -> global arrays placed by `shardings`."""
-
-    def one(x, sh):
-        x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
-
-    return jax.tree.map(one, tree, shardings)
