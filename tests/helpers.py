@@ -78,12 +78,9 @@ def forward_cached(
     return models.forward_cached(config, params, tokens, cache, slots, **kw)
 
 
-def compile_tiny_decode(
-    mesh, attention: str, dp_attention: bool = False, kv_dtype: str = "", page_size: int = 16
-):
+def compile_tiny_decode(mesh, attention: str, dp_attention: bool = False):
     """The engine's decode compiled on a (data, tp) `mesh` for a tiny model with 8 kv heads
-    and a pool of 8192 pages of 16 tokens (or 1024 pages of `page_size` > 16): (compiled
-    decode, the pool's bytes per chip)."""
+    and a pool of 8192 pages of 16 tokens: (compiled decode, the pool's bytes per chip)."""
     import jax
 
     from ebpo_jax import models
@@ -95,15 +92,13 @@ def compile_tiny_decode(
     params = models.abstract_params(mc)
     params = aot.abstract(params, param_shardings(mc, params, mesh))
     spec = SamplerSpec(
-        max_new_tokens=64, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=page_size,
-        kv_pages=8192 * 16 // page_size, attention=attention, dp_attention=dp_attention,
-        kv_dtype=kv_dtype,
+        max_new_tokens=64, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=16,
+        kv_pages=8192, attention=attention, dp_attention=dp_attention,
     )  # fmt: skip
     with jax.default_matmul_precision("default"):
         programs = aot.compile_sampler(spec, mc, mesh, params, 8, 32)
     plan = programs["plan"]
-    tp = aot.pool_tp(mesh, spec)
-    return programs["decode"][2], plan.pages * aot.page_bytes_per_chip(mc, page_size, tp, kv_dtype)
+    return programs["decode"][2], plan.pages * aot.page_bytes_per_chip(mc, 16, tp=aot.pool_tp(mesh, spec))
 
 
 def start_trainers(workdir, *flags, processes: int = 2, wrap=None) -> list:

@@ -14,9 +14,8 @@ Keep at least 8 combined kv heads per device (bfloat16, v5p): with 4 (8 kv heads
 XLA keeps a decode loop's pool in another tiled layout than the kernel's and converts it
 around every call, a copy of the pool per layer per step and 3x the pool in memory; with 8
 or 16 it does not (tests/paged_kernels_test.py compiles the engine's decode to check).
-An int8 pool (`quant.Int8Pages`) runs `ragged_paged_int8`, a fork of the kernel that DMAs the
-scale pages beside the int8 pages and applies them in VMEM: the stock kernel takes int8 pages
-but only one static scale per tensor (`k_scale`, `v_scale`), not the per-token scales here.
+An int8 pool (`quant.Int8Pages`) runs the XLA path too: the kernel takes int8 pages but only
+one static scale per tensor (`k_scale`, `v_scale`), not the per-token scales kept here.
 Under a mesh the kernel runs per device (`paged_shard`: page tables are local to the row
 shard's pool slab).
 """
@@ -30,7 +29,6 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_mi
 from ebpo_jax.kernels.paged_shard import ROW_AXES, per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
 from ebpo_jax.kernels.quant import Int8Pages
-from ebpo_jax.kernels.ragged_paged_int8 import ragged_paged_attention_int8
 
 # Tokens per KV block: the kernel copies whole blocks (pages past the row's end included),
 # so a smaller block wastes less of a short row's bandwidth; 512 is within the sizes the
@@ -52,23 +50,18 @@ def block_sizes(page_size: int, pages_per_row: int, rows: int) -> tuple[int, int
 def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
     """None when the kernel takes one device's shapes, else why the XLA path runs instead."""
     D, C = q_RHD.shape[-1], kv_pages_PSCD.shape[2]
-    if isinstance(kv_pages_PSCD, Int8Pages) and kv_pages_PSCD.shape[1] % LANES:
-        return f"page_size {kv_pages_PSCD.shape[1]}: int8 scale pages need a multiple of {LANES}"
+    if isinstance(kv_pages_PSCD, Int8Pages):
+        return "int8 pages with per-token scales: the kernel takes one static scale per tensor"
     if D % LANES:
         return f"head_dim {D}: the kernel's scratch is {LANES} lanes wide, needs a multiple"
     try:
-        get_min_heads_per_blk(q_RHD.shape[1], C, q_RHD.dtype, _values(kv_pages_PSCD).dtype)
+        get_min_heads_per_blk(q_RHD.shape[1], C, q_RHD.dtype, kv_pages_PSCD.dtype)
     except ValueError as e:
         return f"{C} combined kv heads per device: {e}"
     return None
 
 
-def _values(kv_pages_PSCD):
-    """The pool's page values (an Int8Pages' int8 values)."""
-    return kv_pages_PSCD.values if isinstance(kv_pages_PSCD, Int8Pages) else kv_pages_PSCD
-
-
-def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret=False):
+def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale):
     """The kernel on one device's rows and pages (the XLA path where it refuses them)."""
     if fallback_reason(q_RHD, kv_pages_PSCD):
         return paged_decode_attention_xla(
@@ -76,37 +69,30 @@ def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret=F
         )
     R = q_RHD.shape[0]
     kv_pages, queries = block_sizes(kv_pages_PSCD.shape[1], page_table_RN.shape[1], R)
-    ragged = (
+    out_RHD = ragged_paged_attention(
+        q_RHD,
+        kv_pages_PSCD,
         jnp.maximum(kv_lens_R, 1).astype(jnp.int32),
         page_table_RN.astype(jnp.int32),
         jnp.arange(R + 1, dtype=jnp.int32),
         jnp.array([R], jnp.int32),
+        sm_scale=scale,
+        num_kv_pages_per_block=kv_pages,
+        num_queries_per_block=queries,
     )
-    blocks = dict(sm_scale=scale, num_kv_pages_per_block=kv_pages, num_queries_per_block=queries)
-    if isinstance(kv_pages_PSCD, Int8Pages):
-        values_PSCD, scales_PSC = kv_pages_PSCD
-        # The kernel reads the scales head-major (lane-dense); laid out page_size-minor, as
-        # the pool's writes ask (pages._set_head_major), the swap is a bitcast.
-        out_RHD = ragged_paged_attention_int8(
-            q_RHD, values_PSCD, scales_PSC.swapaxes(1, 2), *ragged, interpret=interpret, **blocks
-        )
-    else:
-        out_RHD = ragged_paged_attention(q_RHD, kv_pages_PSCD, *ragged, **blocks)
     return jnp.where(kv_lens_R[:, None, None] > 0, out_RHD, 0)
 
 
 def paged_decode_attention_tpu(
-    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, row_axes=ROW_AXES,
-    interpret=False,
-):  # fmt: skip
+    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, row_axes=ROW_AXES
+):
     """softmax(q k^T * scale) v over each row's own pages, by the Pallas TPU kernel: [R, H, D].
 
-    scale defaults to 1/sqrt(head_dim). The stock kernel only compiles for TPU (its interpret
-    mode fails in JAX 0.10.2; `ref_ragged_paged_attention` in its module is its CPU twin);
-    the int8 fork runs in Pallas' TPU interpreter with `interpret=True`.
+    scale defaults to 1/sqrt(head_dim). Only compiles for TPU (its interpret mode fails in
+    JAX 0.10.2); `ref_ragged_paged_attention` in the kernel's module is its CPU twin.
     Under a mesh, rows and pages split over its `row_axes` (paged_shard).
     """
     check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     scale = q_RHD.shape[-1] ** -0.5 if scale is None else float(scale)
-    local = functools.partial(_local, scale=scale, interpret=interpret)
+    local = functools.partial(_local, scale=scale)
     return per_shard(local, row_axes)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)

@@ -30,7 +30,6 @@ _KERNELS = {
     "pallas_gpu": ("ebpo_jax.kernels.paged_gpu", "paged_decode_attention_gpu"),
 }
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) stays 1, never NaN
-INT8_TPU_PAGE_MULTIPLE = 128  # kernels/ragged_paged_tpu.LANES, not imported: Pallas is lazy
 BLOCK_PAGES = 8  # the "xla" loop's chunk: rows x BLOCK_PAGES pages (fewer if the table is short)
 
 
@@ -52,13 +51,11 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return kernel if kernel is not None and _available(kernel) else "xla"
 
 
-def resolve_for_pages(impl: str, platform: str | None, kv_dtype: str, page_size: int) -> str:
-    """`resolve`, except that int8 pages skip the TPU kernel where its int8 fork refuses the
-    page size (a multiple of 128: lane-dense scale pages); the kernel's per-device fallback
-    gathers each row's whole page table, where "xla" reads live pages only."""
+def resolve_for_pages(impl: str, platform: str | None, kv_dtype: str) -> str:
+    """`resolve`, except that int8 pages skip the TPU kernel: it takes one static scale per
+    tensor, and its fallback gathers each row's whole page table where "xla" reads live pages."""
     impl = resolve(impl, platform)
-    unaligned = page_size % INT8_TPU_PAGE_MULTIPLE
-    return "xla" if kv_dtype == "int8" and impl == "pallas_tpu" and unaligned else impl
+    return "xla" if kv_dtype == "int8" and impl == "pallas_tpu" else impl
 
 
 def paged_decode_attention(

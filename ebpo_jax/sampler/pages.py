@@ -45,18 +45,8 @@ def _set(pool, index, x):
     """pool.at[index].set(x) ("none" pages dropped); an Int8Pages quantizes x first."""
     if isinstance(pool, Int8Pages):
         q, s = quantize(x)
-        return Int8Pages(_set(pool.values, index, q), _set_head_major(pool.scales, index, s))
+        return Int8Pages(_set(pool.values, index, q), _set(pool.scales, index, s))
     return pool.at[index].set(x.astype(pool.dtype), mode="drop")
-
-
-def _set_head_major(scales_PSC, index, s):
-    """scales_PSC.at[index].set(s), written through the [P, 2K, S] view the TPU kernel reads,
-    so the scatter asks XLA for the kernel's page_size-minor layout, not the lane-padded one."""
-    if not isinstance(index, tuple):  # whole pages: [..., S, 2K] sources
-        return _set(scales_PSC.swapaxes(-1, -2), index, s.swapaxes(-1, -2)).swapaxes(-1, -2)
-    page, offset = index
-    view = scales_PSC.swapaxes(-1, -2).at[page, :, offset].set(s, mode="drop")
-    return view.swapaxes(-1, -2)
 
 
 def interleave(k_BKD, v_BKD):
