@@ -10,6 +10,9 @@ position order in chunks of CHUNK tokens (chunk c = positions [c*CHUNK, (c+1)*CH
 the query's own sequence, aligned at its position 0) with an online softmax combined in
 chunk order; chunks past the query's length are skipped (the state is kept, not updated
 by zeros), so padding, packing, pages and slots only change where the keys are read from.
+
+Under a mesh whose row axes (data, fsdp) split the rows, each shard blocks its own rows in a
+`shard_map`: SPMD does not split a `lax.map` over rows, and would gather them all.
 """
 
 import functools
@@ -17,6 +20,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 # Rows per block: the fewest rows a dot computes (a decode step of one slot pays for TILE),
 # and a multiple of the CPU's 8-float registers; measured bitwise in float32 and bfloat16.
@@ -25,9 +29,44 @@ TILE = 8
 # or are divided by it) and of the row's layout.
 CHUNK = 16
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) stays 1, never NaN
+# Mesh axes that split rows (sharding.DEFAULT_RULES' "batch"); the mode refuses the others.
+ROW_AXES = ("data", "fsdp")
 
 
-def row_tiles(fn, *xs_N, tile: int = TILE):
+def row_axes(rows: int) -> tuple[str, ...]:
+    """The ambient mesh's automatic row axes of size > 1 if they split `rows`, else ()."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return ()
+    names = [a for a in ROW_AXES if a in mesh.axis_names and a not in mesh.manual_axes]
+    names = tuple(a for a in names if mesh.shape[a] > 1)
+    return names if names and rows % math.prod(mesh.shape[a] for a in names) == 0 else ()
+
+
+def per_shard(fn, *xs_N, consts=()):
+    """fn(*xs_N, *consts) on each row shard's own rows (`shard_map` over `row_axes`), else on all.
+
+    `consts` (weights: pytrees) enter whole on every shard, as FSDP gathers them. fn must not
+    close over arrays that need a gradient: one closed over fails to transpose in shard_map.
+    """
+    axes = row_axes(xs_N[0].shape[0])
+    if not axes:
+        return fn(*xs_N, *consts)
+    rows = P(axes)
+    specs = (rows,) * len(xs_N) + (P(),) * len(consts)
+    # check_vma=False: the blocks' loops start from replicated constants (a typed carry would
+    # need a pcast in every loop); rows stay per shard, so no value is mistyped.
+    run = jax.shard_map(fn, in_specs=specs, out_specs=rows, axis_names=set(axes), check_vma=False)
+    return run(*xs_N, *consts)
+
+
+def row_tiles(fn, *xs_N, consts=(), tile: int = TILE):
+    """fn(*blocks, *consts) over fixed [tile, ...] blocks of the rows of xs_N, per shard."""
+    local = lambda *a: _blocks(lambda *b: fn(*b, *a[len(xs_N) :]), *a[: len(xs_N)], tile=tile)
+    return per_shard(local, *xs_N, consts=consts)
+
+
+def _blocks(fn, *xs_N, tile: int = TILE):
     """fn over fixed [tile, ...] blocks of the leading (row) axis of xs_N; outputs [N, ...]."""
     N = xs_N[0].shape[0]
     # Two blocks at least: XLA inlines a loop of one trip, and the inlined block compiled
@@ -44,9 +83,8 @@ def row_tiles(fn, *xs_N, tile: int = TILE):
 
 def dot(x_NK, w_KM, preferred_element_type=None):
     """x_NK @ w_KM, one fixed [TILE, K] @ [K, M] dot per block of rows."""
-    return row_tiles(
-        lambda x: jnp.dot(x, w_KM, preferred_element_type=preferred_element_type), x_NK
-    )
+    dot_ = functools.partial(jnp.dot, preferred_element_type=preferred_element_type)
+    return row_tiles(dot_, x_NK, consts=(w_KM,))
 
 
 def einsum(eq: str, x, w, preferred_element_type=None):
@@ -62,11 +100,11 @@ def einsum(eq: str, x, w, preferred_element_type=None):
     return y_NM.reshape(*lead, *n_out)
 
 
-def per_row(fn, x, *rest):
-    """fn on rows of x's last dim (all leading dims flattened), by fixed blocks."""
+def per_row(fn, x, *rest, consts=()):
+    """fn(*rows, *consts) on rows of x's last dim (all leading dims flattened), by fixed blocks."""
     lead = x.shape[:-1]
     flat = [a.reshape(-1, *a.shape[len(lead) :]) for a in (x, *rest)]
-    out = row_tiles(fn, *flat)
+    out = row_tiles(fn, *flat, consts=consts)
     return jax.tree.map(lambda y: y.reshape(*lead, *y.shape[1:]), out)
 
 
@@ -85,21 +123,23 @@ def token_logprobs(logits_NV, tok_N):
 def head_logprobs(h_ND, w_DV, tok_N, with_entropy=False):
     """log p(tok) [N] (and entropy) through the head, a block of rows' logits at a time."""
 
-    def block(h_TD, t_T):
+    # Rematerialised: the gradient of the loop over blocks would keep every block's [TILE, V]
+    # float32 logits and softmax (all the rows' logits, tens of GiB for a long row).
+    @jax.checkpoint
+    def block(h_TD, t_T, w_DV):
         logp, ent = _logp_entropy(jnp.dot(h_TD, w_DV, preferred_element_type=jnp.float32), t_T)
         return (logp, ent) if with_entropy else logp
 
-    return row_tiles(block, h_ND, tok_N)
+    return row_tiles(block, h_ND, tok_N, consts=(w_DV,))
 
 
 def attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, *, scale, dtype, differentiable=True):
     """out [Q, H, d]: query q's softmax over keys k_NKd[idx_QP[q, p]], p < n_Q[q] (positions).
 
-    A query with n = 0 gives zeros. `differentiable`: every block walks all chunks of idx_QP,
-    and the gradient comes from `_dense_attention` (the same function, other rounding: only
-    the log-probs need be invariant), so no chunk's softmax state is kept for the backward;
-    else only up to its longest query's chunk (decode reads what is live). Skipped chunks
-    leave the state as it is, so both give the same bits.
+    A query with n = 0 gives zeros. Each block walks chunks up to its longest query's.
+    `differentiable`: the gradient comes from `_dense_attention` (the same function, other
+    rounding: only the log-probs need be invariant), so no chunk's softmax state is kept for
+    the backward.
     """
     if differentiable:
         return _attention_vjp(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype)
@@ -108,11 +148,13 @@ def attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, *, scale, dtype, differentiable=
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _attention_vjp(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
-    return _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, True)
+    return _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, False)
 
 
 def _attention_fwd(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
-    out = _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, True)
+    # A loop of data-dependent length: with a fixed one, XLA:TPU precomputed the masks of all
+    # (block, chunk) pairs at once (45 GiB for a 12288-token row).
+    out = _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, False)
     return out, (q_QHd, k_NKd, v_NKd, idx_QP, n_Q)
 
 
@@ -142,11 +184,16 @@ def _dense_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
         out = jnp.einsum("tkgp,tpkd->tkgd", p.astype(dtype), v_TPKd, preferred_element_type=f32)
         return out.reshape(TILE, H, d).astype(dtype)
 
-    return row_tiles(block, q_QHd, idx_QP, n_Q.astype(jnp.int32))
+    return _blocks(block, q_QHd, idx_QP, n_Q.astype(jnp.int32))
 
 
 def _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, differentiable):
-    """`attention`'s forward: fixed key chunks in position order, an online softmax."""
+    """`attention`'s forward: fixed key chunks in position order, an online softmax.
+
+    `differentiable`: every block walks all chunks (a fixed trip count, which JAX can
+    differentiate); else up to its longest query's. Skipped chunks leave the state as it is,
+    so both give the same bits.
+    """
     Q, H, d = q_QHd.shape
     K = k_NKd.shape[1]
     if idx_QP.shape[1] % CHUNK:
@@ -185,7 +232,7 @@ def _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, different
         out_TKGd = acc_TKGd / jnp.where(l_TKG > 0, l_TKG, 1.0)[..., None]
         return out_TKGd.reshape(TILE, H, d).astype(dtype)
 
-    return row_tiles(block, q_QHd, idx_QP, n_Q.astype(jnp.int32))
+    return _blocks(block, q_QHd, idx_QP, n_Q.astype(jnp.int32))
 
 
 def visible_keys(allowed_BTS):
@@ -210,6 +257,11 @@ def visible_keys(allowed_BTS):
 
 def attend_masked(q_BTHd, k_BSKd, v_BSKd, allowed_BTS, *, scale, dtype):
     """`attention` of queries [B, T] over their row's keys [B, S] where allowed: [B, T, H, d]."""
+    local = functools.partial(_attend_local, scale=scale, dtype=dtype)
+    return per_shard(local, q_BTHd, k_BSKd, v_BSKd, allowed_BTS)
+
+
+def _attend_local(q_BTHd, k_BSKd, v_BSKd, allowed_BTS, *, scale, dtype):
     B, T, H, d = q_BTHd.shape
     S, K = k_BSKd.shape[1], k_BSKd.shape[2]
     idx, n = visible_keys(allowed_BTS)

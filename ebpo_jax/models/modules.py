@@ -98,13 +98,13 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x):
         if self.invariant:
-            return invariant.per_row(self._norm, x)
-        return self._norm(x)
+            return invariant.per_row(self._norm, x, consts=(self.scale[...],))
+        return self._norm(x, self.scale[...])
 
-    def _norm(self, x):
+    def _norm(self, x, scale):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return normed.astype(self.dtype) * self.scale[...].astype(self.dtype)
+        return normed.astype(self.dtype) * scale.astype(self.dtype)
 
 
 class Attention(nnx.Module):
@@ -205,18 +205,20 @@ class MLP(nnx.Module):
         self.invariant = config.batch_invariant
 
     def __call__(self, x_BTD):
+        weights = tuple(w.get_value() for w in (self.gate, self.up, self.down))
         if self.invariant:  # SiLU too: XLA's vector and scalar exp differ, so fixed blocks
-            return invariant.per_row(lambda x_TD: self._swiglu(x_TD[None])[0], x_BTD)
-        return self._swiglu(x_BTD)
+            one = lambda x_TD, *w: self._swiglu(x_TD[None], *w)[0]
+            return invariant.per_row(one, x_BTD, consts=weights)
+        return self._swiglu(x_BTD, *weights)
 
-    def _swiglu(self, x_BTD):
+    def _swiglu(self, x_BTD, gate_DF, up_DF, down_FD):
         dt = self.dtype
-        gate_BTF = matmul("btd,df->btf", x_BTD, self.gate, dt)
-        up_BTF = matmul("btd,df->btf", x_BTD, self.up, dt)
+        gate_BTF = matmul("btd,df->btf", x_BTD, gate_DF, dt)
+        up_BTF = matmul("btd,df->btf", x_BTD, up_DF, dt)
         hidden_BTF = sharding.constrain(
             jax.nn.silu(gate_BTF) * up_BTF, ("batch", "seq", "act_mlp"), self.rules
         )
-        return matmul("btf,fd->btd", hidden_BTF, self.down, dt)
+        return matmul("btf,fd->btd", hidden_BTF, down_FD, dt)
 
 
 class Block(nnx.Module):
