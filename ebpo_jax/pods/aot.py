@@ -111,13 +111,11 @@ def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None, **data):
     return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 
 
-def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None, memo=None):
-    """The trainer's own jitted update (the loop's runner.update), lowered and compiled
-    (through `memo`, a pods.aot_memo.Memo, when given)."""
-    step, state, ro = make_step(spec, mc, mesh, prompt_len, devices)
+def compile_update(step, state, ro, mesh, memo=None):
+    """The trainer's own jitted update (the loop's runner.update, from make_step) lowered on
+    its abstract inputs and compiled (through `memo`, a pods.aot_memo.Memo, when given)."""
     with jax.set_mesh(mesh):
-        compiled = compile_with(memo, step.update.lower(state, ro), mesh)
-        return compiled, state.params, step.sh.state.params
+        return compile_with(memo, step.update.lower(state, ro), mesh)
 
 
 def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int, *, turns=False,
@@ -287,13 +285,13 @@ def run(
     meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
     if programs == "none":
         return reports, meta
-    step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
+    step, state, ro = make_step(spec, mc, mesh, prompt_len, devices)
     attempt(
         "train update",
         mesh,
         update_flops(spec, mc, prompt_len),
         epochs,
-        lambda: compile_update(spec, mc, mesh, prompt_len, devices, memo)[0],
+        lambda: compile_update(step, state, ro, mesh, memo),
     )
     if programs == "update":
         log("programs=update: no weight move or sampler programs compiled")
