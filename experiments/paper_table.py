@@ -76,7 +76,7 @@ def main(argv):
     for model, method, g in cells:
         name = paper.cell_name(model, method, g)
         want = paper.PASS1.get((model, g), {}).get(method)
-        want = "-" if want is None else want
+        want = "(no column in the table)" if want is None else want
         try:
             c = paper.get_config(name + ",aot")
             spec = aot.resolve_for(c, _TOPOLOGY.value, sampler_mesh=c.sampler.mesh)

@@ -216,7 +216,8 @@ def _attempter(reports: list, hbm: int, peak: float, log):
             log(f"{name}: does not fit (RESOURCE_EXHAUSTED), {time.perf_counter() - t0:.0f} s")
             return None
         reports.append(report_from_compiled(name, compiled, on_mesh, hbm, flops, peak, note))
-        log(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
+        how = "reused" if getattr(compiled, "reused", False) else "compiled"
+        log(f"{name}: {how} in {time.perf_counter() - t0:.0f} s")
         return compiled
 
     return attempt
