@@ -54,12 +54,24 @@ _ESTIMATE_ONLY = flags.DEFINE_bool(
     "estimate_only", False, "Print and write the step estimate and layout; compile nothing."
 )
 _OUT = flags.DEFINE_string("out", "aot_report.json", "Where to write the JSON report.")
+_MEMO = flags.DEFINE_string(
+    "memo",
+    "",
+    "Folder of compiled programs' memory reports (pods/aot_memo.py): a program byte-identical "
+    "to one compiled before reuses its report ('' = compile everything).",
+)
+
+
+def _label() -> str:
+    """This run in the memo entries it writes: the report's file name."""
+    return os.path.basename(_OUT.value)
 
 
 def main(argv):
     del argv
     from ebpo_jax.pods import (
         aot,
+        aot_memo,
         aot_report,  # after flag parsing, so --help stays fast
     )
 
@@ -81,6 +93,7 @@ def main(argv):
             sampler_prompts=prompts or None,
             programs="none" if _ESTIMATE_ONLY.value else "update" if _UPDATE_ONLY.value else "all",
             generated_per_kept=_GENERATED_PER_KEPT.value,
+            memo=_MEMO.value and aot_memo.Memo(_MEMO.value, _TOPOLOGY.value, _label()),
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which
         if aot_report.is_resource_exhausted(e):
@@ -91,6 +104,8 @@ def main(argv):
     for r in reports:
         if r.note:
             print(f"  {r.name}: {r.note}")
+        if r.memo:
+            print(f"  {r.name}: {r.memo} (memo {r.memo_key[:16]})")
     for line in aot_report.paged_lines(meta) + aot_report.exact_on_policy_lines(meta):
         print(f"  {line}")
     resident_lines, resident_bad = aot_report.resident_check(reports)

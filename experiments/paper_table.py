@@ -2,10 +2,12 @@
 
   python experiments/paper_table.py --reports=results/aot_tpu/paper
 
-For each cell: the Pass@1 it reproduces, the step estimate (aot.run with programs="none": no
-compile; DAPO's rows include the refill at --generated_per_kept) and, when `--reports` holds
-`<model>_<method>_g<G>.json` from experiments/aot_compile.py, its compiled peak per chip.
-Prints a Markdown table.
+For each cell: the Pass@1 it reproduces, the step estimate at peak and expected (aot.run with
+programs="none": no compile; DAPO's rows include the refill at --generated_per_kept) and,
+when `--reports` holds `<model>_<method>_g<G>.json` from experiments/aot_compile.py, how
+many of its programs were compiled or reused from the memo, its largest program's peak per
+chip (a sampler program's with the train state resident) and whether every program fits.
+Cells without a report say "pending". Prints a Markdown table.
 """
 
 import json
@@ -29,19 +31,34 @@ _CELLS = flags.DEFINE_multi_string(
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _compiled(path: str) -> str:
-    """'peak GiB / HBM GiB' of the report's largest program, or why there is none."""
+def _programs(path: str) -> list | None:
+    """The report's ProgramReports, or None when the cell is not compiled yet."""
+    import dataclasses
+
+    from ebpo_jax.pods.aot_report import ProgramReport
+
     if not os.path.exists(path):
-        return "not compiled yet"
+        return None
     with open(path) as f:
         programs = json.load(f)["programs"]
-    worst = max(programs, key=lambda p: p["peak_bytes"])
-    fits = all(p["fits"] for p in programs)
-    gib = lambda b: b / 2**30
-    return (
-        f"{'fits' if fits else 'DOES NOT FIT'}: {worst['name']} "
-        f"{gib(worst['peak_bytes']):.1f} / {gib(worst['hbm_bytes']):.0f} GiB"
-    )
+    names = {f.name for f in dataclasses.fields(ProgramReport)}
+    return [ProgramReport(**{k: v for k, v in p.items() if k in names}) for p in programs]
+
+
+def _compiled(reports: list | None) -> tuple[str, str, str]:
+    """(how its programs were compiled, worst GiB per chip with the train state, fits)."""
+    from ebpo_jax.pods.aot_report import GiB, resident_check
+
+    if reports is None:
+        return "pending", "-", "-"
+    resident = next((r.argument_bytes for r in reports if r.name == "train update"), 0)
+    on_chip = lambda r: r.peak_bytes + r.code_bytes + resident * r.name.startswith("sampler")
+    worst = max(reports, key=on_chip)
+    fits = all(r.fits for r in reports) and not resident_check(reports)[1]
+    reused = sum(r.memo.startswith("reused") for r in reports)
+    how = f"{len(reports) - reused} compiled, {reused} reused" if reused else "all compiled"
+    gib = f"{on_chip(worst) / GiB:.1f} / {worst.hbm_bytes / GiB:.0f} ({worst.name})"
+    return how, gib, "yes" if fits else "**NO**"
 
 
 def main(argv):
@@ -50,17 +67,21 @@ def main(argv):
     from ebpo_jax.pods import aot
 
     paper = load_sibling(os.path.join(_REPO, "configs", "x.py"), "paper.py")
-    print("| cell | reproduces (Pass@1 %) | est. step s | refill x | AOT report |")
-    print("|---|---|---|---|---|")
+    print(
+        "| cell | reproduces (Pass@1 %) | v5p-64 AOT programs | peak GiB per chip with the "
+        "train state / HBM | fits | est. step s, peak / expected | refill x |"
+    )
+    print("|---|---|---|---|---|---|---|")
     cells = [paper.parse(c)[:3] for c in _CELLS.value] if _CELLS.value else paper.CELLS
     for model, method, g in cells:
         name = paper.cell_name(model, method, g)
         want = paper.PASS1.get((model, g), {}).get(method)
+        want = "(no column in the table)" if want is None else want
         try:
             c = paper.get_config(name + ",aot")
             spec = aot.resolve_for(c, _TOPOLOGY.value, sampler_mesh=c.sampler.mesh)
         except ConfigError as e:
-            print(f"| `{name}` | {want or '-'} | - | - | {e} |")
+            print(f"| `{name}` | {want} | - | - | - | - | {e} |")
             continue
         _, meta = aot.run(
             spec,
@@ -73,9 +94,10 @@ def main(argv):
         est = meta["step_estimate"]
         refill = est.get("refill", {}).get("generated_per_kept", 1.0)
         report = os.path.join(_REPORTS.value, f"{model}_{method}_g{g}.json")
+        how, gib, fits = _compiled(_programs(report))
         print(
-            f"| `{name}` | {want if want is not None else '-'} | {est['step_s_after']:.0f} "
-            f"| {refill:g} | {_compiled(report)} |"
+            f"| `{name}` | {want} | {how} | {gib} | {fits} "
+            f"| {est['step_s_after']:.0f} / {est['step_s_expected']:.0f} | {refill:g} |"
         )
 
 

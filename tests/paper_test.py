@@ -53,13 +53,49 @@ def test_bad_cells_are_one_line_errors():
     assert paper.parse("") == ("qwen3_8b", "ebpo", 4, [])
 
 
-@pytest.mark.slow  # ~30 s loaded: libtpu's v5p-64 topology for the estimate
-def test_paper_table_prints_a_cells_estimate(capsys):
+def _report(decode_gib: float, memo: str = "compiled"):
+    """A v5p report of an update (4 GiB of train state) and a decode of `decode_gib`."""
+    from ebpo_jax.pods.aot_report import ProgramReport
+
+    G = 2**30
+    return [
+        ProgramReport("train update", "fsdp=32", 4 * G, 4 * G, 4 * G, 9 * G, 0, 95 * G, 1, 1),
+        ProgramReport("sampler decode", "data=4 x tp=8", G, G, 0, decode_gib * G - 2 * G, 0,
+                      95 * G, 1, 1, memo=memo),
+    ]  # fmt: skip
+
+
+def test_paper_table_reads_a_cells_programs_with_the_train_state_resident():
     from conftest import load_experiment
 
     table = load_experiment("paper_table")
-    table.flags.FLAGS(["paper_table", "--cell=qwen3_8b,dapo,g4", "--reports=/nonexistent"])
+    assert table._compiled(None) == ("pending", "-", "-")
+    # The decode's 50 GiB peak plus the update's 4 GiB of arguments, resident while it runs.
+    assert table._compiled(_report(50.0, "reused from x.json")) == (
+        "1 compiled, 1 reused",
+        "54.0 / 95 (sampler decode)",
+        "yes",
+    )
+    assert table._compiled(_report(92.0)) == (
+        "all compiled",
+        "96.0 / 95 (sampler decode)",
+        "**NO**",
+    )
+
+
+@pytest.mark.slow  # ~30 s loaded: libtpu's v5p-64 topology for the estimate
+def test_paper_table_prints_a_cells_estimate_and_its_report(capsys, tmp_path):
+    from conftest import load_experiment
+
+    from ebpo_jax.pods import aot_report
+
+    aot_report.write_json(str(tmp_path / "qwen3_8b_grpo_g4.json"), _report(50.0))
+    table = load_experiment("paper_table")
+    cells = ["--cell=qwen3_8b,dapo,g4", "--cell=qwen3_8b,grpo,g4"]
+    table.flags.FLAGS(["paper_table", *cells, f"--reports={tmp_path}"])
     table.main([])
     out = capsys.readouterr().out.splitlines()
-    assert out[2].startswith("| `qwen3_8b,dapo,g4` | 52.63 |") and "| 2 |" in out[2]
-    assert out[2].endswith("not compiled yet |")
+    assert out[2].startswith("| `qwen3_8b,dapo,g4` | 52.63 | pending | - | - |")
+    assert out[2].endswith("| 2 |")
+    assert out[3].startswith("| `qwen3_8b,grpo,g4` | 58.72 | all compiled | 54.0 / 95 (sampler")
+    assert out[3].endswith("| 1 |")

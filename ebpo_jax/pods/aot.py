@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from ebpo_jax import sampler
+from ebpo_jax.pods.aot_memo import compile_with
 from ebpo_jax.pods.aot_report import (
     DAPO_GENERATED_PER_KEPT,
     ProgramReport,
@@ -110,17 +111,24 @@ def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None, **data):
     return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 
 
-def compile_update(spec: RunSpec, mc, mesh, prompt_len: int, devices=None):
-    """The trainer's own jitted update (the loop's runner.update), lowered and compiled."""
-    step, state, ro = make_step(spec, mc, mesh, prompt_len, devices)
+def compile_update(step, state, ro, mesh, memo=None):
+    """The trainer's own jitted update (the loop's runner.update, from make_step) lowered on
+    its abstract inputs and compiled (through `memo`, a pods.aot_memo.Memo, when given)."""
     with jax.set_mesh(mesh):
-        return step.update.lower(state, ro).compile(), state.params, step.sh.state.params
+        return compile_with(memo, step.update.lower(state, ro), mesh)
 
 
-def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int, *, turns=False):
+def compile_sampler(spec, mc, mesh, params, prompts: int, prompt_len: int, *, turns=False,
+                    memo=None):  # fmt: skip
     """The sampler's own programs for a call of `prompts` prompts (sampler.Session.compile):
     name -> (Traced, Lowered, Compiled), and "plan" -> the Plan (pages per shard, slots)."""
-    return sampler.Session(mc, spec, mesh=mesh, turns=turns).compile(params, prompts, prompt_len)
+    session = sampler.Session(mc, spec, mesh=mesh, turns=turns)
+    return session.compile(params, prompts, prompt_len, compile_fn=_via(memo, mesh))
+
+
+def _via(memo, mesh):
+    """compile_fn(lowered) for `mesh`'s programs: through `memo` when there is one."""
+    return lambda lowered: compile_with(memo, lowered, mesh)
 
 
 def pool_tp(mesh, spec) -> int:
@@ -208,16 +216,17 @@ def _attempter(reports: list, hbm: int, peak: float, log):
             log(f"{name}: does not fit (RESOURCE_EXHAUSTED), {time.perf_counter() - t0:.0f} s")
             return None
         reports.append(report_from_compiled(name, compiled, on_mesh, hbm, flops, peak, note))
-        log(f"{name}: compiled in {time.perf_counter() - t0:.0f} s")
+        how = "reused" if getattr(compiled, "reused", False) else "compiled"
+        log(f"{name}: {how} in {time.perf_counter() - t0:.0f} s")
         return compiled
 
     return attempt
 
 
-def _compiler(attempt):
+def _compiler(attempt, memo=None):
     """build(name, mesh, note, traced) for SamplerWeights.programs: compiled under `attempt`."""
     return lambda name, on, note, traced: attempt(
-        name, on, 0, note, lambda: traced.lower().compile()
+        name, on, 0, note, lambda: compile_with(memo, traced.lower(), on)
     )
 
 
@@ -244,6 +253,7 @@ def run(
     sampler_prompts=None,
     programs: str = "all",
     generated_per_kept: float | None = None,
+    memo=None,
     log=print,
 ):
     """Compile update, weight reshard (onto the spec's sampler mesh) and sampler prefill/decode
@@ -252,7 +262,8 @@ def run(
     copy, not one compiled program.
 
     `generated_per_kept` (DAPO's dynamic sampling only): tokens generated per kept token in
-    the step estimate; None = aot_report.DAPO_GENERATED_PER_KEPT.
+    the step estimate; None = aot_report.DAPO_GENERATED_PER_KEPT. `memo` (a pods.aot_memo.Memo):
+    a program compiled before, byte for byte, is reused from it; each report says which.
 
     Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
     report with `error` set and fits=False; other compile errors propagate.
@@ -275,22 +286,22 @@ def run(
     meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
     if programs == "none":
         return reports, meta
-    step, state, _ = make_step(spec, mc, mesh, prompt_len, devices)
+    step, state, ro = make_step(spec, mc, mesh, prompt_len, devices)
     attempt(
         "train update",
         mesh,
         update_flops(spec, mc, prompt_len),
         epochs,
-        lambda: compile_update(spec, mc, mesh, prompt_len, devices)[0],
+        lambda: compile_update(step, state, ro, mesh, memo),
     )
     if programs == "update":
         log("programs=update: no weight move or sampler programs compiled")
         return reports, meta
     # The loop's own weight move (trainer/policy.py decides LoRA merge, cast and reshard).
-    abstract_params = step.pieces.weights.programs(state, _compiler(attempt))
+    abstract_params = step.pieces.weights.programs(state, _compiler(attempt, memo))
     prompts = sampler_prompts or spec.rollout.prompts_per_call
     paged = _compile_sampler_programs(
-        attempt, reports, spec.rollout, mc, (s_mesh, abstract_params), prompts, prompt_len
+        attempt, reports, spec.rollout, mc, (s_mesh, abstract_params, memo), prompts, prompt_len
     )
     if paged is not None:
         meta["paged"] = paged
@@ -307,9 +318,9 @@ def sampler_call(ro, prompts: int):
 
 def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt_len: int):
     """Compile the sampler's programs (sampler.Session's) on `on` = (sampler mesh, abstract
-    params); returns the paged KV cache's report fields (None when prefill does not fit).
+    params, memo or None); returns the paged KV cache's report fields (None when prefill does not fit).
     Multi-turn episodes: prefill, first and continued turn (the host turn loop runs between)."""
-    s_mesh, params = on
+    s_mesh, params, memo = on
     calls = math.ceil(ro.prompts / prompts)
     s_spec, rows, turns = sampler_call(ro, prompts)
     if turns:
@@ -324,7 +335,9 @@ def _compile_sampler_programs(attempt, reports, ro, mc, on, prompts: int, prompt
     compiled = {}
 
     def programs():
-        compiled.update(compile_sampler(s_spec, mc, s_mesh, params, rows, prompt_len, turns=turns))
+        compiled.update(
+            compile_sampler(s_spec, mc, s_mesh, params, rows, prompt_len, turns=turns, memo=memo)
+        )
         return compiled["prefill"][2]
 
     if attempt("sampler prefill", s_mesh, sflops["prefill"], note, programs) is None:

@@ -219,6 +219,8 @@ class ProgramReport:
     peak_flops: float
     note: str = ""
     error: str = ""  # the compiler's RESOURCE_EXHAUSTED message when it does not fit
+    memo: str = ""  # through pods/aot_memo.py: "compiled", or "reused from <run>"
+    memo_key: str = ""
 
     @property
     def peak_bytes(self) -> int:
@@ -258,6 +260,8 @@ def report_from_compiled(name, compiled, mesh, hbm_bytes, flops_total, peak_flop
         flops_per_device=float(flops_total) / mesh.size,
         peak_flops=float(peak_flops),
         note=note,
+        memo=getattr(compiled, "how", ""),
+        memo_key=getattr(compiled, "key", ""),
     )
 
 

@@ -145,10 +145,13 @@ class Session:
         gen = engine.turns_generation(self.state, self._run["prefill"].call)
         return gen._replace(stats=self.stats)
 
-    def compile(self, params, num_prompts: int, prompt_len: int, *, lower_only=False) -> dict:
+    def compile(
+        self, params, num_prompts: int, prompt_len: int, *, lower_only=False, compile_fn=None
+    ) -> dict:
         """The programs of a call on abstract inputs (`params`: ShapeDtypeStructs with their
-        shardings), each traced, lowered and compiled in the order a call runs them: name ->
-        (Traced, Lowered, Compiled or None with lower_only). "plan" -> the call's Plan."""
+        shardings), each traced, lowered and compiled (by `compile_fn(lowered)`, default
+        `lowered.compile()`) in the order a call runs them: name -> (Traced, Lowered, Compiled
+        or None with lower_only). "plan" -> the call's Plan."""
         programs = self.programs(num_prompts, prompt_len)
         plan = programs["prefill"].call.plan
         rng, prompt_PT, lengths_P, eos_E = _abstract_call(
@@ -164,7 +167,7 @@ class Session:
         def build(name, *args):
             traced = programs[name].trace(*args)
             lowered = traced.lower()
-            compiled = None if lower_only else lowered.compile()
+            compiled = None if lower_only else (compile_fn or type(lowered).compile)(lowered)
             out[name] = (traced, lowered, compiled)
             return sharding.abstract_outputs(traced, compiled)
 
