@@ -89,10 +89,8 @@ def main(argv):
         reports, meta = aot.run(
             spec,
             _TOPOLOGY.value,
-            prompt_len=_PROMPT_LEN.value,
-            sampler_prompts=prompts or None,
+            aot.Workload(_PROMPT_LEN.value, prompts or None, _GENERATED_PER_KEPT.value),
             programs="none" if _ESTIMATE_ONLY.value else "update" if _UPDATE_ONLY.value else "all",
-            generated_per_kept=_GENERATED_PER_KEPT.value,
             memo=_MEMO.value and aot_memo.Memo(_MEMO.value, _TOPOLOGY.value, _label()),
         )
     except Exception as e:  # the compiler's out-of-memory error names no program: say which

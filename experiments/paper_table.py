@@ -86,9 +86,8 @@ def main(argv):
         _, meta = aot.run(
             spec,
             _TOPOLOGY.value,
-            prompt_len=4096,
+            aot.Workload(4096, generated_per_kept=_GENERATED_PER_KEPT.value),
             programs="none",
-            generated_per_kept=_GENERATED_PER_KEPT.value,
             log=lambda *_: None,
         )
         est = meta["step_estimate"]

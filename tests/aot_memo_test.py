@@ -31,7 +31,7 @@ def _run(memo, prompt_len=16, programs="all", **overrides):
     spec = aot.resolve_for(c, TOPOLOGY, sampler_mesh=c.sampler.mesh)
     with jax.default_matmul_precision("default"):  # as experiments/aot_compile.py runs
         reports, _ = aot.run(
-            spec, TOPOLOGY, prompt_len=prompt_len, programs=programs, memo=memo, log=lambda *_: 0
+            spec, TOPOLOGY, aot.Workload(prompt_len), programs=programs, memo=memo, log=lambda *_: 0
         )
     return {r.name: r.as_dict() for r in reports}
 

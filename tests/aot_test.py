@@ -51,7 +51,7 @@ def test_unknown_programs_is_refused_before_anything_is_built():
     from ebpo_jax.pods import aot as aot_compile
 
     with pytest.raises(ValueError, match=r"programs='both': expected one of \('all', 'update'"):
-        aot_compile.run(None, "v5e-4", prompt_len=8, programs="both")
+        aot_compile.run(None, "v5e-4", aot_compile.Workload(8), programs="both")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny_qwen3", "qwen3_8b", "llama3_1_8b"])

@@ -245,25 +245,23 @@ def _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept):
 PROGRAMS = ("all", "update", "none")
 
 
-def run(
-    spec: RunSpec,
-    topology: str,
-    *,
-    prompt_len: int,
-    sampler_prompts=None,
-    programs: str = "all",
-    generated_per_kept: float | None = None,
-    memo=None,
-    log=print,
-):
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What the programs and the estimate are sized for."""
+
+    prompt_len: int
+    sampler_prompts: int | None = None  # per sampler call; None: the rollout's prompts_per_call
+    # DAPO's dynamic sampling: tokens generated per kept token in the step estimate
+    # (None: aot_report.DAPO_GENERATED_PER_KEPT).
+    generated_per_kept: float | None = None
+
+
+def run(spec: RunSpec, topology: str, work: Workload, *, programs="all", memo=None, log=print):
     """Compile update, weight reshard (onto the spec's sampler mesh) and sampler prefill/decode
     (or fewer, by `programs`: one of PROGRAMS) for a spec from `resolve_for`. With a disjoint
     sampler mesh the weight move is a cast on the trainer's slice and a device-to-device
-    copy, not one compiled program.
-
-    `generated_per_kept` (DAPO's dynamic sampling only): tokens generated per kept token in
-    the step estimate; None = aot_report.DAPO_GENERATED_PER_KEPT. `memo` (a pods.aot_memo.Memo):
-    a program compiled before, byte for byte, is reused from it; each report says which.
+    copy, not one compiled program. `memo` (a pods.aot_memo.Memo): a program compiled
+    before, byte for byte, is reused from it; each report says which.
 
     Returns (reports, meta). A program the compiler cannot fit (RESOURCE_EXHAUSTED) gets a
     report with `error` set and fits=False; other compile errors propagate.
@@ -281,7 +279,8 @@ def run(
     epochs = (
         f"{spec.update.loss.ppo_epochs} epoch(s) x {spec.update.loss.num_minibatches} mini-batches"
     )
-    estimate = _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, generated_per_kept)
+    prompt_len = work.prompt_len
+    estimate = _refilled_estimate(spec, mc, hw, s_mesh, prompt_len, work.generated_per_kept)
     meta = {"step_estimate": estimate, "topology": topology, "chip_topology": chip_name}
     meta |= _layout_meta(spec, mc, devices, (mesh, s_mesh), prompt_len)
     if programs == "none":
@@ -299,7 +298,7 @@ def run(
         return reports, meta
     # The loop's own weight move (trainer/policy.py decides LoRA merge, cast and reshard).
     abstract_params = step.pieces.weights.programs(state, _compiler(attempt, memo))
-    prompts = sampler_prompts or spec.rollout.prompts_per_call
+    prompts = work.sampler_prompts or spec.rollout.prompts_per_call
     paged = _compile_sampler_programs(
         attempt, reports, spec.rollout, mc, (s_mesh, abstract_params, memo), prompts, prompt_len
     )
