@@ -153,7 +153,7 @@ def _attention_vjp(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
 
 def _attention_fwd(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype):
     # A loop of data-dependent length: with a fixed one, XLA:TPU precomputed the masks of all
-    # (block, chunk) pairs at once (45 GiB for a 12288-token row).
+    # (block, chunk) pairs at once, tens of GiB for a long row.
     out = _chunked_attention(q_QHd, k_NKd, v_NKd, idx_QP, n_Q, scale, dtype, False)
     return out, (q_QHd, k_NKd, v_NKd, idx_QP, n_Q)
 
