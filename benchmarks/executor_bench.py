@@ -32,7 +32,9 @@ def _grid(name: str, grid: str, out_dir: str) -> float:
     cmd = [sys.executable, "experiments/ablate.py", f"--config={grid}", f"--config.out_dir={out_dir}"]
     env = dict(os.environ, PYTHONPATH=ROOT)
     t0 = time.perf_counter()
-    subprocess.run(cmd + EXECUTORS[name], cwd=ROOT, env=env, check=True, capture_output=True)
+    run = subprocess.run(cmd + EXECUTORS[name], cwd=ROOT, env=env, capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f"{name}: ablate.py exited {run.returncode}:\n{run.stderr[-2000:]}")
     return time.perf_counter() - t0
 
 

@@ -202,7 +202,7 @@ def test_slice_types_parse_to_hosts_and_chips():
 @pytest.mark.slow
 def test_executor_bench_smoke():
     """benchmarks/executor_bench.py runs both executors once and finds equal results."""
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="")  # one device, as a user runs it
     run = subprocess.run(
         [sys.executable, "benchmarks/executor_bench.py", "--repeats=1"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False,
