@@ -215,7 +215,7 @@ def test_qlora_base(base_dtype, tol):
     assert np.isfinite(optax.tree.norm(grads)) and optax.tree.norm(grads) > 0
     # The quantized base shards: qvalue like its weight, per-channel scales along.
     mesh = sharding.make_mesh([("fsdp", 4), ("tp", 2)])
-    sh = lora.base_shardings(CFG, q, mesh)
+    sh = sharding.param_shardings(CFG, q, mesh)
     with jax.set_mesh(mesh):
         q_sh = jax.device_put(q, sh)
         got_sh = jax.jit(lambda b: models.forward(CFG, b, tok))(q_sh)

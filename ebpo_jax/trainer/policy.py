@@ -182,7 +182,7 @@ def int8_shardings(model_config, mesh):
     its scales likewise but replicated along the input dims they reduce."""
     abstract = models.abstract_params(model_config)
     quantized = jax.eval_shape(lambda p: quantize.int8_weights(p, model_config.dtype), abstract)
-    return lora_lib.base_shardings(model_config, quantized, mesh)
+    return sharding.param_shardings(model_config, quantized, mesh)
 
 
 def of(spec, model_config) -> Policy:

@@ -100,11 +100,10 @@ class HostRunner(_Runner):
         return state, m, times
 
 
-def make_runner(spec: RunSpec, task, optimizer, sh: Shardings, view: policy.Policy | None = None):
-    """The runner `spec` asks for: the stale pipeline, the K-step scan, or K = 1 via the host.
-
-    `view`: the run's policy view (default: the one `spec` and the task's model make)."""
-    pieces = Pieces(spec, task, optimizer, sh, view or policy.of(spec, task.model_config))
+def make_runner(spec: RunSpec, task, optimizer, sh: Shardings, view: policy.Policy):
+    """The runner `spec` asks for, over the run's policy `view`: the stale pipeline, the
+    K-step scan, or K = 1 via the host."""
+    pieces = Pieces(spec, task, optimizer, sh, view)
     if spec.rollout.rollout.max_staleness:
         return pipeline.Pipeline(pieces, spec.run.total_steps)
     return ScanRunner(pieces) if spec.run.steps_per_jit > 1 else HostRunner(pieces)

@@ -41,13 +41,11 @@ def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
         raise config_lib.ConfigError(f"sampler.mesh: {e}") from None
 
 
-def rollout_shardings(mesh, prompts: int, routing: bool = False) -> Rollout:
-    """A Rollout of shardings: per-prompt fields over the batch axes (if they divide P).
-
-    `routing`: the rollout carries recorded experts (routing replay); else that field is None.
-    """
-    rows = NamedSharding(mesh, sharding.rows_spec(mesh, prompts))
-    rep = NamedSharding(mesh, P())
+def rollout_shardings(rows: NamedSharding, routing: bool = False) -> Rollout:
+    """A Rollout of shardings: per-prompt fields as `rows` (sharding.rows_sharding), the
+    scalars replicated; `routing`: the rollout carries recorded experts (routing replay),
+    else that field is None."""
+    rep = NamedSharding(rows.mesh, P())
     scalars = ("generated_tokens", "all_same_frac")
     out = Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
     return out._replace(routing=rows if routing else None)
@@ -75,14 +73,6 @@ class Shardings(NamedTuple):
         return sharding.put_batch(tree, self.mesh, self.prompt_rows, axis=1, strict=False)
 
 
-def make_shardings(
-    spec: RunSpec, model_config, optimizer, abstract_state, mesh, devices=None
-) -> Shardings:
-    """`bundle` for the policy view of `spec` and `model_config`."""
-    view = policy.of(spec, model_config)
-    return bundle(spec, view, optimizer, abstract_state, mesh, devices)
-
-
 def bundle(
     spec: RunSpec, view: policy.Policy, optimizer, abstract_state, mesh, devices=None
 ) -> Shardings:
@@ -93,14 +83,15 @@ def bundle(
     """
     s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
     P_, routing = spec.rollout.prompts, spec.rollout.moe.routing_replay
+    rows, s_rows = sharding.rows_sharding(mesh, P_), sharding.rows_sharding(s_mesh, P_)
     param_dtype = spec.rollout.sampler.param_dtype
     return Shardings(
         mesh=mesh,
         sampler_mesh=s_mesh,
         state=state_shardings(view.model_config, optimizer, abstract_state, mesh),
-        rollout=rollout_shardings(mesh, P_, routing),
-        sampler_rollout=rollout_shardings(s_mesh, P_, routing),
         sampler_params=view.sampler_shardings(param_dtype, abstract_state, s_mesh),
+        rollout=rollout_shardings(rows, routing),
+        sampler_rollout=rollout_shardings(s_rows, routing),
         replicated=NamedSharding(mesh, P()),
         prompt_rows=spec.rollout.batch_prompts,
     )

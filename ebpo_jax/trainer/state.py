@@ -8,7 +8,6 @@ import optax
 
 from ebpo_jax import sharding
 from ebpo_jax.advantages import EBState, init_eb_state
-from ebpo_jax.models import lora
 from ebpo_jax.spec import OptimSpec
 
 
@@ -108,5 +107,7 @@ def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainSt
         ref_params=None if state.ref_params is None else p_sh,
         nonfinite_run=rep,
         generated_tokens=rep,
-        base=None if state.base is None else lora.base_shardings(model_config, state.base, mesh),
+        base=None
+        if state.base is None
+        else sharding.param_shardings(model_config, state.base, mesh),
     )
