@@ -6,7 +6,8 @@
 - `pipeline.Pipeline`, rollout.max_staleness=1: rollout t+1 overlaps update t.
 
 A runner is `runner(state, step, next_batches) -> (state, metrics [K]-stacked, phase times)`
-(`next_batches()` gives the next [K]-stacked prompt batches, placed), with `policy(state)`
+(`next_batches()` gives the next [K]-stacked prompt batches on the host; the runner places
+them, `Pieces.place`), with `policy(state)`
 (the sampler's weights), `view` (trainer/policy.py), `sh` (the Shardings), `update` (the
 jitted update: aot.py compiles it), `timer` (a watchdog.PhaseTimer: its phases' wall times,
 and which phase runs), `last_rollout` (K == 1: the rollout the latest update
@@ -63,7 +64,7 @@ class ScanRunner(_Runner):
 
     def __call__(self, state: TrainState, step: int, next_batches):
         with self.timer("scan_step"), jax.set_mesh(self.sh.mesh):  # phases inseparable
-            state, m = self.multi(state, next_batches())
+            state, m = self.multi(state, self.pieces.place(next_batches()))
             state, m = jax.block_until_ready((state, m))
         return state, m, {"perf/sample_time_s": np.nan, "perf/update_time_s": np.nan}
 
@@ -79,10 +80,10 @@ class HostRunner(_Runner):
             weights = jax.block_until_ready(pieces.sampler_weights(pieces.policy(state)))
         if pieces.refill is not None:  # DAPO's rounds alternate sampling and the host reward
             with phase("rollout_refill"):
-                ro = pieces.scored(state, first(next_batches()), 1, weights)
+                ro = pieces.scored(state, first(pieces.place(next_batches())), 1, weights)
         else:
             with phase("rollout"):
-                batch = first(next_batches())
+                batch = first(pieces.place(next_batches()))
                 ro = pieces.to_trainer(pieces.rollout_from(state, batch, 1, weights))
             if pieces.host_reward is not None:  # a jittable reward runs inside the rollout
                 with phase("reward"):

@@ -17,7 +17,7 @@ from ebpo_jax import sharding
 from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import MeshSpec, RunSpec
 from ebpo_jax.trainer import policy
-from ebpo_jax.trainer.state import state_shardings
+from ebpo_jax.trainer.state import state_layout
 
 
 def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
@@ -82,14 +82,20 @@ def bundle(
     `devices`: all devices of the run (default: jax.devices()), for a disjoint sampler mesh.
     """
     s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
-    P_, routing = spec.rollout.prompts, spec.rollout.moe.routing_replay
+    sampled = view.sampler_abstract(spec.rollout.sampler.param_dtype, abstract_state)
+    # Every weight tree laid out by the one rules table: the trainer's on its mesh, the
+    # sampler's copy on the sampler's; the rows of a rollout over each mesh's batch axes.
+    mc, P_ = view.model_config, spec.rollout.prompts
+    params = sharding.param_shardings(mc, abstract_state.params, mesh)
+    base = sharding.param_shardings(mc, abstract_state.base, mesh)  # None: no LoRA base
+    sampler_params = sharding.param_shardings(mc, sampled, s_mesh)
     rows, s_rows = sharding.rows_sharding(mesh, P_), sharding.rows_sharding(s_mesh, P_)
-    param_dtype = spec.rollout.sampler.param_dtype
+    routing = spec.rollout.moe.routing_replay
     return Shardings(
         mesh=mesh,
         sampler_mesh=s_mesh,
-        state=state_shardings(view.model_config, optimizer, abstract_state, mesh),
-        sampler_params=view.sampler_shardings(param_dtype, abstract_state, s_mesh),
+        state=state_layout(optimizer, abstract_state, params, base, mesh),
+        sampler_params=sampler_params,
         rollout=rollout_shardings(rows, routing),
         sampler_rollout=rollout_shardings(s_rows, routing),
         replicated=NamedSharding(mesh, P()),

@@ -88,26 +88,28 @@ def init_train_state(
 
 
 def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
-    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments.
+    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments
+    by `model_config.sharding_rules` (the config's table), everything else replicated."""
+    lay = lambda tree: sharding.param_shardings(model_config, tree, mesh)  # None: None
+    return state_layout(optimizer, state, lay(state.params), lay(state.base), mesh)
 
-    The rules are `model_config.sharding_rules` (the config's table); everything else
-    (EB accumulators, step, rng, counters) is replicated.
-    """
+
+def state_layout(optimizer, state: TrainState, params, base, mesh) -> TrainState:
+    """Shardings of an (abstract) TrainState whose weights lie as `params` (the ref params
+    too) and `base` (the LoRA base, or None): the Adam moments follow the params, and the EB
+    accumulators, step, rng and counters are replicated."""
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    p_sh = sharding.param_shardings(model_config, state.params, mesh)
     opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, state.opt_state, p_sh, transform_non_params=lambda _: rep
+        optimizer, lambda _, s: s, state.opt_state, params, transform_non_params=lambda _: rep
     )
     return state._replace(
-        params=p_sh,
+        params=params,
         opt_state=opt_sh,
         eb_state=jax.tree.map(lambda _: rep, state.eb_state),
         step=rep,
         rng=rep,
-        ref_params=None if state.ref_params is None else p_sh,
+        ref_params=None if state.ref_params is None else params,
         nonfinite_run=rep,
         generated_tokens=rep,
-        base=None
-        if state.base is None
-        else sharding.param_shardings(model_config, state.base, mesh),
+        base=base,
     )

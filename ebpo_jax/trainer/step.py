@@ -109,6 +109,10 @@ class Pieces:
             self.round = lambda params, batch, r, key: on_sampler(ep.round(params, batch, r, key))
             self.rollout = lambda params, batch, key: self.round(params, batch, 0, key)
 
+    def place(self, batches):
+        """Host prompt batches ([K]-stacked) placed on the trainer mesh."""
+        return self.sh.place_batches(batches)
+
     def scored(self, state: TrainState, batch, stream: int, weights=None):
         """rollout_from then finish; with a host-scored DAPO step, every refill round.
         `weights`: the policy's sampler_weights, if already made."""
