@@ -41,7 +41,7 @@ def _run_programs(spec, mesh):
     sampler's weights' dtypes."""
     task = build_task(spec.task, mesh=mesh, log=lambda *_: None)
     view = loop.policy_lib.of(spec, task.model_config)
-    optimizer, state, sh = loop._init_state(spec, view, task, mesh)
+    state, sh, optimizer = loop._init_state(spec, view, task, mesh)
     pieces = make_runner(spec, task, optimizer, sh, view).pieces
     batch = first(sh.place_batches(task.source.next_batches(1)))
     weights = pieces.sampler_weights(pieces.policy(state))

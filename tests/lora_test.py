@@ -18,7 +18,7 @@ from ebpo_jax.runtime.checkpoint import Checkpointer
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.policy import Policy, init_lora_state
-from ebpo_jax.trainer.state import state_shardings
+from ebpo_jax.trainer.shardings import state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
 
 CFG = models.get_config("tiny_qwen3")  # qk-norm, tied embeddings, float32

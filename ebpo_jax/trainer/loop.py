@@ -103,8 +103,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
 
 
 def _init_state(spec: RunSpec, view: policy_lib.Policy, task: Task, mesh):
-    """The optimizer, the step-0 TrainState (built inside jit on its shardings) and the
-    shardings bundle. No replicated copy of the params, Adam moments or reference policy
+    """The step-0 TrainState (built inside jit on its shardings), the shardings bundle and
+    the optimizer. No replicated copy of the params, Adam moments or reference policy
     ever exists."""
     optimizer = make_optimizer(spec.optim)
     init = lambda params: view.init(
@@ -112,7 +112,7 @@ def _init_state(spec: RunSpec, view: policy_lib.Policy, task: Task, mesh):
     )
     sh = bundle(spec, view, optimizer, jax.eval_shape(init, task.params), mesh)
     with jax.set_mesh(mesh):
-        return optimizer, jax.jit(init, out_shardings=sh.state)(task.params), sh
+        return jax.jit(init, out_shardings=sh.state)(task.params), sh, optimizer
 
 
 class _Log:
@@ -297,7 +297,7 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     """The host loop of train() over a built task; `save_config()` once the resume checks
     (the checkpoint's too) have passed, before anything else is written to the workdir."""
     view = policy_lib.of(spec, task.model_config)  # the one policy view of the run
-    optimizer, state, sh = _init_state(spec, view, task, mesh)
+    state, sh, optimizer = _init_state(spec, view, task, mesh)
     ckpt = Checkpointer(
         os.path.join(spec.workdir, "checkpoints"),
         max_to_keep=spec.run.keep_checkpoints,
@@ -375,13 +375,14 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
 
     with PreemptionGuard() as guard, trace:
         while step < spec.run.total_steps:
+            due = out.evaluates(step + spec.run.steps_per_jit)  # this call's last step
             trace.before(step, spec.run.steps_per_jit)
             t0 = time.perf_counter()
             state, m, times = runner(state, step, next_batches)
             dt = (time.perf_counter() - t0) / spec.run.steps_per_jit
             trace.after(step + spec.run.steps_per_jit)
             watch.step_done(step + spec.run.steps_per_jit, dt * spec.run.steps_per_jit)
-            watch.enter("evaluate" if out.evaluates(step + spec.run.steps_per_jit) else "log")
+            watch.enter("evaluate" if due else "log")
             times = {**times, **timer.take()}
             rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
             step += len(rows)

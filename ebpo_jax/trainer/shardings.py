@@ -9,6 +9,7 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -17,7 +18,7 @@ from ebpo_jax import sharding
 from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import MeshSpec, RunSpec
 from ebpo_jax.trainer import policy
-from ebpo_jax.trainer.state import state_layout
+from ebpo_jax.trainer.state import TrainState
 
 
 def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
@@ -49,6 +50,34 @@ def rollout_shardings(rows: NamedSharding, routing: bool = False) -> Rollout:
     scalars = ("generated_tokens", "all_same_frac")
     out = Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
     return out._replace(routing=rows if routing else None)
+
+
+def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
+    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments
+    by `model_config.sharding_rules` (the config's table), everything else replicated."""
+    lay = lambda tree: sharding.param_shardings(model_config, tree, mesh)  # None: None
+    return state_layout(optimizer, state, lay(state.params), lay(state.base), mesh)
+
+
+def state_layout(optimizer, state: TrainState, params, base, mesh) -> TrainState:
+    """Shardings of an (abstract) TrainState whose weights lie as `params` (the ref params
+    too) and `base` (the LoRA base, or None): the Adam moments follow the params, and the EB
+    accumulators, step, rng and counters are replicated."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, state.opt_state, params, transform_non_params=lambda _: rep
+    )
+    return state._replace(
+        params=params,
+        opt_state=opt_sh,
+        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
+        step=rep,
+        rng=rep,
+        ref_params=None if state.ref_params is None else params,
+        nonfinite_run=rep,
+        generated_tokens=rep,
+        base=base,
+    )
 
 
 class Shardings(NamedTuple):

@@ -1,4 +1,5 @@
-"""The train state pytree, its shardings, and the optimizer built from the OptimSpec."""
+"""The train state pytree and the optimizer built from the OptimSpec (its shardings:
+trainer/shardings.py)."""
 
 from typing import Any, NamedTuple
 
@@ -6,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ebpo_jax import sharding
 from ebpo_jax.advantages import EBState, init_eb_state
 from ebpo_jax.spec import OptimSpec
 
@@ -83,33 +83,5 @@ def init_train_state(
         ref_params=jax.tree.map(jnp.copy, params) if with_ref else None,
         nonfinite_run=jnp.zeros((), jnp.int32),
         generated_tokens=jnp.zeros((), jnp.int32),
-        base=base,
-    )
-
-
-def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
-    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments
-    by `model_config.sharding_rules` (the config's table), everything else replicated."""
-    lay = lambda tree: sharding.param_shardings(model_config, tree, mesh)  # None: None
-    return state_layout(optimizer, state, lay(state.params), lay(state.base), mesh)
-
-
-def state_layout(optimizer, state: TrainState, params, base, mesh) -> TrainState:
-    """Shardings of an (abstract) TrainState whose weights lie as `params` (the ref params
-    too) and `base` (the LoRA base, or None): the Adam moments follow the params, and the EB
-    accumulators, step, rng and counters are replicated."""
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, state.opt_state, params, transform_non_params=lambda _: rep
-    )
-    return state._replace(
-        params=params,
-        opt_state=opt_sh,
-        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
-        step=rep,
-        rng=rep,
-        ref_params=None if state.ref_params is None else params,
-        nonfinite_run=rep,
-        generated_tokens=rep,
         base=base,
     )
