@@ -214,3 +214,17 @@ def test_wandb_offline(tmp_path, monkeypatch):
     run_id = (tmp_path / M.WANDB_ID_FILE).read_text().strip()
     runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and glob.glob(os.path.join(runs[0], "*.wandb"))
+
+
+def test_latest_is_the_last_value_at_or_before_a_step():
+    rows = [
+        {"step": 0, "eval/pass@1": 0.25},
+        {"step": 2, "eval/pass@1": None},  # a skipped evaluation
+        {"step": 3, "reward/mean": 1.0},
+        {"step": 4, "eval/pass@1": 0.5},
+        {"step": 6, "eval/pass@1": 0.75},
+    ]
+    assert M.latest(rows, "eval/pass@1", 5) == (0.5, 4)
+    assert M.latest(rows, "eval/pass@1", 3) == (0.25, 0)
+    assert M.latest(rows, "eval/pass@1", 6) == (0.75, 6)
+    assert M.latest(rows, "reward/mean", 2) is None
