@@ -114,7 +114,8 @@ def check_shared(workdir: str, *, remote: bool) -> None:
     Orbax has each host write its shards into the one checkpoint folder, so a local workdir
     that hosts do not share (a pod's boot disks) gives checkpoints nobody can restore.
     Process 0 writes a marker, every process looks for it. A `remote` (gs://) workdir is
-    shared by construction. A collective: call it on every process, before anything else is written.
+    shared by construction. A collective: call it on every process, before anything else
+    is written.
     """
     import jax
     import numpy as np

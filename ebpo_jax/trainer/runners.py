@@ -6,14 +6,13 @@
 - `pipeline.Pipeline`, rollout.max_staleness=1: rollout t+1 overlaps update t.
 
 A runner is `runner(state, step, next_batches) -> (state, metrics [K]-stacked, phase times)`
-(`next_batches()` gives the next [K]-stacked prompt batches on the host; the runner places
-them, `Pieces.place`), with `policy(state)`
-(the sampler's weights), `view` (trainer/policy.py), `sh` (the Shardings), `update` (the
-jitted update: aot.py compiles it), `timer` (a watchdog.PhaseTimer: its phases' wall times,
-and which phase runs), `last_rollout` (K == 1: the rollout the latest update
-consumed) and its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved,
-directory)` (abstract targets of the entries it restores) and `restored(tree)` (takes them
-back).
+(`next_batches()` gives the next [K]-stacked prompt batches on the host, which the runner
+places: `Pieces.place`), with `policy(state)` (the sampler's weights), `view`
+(trainer/policy.py), `sh` (the Shardings), `update` (the jitted update: aot.py compiles it),
+`timer` (a watchdog.PhaseTimer: its phases' wall times, and which phase runs), `last_rollout`
+(K == 1: the rollout the latest update consumed) and its own checkpoint entries:
+`checkpoint_entries()`, `restore_targets(saved, directory)` (abstract targets of the entries
+it restores) and `restored(tree)` (takes them back).
 """
 
 import functools
