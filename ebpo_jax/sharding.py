@@ -8,6 +8,7 @@ over it (context parallelism: attention gathers the keys and values of the whole
 Knows nothing of the model.
 """
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -151,21 +152,33 @@ def _is_var(x):
     return isinstance(x, nnx.Variable)
 
 
+def _quantized(value) -> bool:
+    # A quantized weight (qwix's QArray) by its fields: this module knows nothing of qwix.
+    return hasattr(value, "qvalue") and hasattr(value, "scale")
+
+
 def param_specs(params, rules=None, mesh=None):
-    """Pytree (like params) of PartitionSpecs from each Param's `axes` metadata."""
+    """Pytree (like params) of PartitionSpecs from each Param's `axes` metadata; a quantized
+    weight's values split like the weight, its scales likewise but whole along the dims
+    they reduce."""
+    table = rules_from(rules=rules)
 
     def spec(path, leaf):
         names = leaf.get_metadata().get("axes") if _is_var(leaf) else None
         value = leaf.get_value() if _is_var(leaf) else leaf
         if names is None:
-            return P()
+            return leaf.replace(value=P()) if _is_var(leaf) else P()
         where = "param " + jax.tree_util.keystr(path)
-        return logical_to_spec(names, rules_from(rules=rules), mesh, tuple(value.shape), where)
+        out = logical_to_spec(names, table, mesh, tuple(value.shape), where)
+        if not _quantized(value):
+            return leaf.replace(value=out)
+        s_shape = tuple(value.scale.shape)
+        s_names = [n if s == d else None for n, s, d in zip(names, s_shape, value.shape)]
+        s_spec = logical_to_spec(s_names, table, mesh, s_shape, where)
+        return leaf.replace(value=dataclasses.replace(value, qvalue=out, scale=s_spec))
 
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)[0]
-    specs = [spec(path, leaf) for path, leaf in flat]
-    # Unflattened with params' own treedef, so the specs sit inside the same Param wrappers.
-    return jax.tree_util.tree_unflatten(jax.tree.structure(params), specs)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_var)
+    return jax.tree_util.tree_unflatten(treedef, [spec(path, leaf) for path, leaf in flat])
 
 
 def param_shardings(config, params, mesh: Mesh, rules=None):
@@ -187,6 +200,11 @@ def rows_spec(mesh: Mesh, rows: int, rules=None, axis: int = 0) -> P:
     entry = spec[axis]
     axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
     return spec if rows % math.prod(mesh.shape[a] for a in axes) == 0 else P()
+
+
+def rows_sharding(mesh: Mesh, rows: int, rules=None, axis: int = 0) -> NamedSharding:
+    """`rows_spec` on `mesh`."""
+    return NamedSharding(mesh, rows_spec(mesh, rows, rules, axis))
 
 
 def shards_of(name: str, rules=None, mesh=None) -> int:

@@ -120,6 +120,7 @@ class RunSpec:
     """Everything a run needs, resolved and validated once."""
 
     workdir: str  # run.workdir made absolute
+    remote: bool  # the workdir is on object storage (gs://): asked once, here
     run: schema.Run
     with_ref: bool  # the KL term needs the frozen reference policy
     rollout: RolloutSpec
@@ -214,6 +215,7 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
     With `num_devices` the mesh's -1 is resolved and the batch is checked against the mesh.
     """
     c, derived = config_lib.validated(config, num_devices)
+    workdir = storage.absolute(c.run.workdir)  # a relative one is the cwd's; gs:// as given
     rollout, ev = rollout_spec(c), EvalSpec(run=c.run, max_new_tokens=c.sampler.max_new_tokens)
     return RunSpec(
         run=c.run,
@@ -226,7 +228,8 @@ def resolve(config, num_devices: int | None = None) -> RunSpec:
         wandb=c.wandb,
         config_json=config.to_json(indent=2),
         update=update_spec(c),
-        workdir=storage.absolute(c.run.workdir),  # a relative one is the cwd's; gs:// as given
+        workdir=workdir,
+        remote=storage.is_remote(workdir),
     )
 
 

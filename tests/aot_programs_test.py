@@ -40,9 +40,8 @@ def _run_programs(spec, mesh):
     """The run's programs as the loop builds them: name -> jaxpr text; the data's shapes; the
     sampler's weights' dtypes."""
     task = build_task(spec.task, mesh=mesh, log=lambda *_: None)
-    optimizer = loop.make_optimizer(spec.optim)
     view = loop.policy_lib.of(spec, task.model_config)
-    state, sh = loop._init_state(spec, view, task, optimizer, mesh)
+    state, sh, optimizer = loop._init_state(spec, view, task, mesh)
     pieces = make_runner(spec, task, optimizer, sh, view).pieces
     batch = first(sh.place_batches(task.source.next_batches(1)))
     weights = pieces.sampler_weights(pieces.policy(state))

@@ -217,7 +217,7 @@ def test_a_torn_row_of_a_checkpointed_step_is_named(poisoned, tmp_path):
 def test_metrics_flush_fsyncs(tmp_path, monkeypatch):
     synced = []
     monkeypatch.setattr(os, "fsync", synced.append)
-    with MetricsWriter(str(tmp_path), tensorboard=False) as w:
+    with MetricsWriter(str(tmp_path), remote=False, tensorboard=False) as w:
         w.write(1, {"x": 1.0})
         w.flush()
     assert len(synced) == 1

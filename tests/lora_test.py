@@ -15,9 +15,10 @@ from ebpo_jax import advantages, losses, models, sampler, sharding
 from ebpo_jax import config as config_lib
 from ebpo_jax.models import lora, lora_checkpoint
 from ebpo_jax.runtime.checkpoint import Checkpointer
+from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer.batch import MicroBatch
 from ebpo_jax.trainer.policy import Policy, init_lora_state
-from ebpo_jax.trainer.state import state_shardings
+from ebpo_jax.trainer.shardings import state_shardings
 from ebpo_jax.trainer.update import completion_logprobs
 
 CFG = models.get_config("tiny_qwen3")  # qk-norm, tied embeddings, float32
@@ -215,7 +216,7 @@ def test_qlora_base(base_dtype, tol):
     assert np.isfinite(optax.tree.norm(grads)) and optax.tree.norm(grads) > 0
     # The quantized base shards: qvalue like its weight, per-channel scales along.
     mesh = sharding.make_mesh([("fsdp", 4), ("tp", 2)])
-    sh = lora.base_shardings(CFG, q, mesh)
+    sh = sharding.param_shardings(CFG, q, mesh)
     with jax.set_mesh(mesh):
         q_sh = jax.device_put(q, sh)
         got_sh = jax.jit(lambda b: models.forward(CFG, b, tok))(q_sh)
@@ -232,19 +233,22 @@ def test_checkpoint_round_trip_of_adapters_is_exact(tmp_path):
     state = state._replace(params=_trained(state.params))
     tree = state.saved()
     assert "base" not in tree and "ref_params" not in tree
-    ref = lora_checkpoint.base_reference(config.model, "/ckpt/base")
+    ref = policy_lib.base_reference(config.model, "/ckpt/base")
     with Checkpointer(str(tmp_path), async_save=False) as ckpt:
         ckpt.save(7, tree, {"lora_base": ref})
     with Checkpointer(str(tmp_path)) as ckpt:
         restored, extra = ckpt.restore(target=jax.tree.map(jnp.zeros_like, tree))
     for x, y in zip(jax.tree.leaves(tree), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    lora_checkpoint.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
+    policy_lib.check_base_reference(extra["lora_base"], ref)
     with pytest.raises(config_lib.ConfigError, match="source"):
-        lora_checkpoint.check_base_reference(extra["lora_base"], config.model, "/ckpt/other")
+        policy_lib.check_base_reference(
+            extra["lora_base"], policy_lib.base_reference(config.model, "/ckpt/other")
+        )
     config.model.lora.rank = 8
+    rank8 = policy_lib.base_reference(config.model, "/ckpt/base")
     with pytest.raises(config_lib.ConfigError, match="rank"):
-        lora_checkpoint.check_base_reference(extra["lora_base"], config.model, "/ckpt/base")
+        policy_lib.check_base_reference(extra["lora_base"], rank8)
 
 
 @pytest.mark.parametrize(

@@ -32,7 +32,7 @@ def test_metric_names_are_the_issue_list():
 
 
 def test_writes_one_json_object_per_step_with_python_scalars(tmp_path):
-    with M.MetricsWriter(str(tmp_path)) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False) as w:
         for s in range(3):
             w.write(s, _step_metrics(s))
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
@@ -48,7 +48,7 @@ def test_writes_one_json_object_per_step_with_python_scalars(tmp_path):
 
 
 def test_non_finite_and_non_scalar_values(tmp_path):
-    with M.MetricsWriter(str(tmp_path), tensorboard=False) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False, tensorboard=False) as w:
         rec = w.write(0, {"actor/pg_loss": jnp.float32(jnp.nan), "perf/step_time_s": np.inf})
         assert rec == {"step": 0, "actor/pg_loss": None, "perf/step_time_s": None}
         with pytest.raises(ValueError, match="reward/mean"):
@@ -59,14 +59,14 @@ def test_non_finite_and_non_scalar_values(tmp_path):
 
 def test_resume_drops_steps_from_the_resumed_step_on(tmp_path):
     uninterrupted, interrupted = tmp_path / "a", tmp_path / "b"
-    with M.MetricsWriter(str(uninterrupted)) as w:
+    with M.MetricsWriter(str(uninterrupted), remote=False) as w:
         for s in range(6):
             w.write(s, _step_metrics(s))
     # The interrupted run got to step 4 but its last checkpoint was at step 3.
-    with M.MetricsWriter(str(interrupted)) as w:
+    with M.MetricsWriter(str(interrupted), remote=False) as w:
         for s in range(5):
             w.write(s, _step_metrics(s))
-    with M.MetricsWriter(str(interrupted), start_step=3) as w:
+    with M.MetricsWriter(str(interrupted), remote=False, start_step=3) as w:
         assert [r["step"] for r in M.read_metrics(str(interrupted))] == [0, 1, 2]
         assert w.kept == M.read_metrics(str(interrupted))  # what a resume reads its pass@1 from
         for s in range(3, 6):
@@ -75,7 +75,7 @@ def test_resume_drops_steps_from_the_resumed_step_on(tmp_path):
         uninterrupted / "metrics.jsonl"
     ).read_text()
     # A fresh run (start_step=0) in a used workdir starts the file over.
-    with M.MetricsWriter(str(interrupted)) as w:
+    with M.MetricsWriter(str(interrupted), remote=False) as w:
         w.write(0, {"reward/mean": 1.0})
     assert M.read_metrics(str(interrupted)) == [{"step": 0, "reward/mean": 1.0}]
 
@@ -98,7 +98,7 @@ def _read_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_events_written(tmp_path):
-    with M.MetricsWriter(str(tmp_path)) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False) as w:
         for s in range(3):
             w.write(s, _step_metrics(s))
     scalars = _read_scalars(tmp_path / "tb")
@@ -129,7 +129,9 @@ def test_torn_last_line_is_dropped_with_a_warning(tmp_path):
     ]
     assert len(warnings) == 1 and str(path) in warnings[0] and "line 3" in warnings[0]
     # A resumed writer keeps the intact lines and appends after them.
-    with M.MetricsWriter(str(tmp_path), start_step=2, tensorboard=False, log=warnings.append) as w:
+    with M.MetricsWriter(
+        str(tmp_path), remote=False, start_step=2, tensorboard=False, log=warnings.append
+    ) as w:
         w.write(2, {"r": 3.0})
     assert [r["step"] for r in M.read_metrics(str(tmp_path))] == [0, 1, 2]
 
@@ -147,14 +149,14 @@ def test_progress_bar_and_writer_tolerate_missing_values(tmp_path, capsys):
     bar.update(1, {"reward/mean": jnp.float32(jnp.nan), "eval/pass@1": float("inf")})
     bar.close()
     assert "reward=nan" in capsys.readouterr().err
-    with M.MetricsWriter(str(tmp_path)) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False) as w:
         assert w.write(0, {"reward/mean": None, "actor/kl": float("nan")})["actor/kl"] is None
     assert M.format_value(None) == "nan" and M.format_value(0.25, ".2f") == "0.25"
 
 
 def test_failing_tensorboard_degrades_to_jsonl_with_one_warning(tmp_path):
     warnings = []
-    with M.MetricsWriter(str(tmp_path), log=warnings.append) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False, log=warnings.append) as w:
 
         def full(*_):
             raise OSError(28, "No space left on device")
@@ -167,7 +169,7 @@ def test_failing_tensorboard_degrades_to_jsonl_with_one_warning(tmp_path):
 
 
 def test_failing_metrics_write_is_one_line_naming_the_file(tmp_path):
-    w = M.MetricsWriter(str(tmp_path), tensorboard=False)
+    w = M.MetricsWriter(str(tmp_path), remote=False, tensorboard=False)
     w._file.close()
     w._file = open("/dev/full", "a")  # noqa: SIM115  every flush fails with ENOSPC
     with pytest.raises(M.MetricsError, match=rf"cannot write {tmp_path}/metrics.jsonl: No space"):
@@ -178,11 +180,11 @@ def test_failing_metrics_write_is_one_line_naming_the_file(tmp_path):
 def test_unwritable_workdir_is_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(M.MetricsError, match="cannot write"):
-        M.MetricsWriter(str(tmp_path / "file" / "run"))
+        M.MetricsWriter(str(tmp_path / "file" / "run"), remote=False)
 
 
 def test_samples_written_and_trimmed_on_resume(tmp_path):
-    with M.MetricsWriter(str(tmp_path)) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False) as w:
         for s in range(3):
             w.write_samples(s, ["1+1="] * 2, ["2", "3"], [1.0, 0.0], [0.5, float("nan")])
     rows = M.read_jsonl(str(tmp_path / M.SAMPLES_FILE))
@@ -193,7 +195,7 @@ def test_samples_written_and_trimmed_on_resume(tmp_path):
         "reward": 0.0,
         "advantage": None,
     }
-    with M.MetricsWriter(str(tmp_path), start_step=1) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False, start_step=1) as w:
         pass
     assert [r["step"] for r in M.read_jsonl(str(tmp_path / M.SAMPLES_FILE))] == [0, 0]
     with pytest.raises(ValueError, match="differ in length"):
@@ -206,9 +208,23 @@ def test_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     opts = {"project": "ebpo-test", "mode": "offline", "entity": "", "name": ""}
-    with M.MetricsWriter(str(tmp_path), wandb=opts, run_config={"lr": 1e-3}) as w:
+    with M.MetricsWriter(str(tmp_path), remote=False, wandb=opts, run_config={"lr": 1e-3}) as w:
         w.write(0, {"reward/mean": 0.5})
         w.write_samples(0, ["p"], ["c"], [1.0], [0.0])
     run_id = (tmp_path / M.WANDB_ID_FILE).read_text().strip()
     runs = glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{run_id}"))
     assert len(runs) == 1 and glob.glob(os.path.join(runs[0], "*.wandb"))
+
+
+def test_latest_is_the_last_value_at_or_before_a_step():
+    rows = [
+        {"step": 0, "eval/pass@1": 0.25},
+        {"step": 2, "eval/pass@1": None},  # a skipped evaluation
+        {"step": 3, "reward/mean": 1.0},
+        {"step": 4, "eval/pass@1": 0.5},
+        {"step": 6, "eval/pass@1": 0.75},
+    ]
+    assert M.latest(rows, "eval/pass@1", 5) == (0.5, 4)
+    assert M.latest(rows, "eval/pass@1", 3) == (0.25, 0)
+    assert M.latest(rows, "eval/pass@1", 6) == (0.75, 6)
+    assert M.latest(rows, "reward/mean", 2) is None

@@ -49,10 +49,10 @@ def test_full_fine_tuning_trains_the_params_against_a_frozen_copy():
     assert view.abstract_sampled(state) is state.params
     assert set(state.saved()) == set(state._fields) - {"base"}
     assert view.checkpoint_extra(_model_section(0), "src") == {}
-    view.check_checkpoint({}, _model_section(0), "src")
+    view.check_checkpoint({}, {})
     lora_extra = Policy(CFG, lora=SPEC).checkpoint_extra(_model_section(4), "src")
     with pytest.raises(config_lib.ConfigError, match="holds LoRA adapters"):
-        view.check_checkpoint(lora_extra, _model_section(0), "src")
+        view.check_checkpoint(lora_extra, {})
 
 
 def test_lora_trains_adapters_on_a_frozen_base_that_is_the_reference():
@@ -70,11 +70,11 @@ def test_lora_trains_adapters_on_a_frozen_base_that_is_the_reference():
     assert "base" not in tree and "ref_params" not in tree
     model = _model_section(4)
     extra = view.checkpoint_extra(model, "src")
-    view.check_checkpoint(extra, model, "src")
+    view.check_checkpoint(extra, extra)
     with pytest.raises(config_lib.ConfigError, match="source"):
-        view.check_checkpoint(extra, model, "other")
+        view.check_checkpoint(extra, view.checkpoint_extra(model, "other"))
     with pytest.raises(config_lib.ConfigError, match="does not match"):
-        view.check_checkpoint({}, model, "src")  # a full checkpoint under LoRA
+        view.check_checkpoint({}, extra)  # a full checkpoint under LoRA
 
 
 def _rollout(tag: float) -> Rollout:
@@ -86,7 +86,7 @@ class _Pieces:
     """Stand-in for step.Pieces: records the calls, rollouts tagged by their batch."""
 
     sh = update = view = None
-    policy = staticmethod(lambda state: state)
+    policy = place = staticmethod(lambda x: x)
 
     def __init__(self):
         self.calls = []

@@ -16,7 +16,7 @@ from train_math_test import _config as math_config
 from train_math_test import _rows, files  # noqa: F401  (a fixture)
 
 from configs import micro
-from ebpo_jax import models, tasks
+from ebpo_jax import models, sharding, tasks
 from ebpo_jax.config import ConfigError, validate
 from ebpo_jax.rollout.refill import HostRefill
 from ebpo_jax.rollout.single_turn import make_rollout_fn, make_round_fn
@@ -58,7 +58,8 @@ def _host_refill(arith, reward, key):
     spec, mc, params, batch, clusters = arith
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
     sh = SimpleNamespace(
-        rollout=rollout_shardings(mesh, P), replicated=NamedSharding(mesh, PartitionSpec())
+        rollout=rollout_shardings(sharding.rows_sharding(mesh, P)),
+        replicated=NamedSharding(mesh, PartitionSpec()),
     )
     one_round = jax.jit(make_round_fn(spec, mc, tasks.EOS_ID, clusters))
     rounds = []

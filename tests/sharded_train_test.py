@@ -17,8 +17,8 @@ from ebpo_jax.spec import resolve
 from ebpo_jax.tasks.families import arithmetic as task_arithmetic
 from ebpo_jax.tasks.protocol import model_config_from
 from ebpo_jax.trainer import loop
+from ebpo_jax.trainer.shardings import state_shardings as train_state_shardings
 from ebpo_jax.trainer.state import init_train_state, make_optimizer
-from ebpo_jax.trainer.state import state_shardings as train_state_shardings
 from ebpo_jax.trainer.step import make_train_step
 
 EOS = tasks.EOS_ID

@@ -156,9 +156,8 @@ def test_aot_lowers_the_update_the_loop_runs():
     mesh = loop.make_mesh(spec.mesh)
     params = models.init_params(mc, jax.random.key(0))
     task = aot.shape_task(spec, mc, params)
-    optimizer = loop.make_optimizer(spec.optim)
     view = loop.policy_lib.of(spec, task.model_config)
-    state, sh = loop._init_state(spec, view, task, optimizer, mesh)
+    state, sh, optimizer = loop._init_state(spec, view, task, mesh)
     step, abstract_state, abstract_ro = aot.make_step(spec, mc, mesh, prompt_len=8)
     ro = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), abstract_ro)
     ro = jax.device_put(ro, sh.rollout)  # as the loop places a rollout

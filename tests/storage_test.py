@@ -92,7 +92,7 @@ def test_workdir_lock_on_gs_is_one_error_line(gcs):
 
 def test_metrics_segments_keep_checkpointed_rows_and_name_a_gap(gcs):
     wd = "gs://runs/m"
-    w = metrics.MetricsWriter(wd, tensorboard=False)
+    w = metrics.MetricsWriter(wd, remote=True, tensorboard=False)
     for step in range(6):
         w.write(step, {"reward/mean": step / 10})
         if step in (2, 4):
@@ -100,7 +100,9 @@ def test_metrics_segments_keep_checkpointed_rows_and_name_a_gap(gcs):
     # kill -9: no close(); step 5's row was never written (the resume recomputes it).
     assert [r["step"] for r in metrics.read_metrics(wd)] == [0, 1, 2, 3, 4]
     assert metrics.has_metrics(wd)
-    resumed = metrics.MetricsWriter(wd, start_step=3, tensorboard=False)  # checkpoint 2
+    resumed = metrics.MetricsWriter(
+        wd, remote=True, start_step=3, tensorboard=False
+    )  # checkpoint 2
     assert [r["step"] for r in metrics.read_metrics(wd)] == [0, 1, 2]  # later rows dropped
     assert resumed.kept == metrics.read_metrics(wd)
     resumed.write(3, {"reward/mean": 0.3})
@@ -110,7 +112,9 @@ def test_metrics_segments_keep_checkpointed_rows_and_name_a_gap(gcs):
     first = sorted(storage.listdir(wd + "/metrics"))[0]
     storage.write_text(f"{wd}/metrics/{first}", json.dumps({"step": 0}) + "\n")
     lines = []
-    again = metrics.MetricsWriter(wd, start_step=4, tensorboard=False, log=lines.append)
+    again = metrics.MetricsWriter(
+        wd, remote=True, start_step=4, tensorboard=False, log=lines.append
+    )
     assert again.record_gap(3) == [[1, 2]] and "no rows for steps 1-2" in lines[0]
     again.close()
     assert metrics.missing_steps(metrics.read_metrics(wd), 3) == []

@@ -603,6 +603,6 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _batch_invariant_mesh(c, d)
     if num_devices is not None:
         _devices(c, d)
-    _data_and_model(c)  # last: these read files
-    _difficulty_file(c)
+    _difficulty_file(c)  # last: these read files
+    _data_and_model(c)
     return d

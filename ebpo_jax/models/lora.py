@@ -267,30 +267,5 @@ def dequantize_base(params, dtype=None):
     return out
 
 
-def base_shardings(config: ModelConfig, base, mesh):
-    """Shardings of a (possibly quantized) base: a QArray's qvalue like its weight, its
-    scale replicated along dims it reduces; everything else by the rules table."""
-    from ebpo_jax import sharding
-
-    rules = sharding.rules_from(config)
-
-    def one(path, var):
-        value = var.get_value()
-        names = var.get_metadata()["axes"]
-        where = "base " + jax.tree_util.keystr(path)
-        if not _is_qarray(value):
-            spec = sharding.logical_to_spec(names, rules, mesh, value.shape, where)
-            return var.replace(value=jax.sharding.NamedSharding(mesh, spec))
-        q_spec = sharding.logical_to_spec(names, rules, mesh, value.shape, where)
-        s_names = [n if s == d else None for n, s, d in zip(names, value.scale.shape, value.shape)]
-        s_spec = sharding.logical_to_spec(s_names, rules, mesh, value.scale.shape, where)
-        sh = lambda s: jax.sharding.NamedSharding(mesh, s)
-        return var.replace(value=dataclasses.replace(value, qvalue=sh(q_spec), scale=sh(s_spec)))
-
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(base, is_leaf=is_var)
-    return jax.tree_util.tree_unflatten(treedef, [one(p, v) for p, v in flat])
-
-
 def num_adapter_params(config: ModelConfig, spec: LoraSpec) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(abstract_adapters(config, spec)))

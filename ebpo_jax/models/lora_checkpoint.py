@@ -11,33 +11,9 @@ from flax import nnx
 
 from ebpo_jax.models import lora
 from ebpo_jax.runtime.checkpoint import Checkpointer, load_params
-from ebpo_jax.schema import ConfigError
 
-EXTRA_KEY = "lora_base"  # the checkpoint's extra entry that names the base (base_reference)
-
-
-def base_reference(model, source: str) -> dict:
-    """The checkpoint's `extra` entry naming the base: `source` (an HF folder, the SFT
-    warm-start cache file or the seeded init) and the adapter hyper-parameters of the
-    `model` config section that must match on resume."""
-    lc = model.lora
-    return {
-        "source": source,
-        "preset": model.preset,
-        "base_dtype": lc.base_dtype,
-        "rank": int(lc.rank),
-        "alpha": float(lc.alpha),
-        "targets": str(lc.targets),
-    }
-
-
-def check_base_reference(saved: dict, model, source: str) -> None:
-    """Raise ConfigError when a checkpoint's adapters were trained on another base or spec."""
-    want = base_reference(model, source)
-    diff = sorted(k for k in want if saved.get(k) != want[k])
-    if diff:
-        pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {want[k]!r}" for k in diff)
-        raise ConfigError(f"LoRA checkpoint does not match this run's base ({pairs})")
+EXTRA_KEY = "lora_base"  # the checkpoint's extra entry that names the base
+# (trainer/policy.py's base_reference)
 
 
 def restore_adapters(workdir: str, model_config):

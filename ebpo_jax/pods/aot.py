@@ -39,8 +39,9 @@ from ebpo_jax.sharding import abstract, make_mesh
 from ebpo_jax.spec import RunSpec, resolve
 from ebpo_jax.tasks import episodes
 from ebpo_jax.tasks.protocol import Reward, Task, model_config_from
+from ebpo_jax.trainer import policy
 from ebpo_jax.trainer.runners import make_runner
-from ebpo_jax.trainer.shardings import make_sampler_mesh, make_shardings
+from ebpo_jax.trainer.shardings import bundle, make_sampler_mesh
 from ebpo_jax.trainer.state import make_optimizer
 
 
@@ -80,7 +81,6 @@ def shape_task(spec: RunSpec, mc, params, stop_ids=MATH_DATA["stop_ids"]) -> Tas
 def abstract_inputs(spec: RunSpec, mc, prompt_len: int, *, answer_len: int, stop_ids):
     """(abstract TrainState, abstract Rollout, optimizer) at the spec's shapes: no allocation."""
     from ebpo_jax import models, tasks
-    from ebpo_jax.trainer import policy
 
     optimizer = make_optimizer(spec.optim)
     params = models.abstract_params(mc)
@@ -105,8 +105,10 @@ def make_step(spec: RunSpec, mc, mesh, prompt_len: int, devices=None, **data):
     """
     data = MATH_DATA | data
     state, ro, optimizer = abstract_inputs(spec, mc, prompt_len, **data)
-    sh = make_shardings(spec, mc, optimizer, state, mesh, devices)
-    step = make_runner(spec, shape_task(spec, mc, state.params, data["stop_ids"]), optimizer, sh)
+    view = policy.of(spec, mc)  # the one policy view, as the loop's
+    sh = bundle(spec, view, optimizer, state, mesh, devices)
+    task = shape_task(spec, mc, state.params, data["stop_ids"])
+    step = make_runner(spec, task, optimizer, sh, view)
     # Inputs carry the loop's shardings, as its placed arrays do: the same program is traced.
     return step, abstract(state, sh.state), abstract(ro, sh.rollout)
 

@@ -39,7 +39,7 @@ class HostRefill:
         rep = sh.replicated
         self.absorb = jax.jit(rollout_lib.absorb, out_shardings=(sh.rollout, rep, rep, rep))
         self.finish = jax.jit(
-            lambda *a: (lambda ro: (ro, kept_tokens(ro)))(rollout_lib.finish_refill(spec, *a)),
+            lambda *a: (lambda ro: (ro, kept_tokens(ro)))(rollout_lib.finish_refill(*a)),
             out_shardings=(sh.rollout, rep),
         )
         self.last_metrics: dict[str, float] = {}

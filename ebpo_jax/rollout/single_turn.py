@@ -135,12 +135,12 @@ def absorb(buf: Rollout, filled_P, ntok, nsame, new: Rollout):
     return buf, filled_P, ntok + new.generated_tokens, nsame + same_P.sum()
 
 
-def finish_refill(spec: RolloutSpec, buf: Rollout, filled_P, rounds, ntok, nsame) -> Rollout:
+def finish_refill(buf: Rollout, filled_P, rounds, ntok, nsame) -> Rollout:
     """The buffer as the step's rollout: unfilled slots invalid, every round's tokens counted."""
     return buf._replace(
         group_valid=filled_P,
         generated_tokens=jnp.asarray(ntok, jnp.int32),
-        all_same_frac=nsame / (rounds * spec.prompts).astype(jnp.float32),
+        all_same_frac=nsame / (rounds * filled_P.shape[0]).astype(jnp.float32),
     )
 
 
@@ -157,7 +157,7 @@ def _refill(spec: RolloutSpec, round_fn, first: Rollout) -> Rollout:
         return (*absorb(*acc, round_fn(r)), r + 1)
 
     buf, filled, ntok, nsame, r = jax.lax.while_loop(cond, body, carry)
-    return finish_refill(spec, buf, filled, jnp.asarray(r), ntok, nsame)
+    return finish_refill(buf, filled, jnp.asarray(r), ntok, nsame)
 
 
 def make_round_fn(spec: RolloutSpec, model_config, stop_ids, cluster_ids_fn: ClusterFn, mesh=None):

@@ -68,12 +68,6 @@ def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
-def _is_remote(path: str) -> bool:
-    from ebpo_jax.runtime import storage  # late: `import ebpo_jax.runtime.metrics` stays light
-
-    return storage.is_remote(path)
-
-
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
@@ -177,6 +171,13 @@ def has_metrics(workdir: str) -> bool:
     if storage.is_remote(path):
         return bool(_segment_names(path))
     return os.path.exists(path) and os.path.getsize(path) > 0
+
+
+def latest(rows: Sequence[Mapping[str, Any]], key: str, up_to: int) -> tuple[Any, int] | None:
+    """(value, step) of `key` in the last of `rows` at or before step `up_to` where it is
+    not None (a skipped step's value); None when no row has it."""
+    had = [r for r in rows if r.get("step", up_to + 1) <= up_to and r.get(key) is not None]
+    return (had[-1][key], had[-1]["step"]) if had else None
 
 
 GAP_KEY = "metrics_gap"  # a row {"step": s, "metrics_gap": [[a, b], ...]}: rows a..b were lost
@@ -372,13 +373,15 @@ class MetricsWriter:
     run's files equal an uninterrupted one's. Non-finite values are written as null.
     TensorBoard tags are the metric names as they are ("eval/pass@1").
     `wandb={"project": ..., "mode": ..., "entity": ..., "name": ...}` (project "" = off) also
-    logs to Weights & Biases, with `run_config` as the run's config.
+    logs to Weights & Biases, with `run_config` as the run's config. `remote`: the workdir is
+    on object storage (`storage.is_remote`; the run asks once): rows go to segments.
     """
 
     def __init__(
         self,
         workdir: str,
         *,
+        remote: bool,
         start_step: int = 0,
         tensorboard: bool = True,
         wandb: Mapping[str, Any] | None = None,
@@ -389,8 +392,7 @@ class MetricsWriter:
         self.path = os.path.join(workdir, METRICS_FILE)
         self.samples_path = os.path.join(workdir, SAMPLES_FILE)
         self._samples = None
-        remote = _is_remote(workdir)  # asked once: every sink below writes where it says
-        if remote:
+        if remote:  # every sink below writes where this says
             self._open_segments(start_step, log)
         else:
             self._open_local(workdir, start_step, log)
@@ -595,6 +597,7 @@ class NullWriter:
 def open_writer(
     workdir: str,
     *,
+    remote: bool,
     start_step: int = 0,
     enabled: bool = True,
     wandb: Mapping[str, Any] | None = None,
@@ -605,5 +608,5 @@ def open_writer(
     if not enabled:
         return NullWriter()
     return MetricsWriter(
-        workdir, start_step=start_step, wandb=wandb, run_config=run_config, log=log
+        workdir, remote=remote, start_step=start_step, wandb=wandb, run_config=run_config, log=log
     )

@@ -108,19 +108,20 @@ def _one_line(e: BaseException) -> str:
     return " ".join(f"{type(e).__name__}: {e}".split())[:300]
 
 
-def check_shared(workdir: str) -> None:
+def check_shared(workdir: str, *, remote: bool) -> None:
     """Every process of a multi-process run sees the same workdir; WorkdirError otherwise.
 
     Orbax has each host write its shards into the one checkpoint folder, so a local workdir
     that hosts do not share (a pod's boot disks) gives checkpoints nobody can restore.
-    Process 0 writes a marker, every process looks for it. A gs:// workdir is shared by
-    construction. A collective: call it on every process, before anything else is written.
+    Process 0 writes a marker, every process looks for it. A `remote` (gs://) workdir is
+    shared by construction. A collective: call it on every process, before anything else
+    is written.
     """
     import jax
     import numpy as np
     from jax.experimental import multihost_utils
 
-    if jax.process_count() == 1 or storage.is_remote(workdir):
+    if jax.process_count() == 1 or remote:
         return
     nonce = int(multihost_utils.broadcast_one_to_all(np.int32(secrets.randbits(31))))
     marker = os.path.join(workdir, f".shared-probe-{nonce}")
@@ -392,7 +393,9 @@ def prepare_workdir(
     try:
         state = check_workdir(workdir, restart=restart)
         resuming = state == "resume"
-        reconcile_config(workdir, cfg, resuming=resuming, log=log, write=write_config, defaults=defaults)
+        reconcile_config(
+            workdir, cfg, resuming=resuming, log=log, write=write_config, defaults=defaults
+        )
     except BaseException:
         lock.release()
         raise

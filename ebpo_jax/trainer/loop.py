@@ -80,19 +80,19 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     t_start = time.time()
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
     get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
-    workdir_lib.check_shared(spec.workdir)  # multi-host: a local workdir every host sees
+    workdir_lib.check_shared(spec.workdir, remote=spec.remote)  # multi-host: every host's
     defaults = default_config().to_dict()  # fields added since a run was saved keep these
     lock = (
         workdir_lib.prepare_workdir(spec, log=log, write_config=False, defaults=defaults)
         if main
         else None
     )
+    save = (lambda: workdir_lib.save_config(spec, defaults)) if main else (lambda: None)
     task = None
     try:
         mesh = make_mesh(spec.mesh)
         reward = _caller_reward(reward_fn, host_reward)
         task = build_task(spec.task, mesh=mesh, log=log, reward=reward)
-        save = (lambda: workdir_lib.save_config(spec, defaults)) if main else (lambda: None)
         summary = _run(spec, task, mesh, log, stop_after, save)
     finally:
         if task is not None:
@@ -102,24 +102,17 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     return {**summary, "wall_time_s": time.time() - t_start}
 
 
-def _init_state(spec: RunSpec, view: policy_lib.Policy, task: Task, optimizer, mesh):
-    """The step-0 TrainState, built inside jit on its shardings, and the shardings bundle.
-
-    No replicated copy of the params, Adam moments or reference policy ever exists.
-    """
+def _init_state(spec: RunSpec, view: policy_lib.Policy, task: Task, mesh):
+    """The step-0 TrainState (built inside jit on its shardings), the shardings bundle and
+    the optimizer. No replicated copy of the params, Adam moments or reference policy
+    ever exists."""
+    optimizer = make_optimizer(spec.optim)
     init = lambda params: view.init(
         params, optimizer, seed=spec.run.seed, num_clusters=task.num_clusters
     )
     sh = bundle(spec, view, optimizer, jax.eval_shape(init, task.params), mesh)
     with jax.set_mesh(mesh):
-        return jax.jit(init, out_shardings=sh.state)(task.params), sh
-
-
-def _latest_eval(rows, up_to: int) -> tuple[float, int] | None:
-    """(pass@1, step) of the last of metrics.jsonl's `rows` at or before `up_to` with one."""
-    evals = [r for r in rows if r.get("step", up_to + 1) <= up_to and "eval/pass@1" in r]
-    evals = [r for r in evals if r["eval/pass@1"] is not None]
-    return (evals[-1]["eval/pass@1"], evals[-1]["step"]) if evals else None
+        return jax.jit(init, out_shardings=sh.state)(task.params), sh, optimizer
 
 
 class _Log:
@@ -127,10 +120,16 @@ class _Log:
 
     def __init__(self, spec: RunSpec, step: int, extra: dict, policy, state, evaluate, log):
         main = distributed.is_main_process()
+        self.evaluate, self.spec = evaluate, spec
+        self.now, self.now_step = math.nan, None  # the latest evaluation and its step
+        self.sample_adv = None  # [G] advantages of the latest step's first prompt
+        # A fresh run's warm start (`policy`: its weights), written once the rows are open.
+        row = None if policy is None else self.eval_row(policy, {}, step)
         # Rows of steps <= the restored one stay; later ones are rewritten exactly once.
         start = step + 1 if extra else 0
         self.writer = metrics_lib.open_writer(
             spec.workdir,
+            remote=spec.remote,
             start_step=start,
             enabled=main,
             wandb=dataclasses.asdict(spec.wandb) if spec.wandb.project else None,
@@ -142,18 +141,14 @@ class _Log:
         # Counted on host in Python ints: the device counter is int32, and a pod run makes up
         # to P x G x N = 16.8M tokens a step (int32 wraps after ~128 such steps).
         self.tokens = extra.get("generated_tokens", int(state.generated_tokens))
-        self.evaluate, self.spec = evaluate, spec
-        self.now, self.now_step = math.nan, None  # the latest evaluation and its step
-        self.sample_adv = None  # [G] advantages of the latest step's first prompt
         if "pass@1_start" in extra:
             self.start = math.nan if extra["pass@1_start"] is None else extra["pass@1_start"]
-            latest = _latest_eval(self.writer.kept, step)  # the rows the writer kept
+            latest = metrics_lib.latest(self.writer.kept, "eval/pass@1", step)  # rows kept
             if latest is not None:  # a resume reports what the run reached, not its start
                 self.now, self.now_step = latest
-        elif evaluate is None:
+        elif row is None:
             self.start = math.nan
         else:
-            row = self.eval_row(policy, {}, step)
             self.start = row["eval/pass@1"]
             self.writer.write(step, row)
         finished = step >= spec.run.total_steps  # the closing summary says it all
@@ -301,9 +296,8 @@ def _check_finite(spec: RunSpec, rows: list[dict], step: int, ckpt) -> None:
 def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     """The host loop of train() over a built task; `save_config()` once the resume checks
     (the checkpoint's too) have passed, before anything else is written to the workdir."""
-    optimizer = make_optimizer(spec.optim)
     view = policy_lib.of(spec, task.model_config)  # the one policy view of the run
-    state, sh = _init_state(spec, view, task, optimizer, mesh)
+    state, sh, optimizer = _init_state(spec, view, task, mesh)
     ckpt = Checkpointer(
         os.path.join(spec.workdir, "checkpoints"),
         max_to_keep=spec.run.keep_checkpoints,
@@ -315,9 +309,8 @@ def _run(spec: RunSpec, task: Task, mesh, log, stop_after, save_config) -> dict:
     watch.start()
     try:  # a save in flight is always committed (or named as failed), whatever happens
         runner = make_runner(spec, task, optimizer, sh, view)
-        model, source = spec.task.model, task.base_source
-        check = lambda extra: view.check_checkpoint(extra, model, source)
-        policy_extra = view.checkpoint_extra(model, source)  # the same at every save
+        policy_extra = view.checkpoint_extra(spec.task.model, task.base_source)  # every save's
+        check = lambda extra: view.check_checkpoint(extra, policy_extra)
         state, extra = _restore(ckpt, state, runner, check, task, log)
         save_config()
         resumed_from = int(state.step) if extra else None
@@ -377,18 +370,19 @@ def _loop(spec: RunSpec, task: Task, runner, state, host: _Host, stop_after):
     timer, trace = runner.timer, tracing.StepTrace(spec.run.profile_steps, spec.workdir)
     watch.attach(timer)
 
-    def next_batches():
-        return runner.sh.place_batches(task.source.next_batches(spec.run.steps_per_jit))
+    def next_batches():  # on the host: the runner places them
+        return task.source.next_batches(spec.run.steps_per_jit)
 
     with PreemptionGuard() as guard, trace:
         while step < spec.run.total_steps:
+            due = out.evaluates(step + spec.run.steps_per_jit)  # this call's last step
             trace.before(step, spec.run.steps_per_jit)
             t0 = time.perf_counter()
             state, m, times = runner(state, step, next_batches)
             dt = (time.perf_counter() - t0) / spec.run.steps_per_jit
             trace.after(step + spec.run.steps_per_jit)
             watch.step_done(step + spec.run.steps_per_jit, dt * spec.run.steps_per_jit)
-            watch.enter("evaluate" if out.evaluates(step + spec.run.steps_per_jit) else "log")
+            watch.enter("evaluate" if due else "log")
             times = {**times, **timer.take()}
             rows = out.rows(step, m, times, dt, lambda state=state: runner.policy(state))
             step += len(rows)

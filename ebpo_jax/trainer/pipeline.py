@@ -42,10 +42,11 @@ class Pipeline:
         self.timer = PhaseTimer()  # rollout_update (overlapped) and reward
 
     def __call__(self, state: TrainState, step: int, next_batches):
+        place = lambda: self.pieces.place(next_batches())
         if self.inflight is None:  # step 0 (or a checkpoint without one): no overlap
             with self.timer("rollout"):
-                self.inflight = self.first_rollout(state, next_batches())
-        batches = next_batches() if step + 1 < self.total_steps else None
+                self.inflight = self.first_rollout(state, place())
+        batches = place() if step + 1 < self.total_steps else None
         state, m, times, self.inflight = self.overlapped(state, self.inflight, batches)
         return state, m, times
 

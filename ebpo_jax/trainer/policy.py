@@ -89,25 +89,26 @@ class Policy:
             return abstract_state.params
         return models.abstract_params(self.model_config)
 
-    def sampler_shardings(self, param_dtype: str, abstract_state: TrainState, mesh):
-        """Where the sampler's copy of the policy lives on `mesh` (sampler.param_dtype's layout)."""
-        sampled = self.abstract_sampled(abstract_state)
-        if param_dtype == "int8":
-            return int8_shardings(self.model_config, mesh)
-        return sharding.param_shardings(self.model_config, sampled, mesh)
+    def sampler_abstract(self, param_dtype: str, abstract_state: TrainState):
+        """The (abstract) weights the sampler holds in sampler.param_dtype's layout (int8:
+        quantized arrays), for their shardings."""
+        if param_dtype != "int8":
+            return self.abstract_sampled(abstract_state)
+        return int8_abstract(self.model_config)
 
     def checkpoint_extra(self, model, source: str) -> dict:
         """The checkpoint's extra entries: under LoRA, the base the adapters belong to."""
         if not self.is_lora:
             return {}
-        return {lora_checkpoint.EXTRA_KEY: lora_checkpoint.base_reference(model, source)}
+        return {lora_checkpoint.EXTRA_KEY: base_reference(model, source)}
 
-    def check_checkpoint(self, extra: dict, model, source: str) -> None:
-        """ConfigError when a checkpoint's adapters belong to another base or adapter spec, or
-        when LoRA is on for a full checkpoint or off for a LoRA one (either would look corrupt)."""
+    def check_checkpoint(self, extra: dict, entries: dict) -> None:
+        """ConfigError when a checkpoint's adapters belong to another base or adapter spec than
+        this run's `entries` (checkpoint_extra), or when LoRA is on for a full checkpoint or
+        off for a LoRA one (either would look corrupt)."""
         saved = extra.get(lora_checkpoint.EXTRA_KEY)
         if self.is_lora:
-            lora_checkpoint.check_base_reference(saved or {}, model, source)
+            check_base_reference(saved or {}, entries[lora_checkpoint.EXTRA_KEY])
         elif saved is not None:
             raise ConfigError(
                 f"the checkpoint holds LoRA adapters (model.lora.rank={saved.get('rank')}); "
@@ -177,12 +178,41 @@ def _cast(policy: Policy, dtype: str, sh):
     return jax.jit(cast, out_shardings=laid_out)
 
 
-def int8_shardings(model_config, mesh):
-    """Where the sampler's int8 weights live on `mesh`: each QArray's int8 values as its weight,
-    its scales likewise but replicated along the input dims they reduce."""
+def int8_abstract(model_config):
+    """The sampler's int8 weights, abstract: each projection a QArray of int8 values and
+    scales, every other weight in the compute dtype."""
     abstract = models.abstract_params(model_config)
-    quantized = jax.eval_shape(lambda p: quantize.int8_weights(p, model_config.dtype), abstract)
-    return lora_lib.base_shardings(model_config, quantized, mesh)
+    return jax.eval_shape(lambda p: quantize.int8_weights(p, model_config.dtype), abstract)
+
+
+def int8_shardings(model_config, mesh):
+    """Where the sampler's int8 weights live on `mesh` (sharding.param_shardings: each QArray's
+    values as its weight, its scales whole along the dims they reduce)."""
+    return sharding.param_shardings(model_config, int8_abstract(model_config), mesh)
+
+
+def base_reference(model, source: str) -> dict:
+    """The checkpoint's `extra` entry naming the base: `source` (an HF folder, the SFT
+    warm-start cache file or the seeded init) and the adapter hyper-parameters of the
+    `model` config section that must match on resume."""
+    lc = model.lora
+    return {
+        "source": source,
+        "preset": model.preset,
+        "base_dtype": lc.base_dtype,
+        "rank": int(lc.rank),
+        "alpha": float(lc.alpha),
+        "targets": str(lc.targets),
+    }
+
+
+def check_base_reference(saved: dict, want: dict) -> None:
+    """Raise ConfigError when a checkpoint's adapters were trained on another base or spec
+    than `want` (this run's base_reference)."""
+    diff = sorted(k for k in want if saved.get(k) != want[k])
+    if diff:
+        pairs = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs config {want[k]!r}" for k in diff)
+        raise ConfigError(f"LoRA checkpoint does not match this run's base ({pairs})")
 
 
 def of(spec, model_config) -> Policy:

@@ -6,13 +6,13 @@
 - `pipeline.Pipeline`, rollout.max_staleness=1: rollout t+1 overlaps update t.
 
 A runner is `runner(state, step, next_batches) -> (state, metrics [K]-stacked, phase times)`
-(`next_batches()` gives the next [K]-stacked prompt batches, placed), with `policy(state)`
-(the sampler's weights), `view` (trainer/policy.py), `sh` (the Shardings), `update` (the
-jitted update: aot.py compiles it), `timer` (a watchdog.PhaseTimer: its phases' wall times,
-and which phase runs), `last_rollout` (K == 1: the rollout the latest update
-consumed) and its own checkpoint entries: `checkpoint_entries()`, `restore_targets(saved,
-directory)` (abstract targets of the entries it restores) and `restored(tree)` (takes them
-back).
+(`next_batches()` gives the next [K]-stacked prompt batches on the host, which the runner
+places: `Pieces.place`), with `policy(state)` (the sampler's weights), `view`
+(trainer/policy.py), `sh` (the Shardings), `update` (the jitted update: aot.py compiles it),
+`timer` (a watchdog.PhaseTimer: its phases' wall times, and which phase runs), `last_rollout`
+(K == 1: the rollout the latest update consumed) and its own checkpoint entries:
+`checkpoint_entries()`, `restore_targets(saved, directory)` (abstract targets of the entries
+it restores) and `restored(tree)` (takes them back).
 """
 
 import functools
@@ -63,7 +63,7 @@ class ScanRunner(_Runner):
 
     def __call__(self, state: TrainState, step: int, next_batches):
         with self.timer("scan_step"), jax.set_mesh(self.sh.mesh):  # phases inseparable
-            state, m = self.multi(state, next_batches())
+            state, m = self.multi(state, self.pieces.place(next_batches()))
             state, m = jax.block_until_ready((state, m))
         return state, m, {"perf/sample_time_s": np.nan, "perf/update_time_s": np.nan}
 
@@ -79,10 +79,10 @@ class HostRunner(_Runner):
             weights = jax.block_until_ready(pieces.sampler_weights(pieces.policy(state)))
         if pieces.refill is not None:  # DAPO's rounds alternate sampling and the host reward
             with phase("rollout_refill"):
-                ro = pieces.scored(state, first(next_batches()), 1, weights)
+                ro = pieces.scored(state, first(pieces.place(next_batches())), 1, weights)
         else:
             with phase("rollout"):
-                batch = first(next_batches())
+                batch = first(pieces.place(next_batches()))
                 ro = pieces.to_trainer(pieces.rollout_from(state, batch, 1, weights))
             if pieces.host_reward is not None:  # a jittable reward runs inside the rollout
                 with phase("reward"):
@@ -100,11 +100,10 @@ class HostRunner(_Runner):
         return state, m, times
 
 
-def make_runner(spec: RunSpec, task, optimizer, sh: Shardings, view: policy.Policy | None = None):
-    """The runner `spec` asks for: the stale pipeline, the K-step scan, or K = 1 via the host.
-
-    `view`: the run's policy view (default: the one `spec` and the task's model make)."""
-    pieces = Pieces(spec, task, optimizer, sh, view or policy.of(spec, task.model_config))
+def make_runner(spec: RunSpec, task, optimizer, sh: Shardings, view: policy.Policy):
+    """The runner `spec` asks for, over the run's policy `view`: the stale pipeline, the
+    K-step scan, or K = 1 via the host."""
+    pieces = Pieces(spec, task, optimizer, sh, view)
     if spec.rollout.rollout.max_staleness:
         return pipeline.Pipeline(pieces, spec.run.total_steps)
     return ScanRunner(pieces) if spec.run.steps_per_jit > 1 else HostRunner(pieces)

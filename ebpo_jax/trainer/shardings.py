@@ -9,6 +9,7 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -17,7 +18,7 @@ from ebpo_jax import sharding
 from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import MeshSpec, RunSpec
 from ebpo_jax.trainer import policy
-from ebpo_jax.trainer.state import state_shardings
+from ebpo_jax.trainer.state import TrainState
 
 
 def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
@@ -41,16 +42,42 @@ def make_sampler_mesh(spec: MeshSpec, mesh, devices=None) -> jax.sharding.Mesh:
         raise config_lib.ConfigError(f"sampler.mesh: {e}") from None
 
 
-def rollout_shardings(mesh, prompts: int, routing: bool = False) -> Rollout:
-    """A Rollout of shardings: per-prompt fields over the batch axes (if they divide P).
-
-    `routing`: the rollout carries recorded experts (routing replay); else that field is None.
-    """
-    rows = NamedSharding(mesh, sharding.rows_spec(mesh, prompts))
-    rep = NamedSharding(mesh, P())
+def rollout_shardings(rows: NamedSharding, routing: bool = False) -> Rollout:
+    """A Rollout of shardings: per-prompt fields as `rows` (sharding.rows_sharding), the
+    scalars replicated; `routing`: the rollout carries recorded experts (routing replay),
+    else that field is None."""
+    rep = NamedSharding(rows.mesh, P())
     scalars = ("generated_tokens", "all_same_frac")
     out = Rollout(*(rep if f in scalars else rows for f in Rollout._fields))
     return out._replace(routing=rows if routing else None)
+
+
+def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
+    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments
+    by `model_config.sharding_rules` (the config's table), everything else replicated."""
+    lay = lambda tree: sharding.param_shardings(model_config, tree, mesh)  # None: None
+    return state_layout(optimizer, state, lay(state.params), lay(state.base), mesh)
+
+
+def state_layout(optimizer, state: TrainState, params, base, mesh) -> TrainState:
+    """Shardings of an (abstract) TrainState whose weights lie as `params` (the ref params
+    too) and `base` (the LoRA base, or None): the Adam moments follow the params, and the EB
+    accumulators, step, rng and counters are replicated."""
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    opt_sh = optax.tree_map_params(
+        optimizer, lambda _, s: s, state.opt_state, params, transform_non_params=lambda _: rep
+    )
+    return state._replace(
+        params=params,
+        opt_state=opt_sh,
+        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
+        step=rep,
+        rng=rep,
+        ref_params=None if state.ref_params is None else params,
+        nonfinite_run=rep,
+        generated_tokens=rep,
+        base=base,
+    )
 
 
 class Shardings(NamedTuple):
@@ -75,14 +102,6 @@ class Shardings(NamedTuple):
         return sharding.put_batch(tree, self.mesh, self.prompt_rows, axis=1, strict=False)
 
 
-def make_shardings(
-    spec: RunSpec, model_config, optimizer, abstract_state, mesh, devices=None
-) -> Shardings:
-    """`bundle` for the policy view of `spec` and `model_config`."""
-    view = policy.of(spec, model_config)
-    return bundle(spec, view, optimizer, abstract_state, mesh, devices)
-
-
 def bundle(
     spec: RunSpec, view: policy.Policy, optimizer, abstract_state, mesh, devices=None
 ) -> Shardings:
@@ -92,15 +111,22 @@ def bundle(
     `devices`: all devices of the run (default: jax.devices()), for a disjoint sampler mesh.
     """
     s_mesh = make_sampler_mesh(spec.mesh, mesh, devices)
-    P_, routing = spec.rollout.prompts, spec.rollout.moe.routing_replay
-    param_dtype = spec.rollout.sampler.param_dtype
+    sampled = view.sampler_abstract(spec.rollout.sampler.param_dtype, abstract_state)
+    # Every weight tree laid out by the one rules table: the trainer's on its mesh, the
+    # sampler's copy on the sampler's; the rows of a rollout over each mesh's batch axes.
+    mc, P_ = view.model_config, spec.rollout.prompts
+    params = sharding.param_shardings(mc, abstract_state.params, mesh)
+    base = sharding.param_shardings(mc, abstract_state.base, mesh)  # None: no LoRA base
+    sampler_params = sharding.param_shardings(mc, sampled, s_mesh)
+    rows, s_rows = sharding.rows_sharding(mesh, P_), sharding.rows_sharding(s_mesh, P_)
+    routing = spec.rollout.moe.routing_replay
     return Shardings(
         mesh=mesh,
         sampler_mesh=s_mesh,
-        state=state_shardings(view.model_config, optimizer, abstract_state, mesh),
-        rollout=rollout_shardings(mesh, P_, routing),
-        sampler_rollout=rollout_shardings(s_mesh, P_, routing),
-        sampler_params=view.sampler_shardings(param_dtype, abstract_state, s_mesh),
+        state=state_layout(optimizer, abstract_state, params, base, mesh),
+        sampler_params=sampler_params,
+        rollout=rollout_shardings(rows, routing),
+        sampler_rollout=rollout_shardings(s_rows, routing),
         replicated=NamedSharding(mesh, P()),
         prompt_rows=spec.rollout.batch_prompts,
     )

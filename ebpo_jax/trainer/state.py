@@ -1,4 +1,5 @@
-"""The train state pytree, its shardings, and the optimizer built from the OptimSpec."""
+"""The train state pytree and the optimizer built from the OptimSpec (its shardings:
+trainer/shardings.py)."""
 
 from typing import Any, NamedTuple
 
@@ -6,9 +7,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ebpo_jax import sharding
 from ebpo_jax.advantages import EBState, init_eb_state
-from ebpo_jax.models import lora
 from ebpo_jax.spec import OptimSpec
 
 
@@ -85,28 +84,4 @@ def init_train_state(
         nonfinite_run=jnp.zeros((), jnp.int32),
         generated_tokens=jnp.zeros((), jnp.int32),
         base=base,
-    )
-
-
-def state_shardings(model_config, optimizer, state: TrainState, mesh) -> TrainState:
-    """Shardings of an (abstract) TrainState: params, ref params, LoRA base and Adam moments.
-
-    The rules are `model_config.sharding_rules` (the config's table); everything else
-    (EB accumulators, step, rng, counters) is replicated.
-    """
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    p_sh = sharding.param_shardings(model_config, state.params, mesh)
-    opt_sh = optax.tree_map_params(
-        optimizer, lambda _, s: s, state.opt_state, p_sh, transform_non_params=lambda _: rep
-    )
-    return state._replace(
-        params=p_sh,
-        opt_state=opt_sh,
-        eb_state=jax.tree.map(lambda _: rep, state.eb_state),
-        step=rep,
-        rng=rep,
-        ref_params=None if state.ref_params is None else p_sh,
-        nonfinite_run=rep,
-        generated_tokens=rep,
-        base=None if state.base is None else lora.base_shardings(model_config, state.base, mesh),
     )

@@ -80,8 +80,16 @@ class Pieces:
         if task.env is None:
             rollout = self._single_turn(spec.rollout, task, host_rounds)
             self.scan_body = functools.partial(train_step, rollout, update, view.sampled)
-        else:  # one step per call: config.checks
-            self._multi_turn(spec.rollout, task, host_rounds)
+        else:  # one step per call (config.checks); the turn loop scores its own episodes
+            ep = self.episodes = MultiTurnRollout(spec.rollout, task, sh.sampler_mesh)
+            self.host_reward = None
+            on_sampler = lambda ro: jax.device_put(ro, sh.sampler_rollout)
+            self.rollout = lambda params, batch, key: on_sampler(ep(params, batch, key))
+            if host_rounds:  # round r of a refilled step, round 0 being the rollout
+                self.round = lambda params, batch, r, key: on_sampler(
+                    ep.round(params, batch, r, key)
+                )
+                self.rollout = lambda params, batch, key: self.round(params, batch, 0, key)
         if host_rounds:
             self.refill = HostRefill(spec.rollout, sh)
 
@@ -97,17 +105,9 @@ class Pieces:
             self.round = jax.jit(round_fn, out_shardings=sh.sampler_rollout)
         return rollout
 
-    def _multi_turn(self, spec: RolloutSpec, task, host_rounds: bool):
-        """The host turn loop, which scores its own episodes (task + environment); with
-        `host_rounds`, round r of a refilled step, round 0 being the rollout."""
-        sh = self.sh
-        ep = self.episodes = MultiTurnRollout(spec, task, sh.sampler_mesh)
-        self.host_reward = None
-        on_sampler = lambda ro: jax.device_put(ro, sh.sampler_rollout)
-        self.rollout = lambda params, batch, key: on_sampler(ep(params, batch, key))
-        if host_rounds:
-            self.round = lambda params, batch, r, key: on_sampler(ep.round(params, batch, r, key))
-            self.rollout = lambda params, batch, key: self.round(params, batch, 0, key)
+    def place(self, batches):
+        """Host prompt batches ([K]-stacked) placed on the trainer mesh."""
+        return self.sh.place_batches(batches)
 
     def scored(self, state: TrainState, batch, stream: int, weights=None):
         """rollout_from then finish; with a host-scored DAPO step, every refill round.
