@@ -75,7 +75,7 @@ EVAL_SETS = (
 )
 
 
-VARIANTS = ("paper", "authors", "aot", "multiturn")
+VARIANTS = ("paper", "authors", "aot", "multiturn", "int8")
 # The v5p-64 sampler layout per preset: (sampler mesh, dp_attention, KV pages of 128 tokens
 # per row shard). The dense models decode on data=4 x tp=8 with attention data-parallel
 # over the tp chips (32 row shards, each chip every kv head of its rows). Qwen3-30B-A3B keeps
@@ -86,6 +86,18 @@ SAMPLER_LAYOUT = {
     "llama3_1_8b": ("data=4,tp=8", True, 2048),
     "qwen3_14b": ("data=4,tp=8", True, 2048),
     "qwen3_30b_a3b": ("data=16,tp=2", False, 1536),
+}
+
+
+# With int8 KV pages and weights (variant "int8", issue 46) the 8B models split their kv
+# heads over tp=4 (2 per chip): no dp attention's all-to-alls, and 8 data shards of 256 rows
+# wait less for their slowest shard than 32 of 64 do. The int8 pool is read by this
+# codebase's own kernel or the XLA path, neither of which needs 8 combined heads per chip.
+# Compiled for v5p-64 with both fitting (docs/pods.md, "The complete step"); the 14B and MoE
+# presets keep SAMPLER_LAYOUT.
+INT8_LAYOUT = {
+    "qwen3_8b": ("data=8,tp=4", False, 3072),
+    "llama3_1_8b": ("data=8,tp=4", False, 3072),
 }
 
 
@@ -111,8 +123,8 @@ def _data(c, preset: str, chosen) -> None:
     c.data.order = "topic"  # EBPO-topic, the paper's best curriculum
     c.data.topics = "field"
     c.data.reward = "math"
-    # Every host scores the step's responses (about 50 ms each, pods/step_terms.py); a v5p
-    # host has 208 vCPUs, so 64 processes score 2048 responses in ~2 s, not 26 s on 4.
+    # Each host scores its block of the step's responses (about 50 ms each,
+    # pods/step_terms.py); a v5p host has 208 vCPUs, so 64 processes, not 4.
     c.data.reward_workers = 64
     if "aot" not in chosen:
         c.model.hf_path = CHECKPOINTS[preset]
@@ -121,8 +133,9 @@ def _data(c, preset: str, chosen) -> None:
     c.task.order = "topic"  # the aot variant's synthetic stream, same curriculum
 
 
-def _sampler_and_update(c, preset: str) -> None:
-    """The paged sampler's layout and the PPO update's optimizer and loss."""
+def _sampler_and_update(c, preset: str, int8: bool = False) -> None:
+    """The paged sampler's layout and the PPO update's optimizer and loss (`int8`: int8 KV
+    pages and sampler weights on INT8_LAYOUT)."""
     c.sampler.max_new_tokens = 8192
     c.sampler.temperature = 1.0
     c.sampler.top_p = 1.0
@@ -131,11 +144,14 @@ def _sampler_and_update(c, preset: str) -> None:
     c.sampler.slots = 0  # every row of the call at once: pages, not slots, bound concurrency
     c.sampler.page_size = 128
     # The sampler's copy of the float32 master weights in bf16: decode reads half the bytes.
-    c.sampler.param_dtype = "bfloat16"
-    mesh, dp, pages = SAMPLER_LAYOUT[preset]
+    c.sampler.param_dtype = "int8" if int8 else "bfloat16"
+    c.sampler.kv_dtype = "int8" if int8 else "bfloat16"
+    layouts = INT8_LAYOUT if int8 and preset in INT8_LAYOUT else SAMPLER_LAYOUT
+    mesh, dp, pages = layouts[preset]
     c.sampler.mesh = mesh
     c.sampler.dp_attention = dp
-    shards = 32 if dp else 16  # row shards on v5p-64's 32 chips
+    # row shards on v5p-64's 32 chips: every chip with dp attention, else the data shards
+    shards = 32 if dp else int(dict(a.split("=") for a in mesh.split(","))["data"])
     c.sampler.kv_pages = shards * pages  # see the comment block
 
     c.optimizer.learning_rate = 1e-6
@@ -179,7 +195,8 @@ def recipe(preset: str, variant: str | None = None):
 
     variant "paper" (default): the carried prior; "authors": the released code's per-batch
     statistics with mu_glob = mean of group means; "aot": no data or checkpoint paths (the
-    synthetic tasks at the same shapes); "multiturn": episodes with a calculator tool.
+    synthetic tasks at the same shapes); "multiturn": episodes with a calculator tool;
+    "int8": int8 KV pages and sampler weights, on INT8_LAYOUT where the preset has one.
     Comma-separated, e.g. "authors,aot".
     """
     chosen = _variants(variant)
@@ -209,7 +226,7 @@ def recipe(preset: str, variant: str | None = None):
     c.model.overrides.attention = "splash"
 
     _data(c, preset, chosen)
-    _sampler_and_update(c, preset)
+    _sampler_and_update(c, preset, int8="int8" in chosen)
     if "multiturn" in chosen:
         _multiturn(c)
 

@@ -71,6 +71,13 @@ _WORKER = textwrap.dedent(
     total = jax.jit(lambda b: (b["x"].sum(1) * b["i"]).sum())(batch)
     mine = sorted({int(v) for s in batch["i"].addressable_shards for v in np.asarray(s.data)})
     print("RESULT", pid, distributed.is_main_process(), float(total), min(mine), max(mine), flush=True)
+    seen = []
+    def score(t):  # a host reward's shape: rows in, [rows, 1] out; "k" is no row leaf
+        seen.append(sorted(int(i) for i in t["i"]))
+        return t["x"].sum(1, keepdims=True) * t["i"][:, None] + t["k"]
+    tree = {"x": data["x"], "i": data["i"], "k": np.float32(0.5)}
+    joined = distributed.map_row_blocks(score, tree, 16)
+    print("BLOCKS", pid, seen[0][0], seen[0][-1], np.array_equal(joined, score(tree)), flush=True)
     """
 )
 
@@ -107,6 +114,16 @@ def test_two_processes_build_one_global_batch(tmp_path):
     assert float(by_pid[0][3]) == expected and float(by_pid[1][3]) == expected
     # Each process's devices hold exactly its own block of rows.
     assert by_pid[0][4:] == ["0", "7"] and by_pid[1][4:] == ["8", "15"]
+    # map_row_blocks: each process scores its own 8 rows; both get all 16 results in order.
+    blocks = {line.split()[1]: line.split()[2:] for out in outs for line in out.splitlines()
+              if line.startswith("BLOCKS")}  # fmt: skip
+    assert blocks == {"0": ["0", "7", "True"], "1": ["8", "15", "True"]}, outs
+
+
+def test_map_row_blocks_is_fn_itself_in_one_process():
+    tree = {"x": np.arange(6.0).reshape(3, 2), "k": np.float32(2)}
+    out = distributed.map_row_blocks(lambda t: t["x"].sum(1) + t["k"], tree, 3)
+    np.testing.assert_array_equal(out, [3.0, 7.0, 11.0])
 
 
 def test_only_process_0_writes_metrics_and_logs_but_all_checkpoint(tmp_path, monkeypatch):

@@ -99,3 +99,14 @@ def test_paper_table_prints_a_cells_estimate_and_its_report(capsys, tmp_path):
     assert out[2].endswith("| 2 |")
     assert out[3].startswith("| `qwen3_8b,grpo,g4` | 58.72 | all compiled | 54.0 / 95 (sampler")
     assert out[3].endswith("| 1 |")
+
+
+@pytest.mark.parametrize("preset", ["qwen3_8b", "llama3_1_8b", "qwen3_14b"])
+def test_the_int8_variant_samples_int8_on_its_layout(preset):
+    c = pod.recipe(preset, "aot,int8")
+    validate(c, 32)
+    s = resolve(c, 32).rollout.sampler
+    assert (s.kv_dtype, s.param_dtype) == ("int8", "int8")
+    mesh, dp, pages = pod.INT8_LAYOUT.get(preset, pod.SAMPLER_LAYOUT[preset])
+    assert (c.sampler.mesh, c.sampler.dp_attention) == (mesh, dp)
+    assert c.sampler.kv_pages == (32 if dp else 8) * pages  # pages per row shard

@@ -269,6 +269,9 @@ def test_terms_priced_at_peak_and_expected_by_hand():
     assert got["expected"] == {"update": 4.0, "move": 4 + 4 + 3, "decode": 4.0, "fsdp": 0.0,
                                "reward": 7.0}  # fmt: skip
     assert st.reward_seconds(2048, 0) == pytest.approx(2048 * st.REWARD_S_PER_RESPONSE / 4)
+    assert st.reward_seconds(2048, 64, hosts=8) == pytest.approx(
+        256 * st.REWARD_S_PER_RESPONSE / 64
+    )
     sampling = lambda k, p: SimpleNamespace(top_k=k, top_p=p)
     assert st.sampling_bytes_per_row(1000, sampling(0, 1.0), 4) == 5 * 1000 * 4 / 4
     assert st.sampling_bytes_per_row(1024, sampling(0, 0.9), 1) == (5 + 20) * 1024 * 4
@@ -315,6 +318,13 @@ def test_int8_sampler_dtypes_price_the_decode_by_hand():
     assert all(terms["expected"][k] >= v for k, v in terms["at_peak"].items() if "update" not in k)
     assert est["step_s_after"] == pytest.approx(sum(terms["at_peak"].values()))
     assert est["step_s_expected"] == pytest.approx(sum(terms["expected"].values()))
+    # 8 chips are 2 hosts of 4: each scores the responses of 8 of the 16 prompts.
+    from ebpo_jax.pods import step_terms as st
+
+    responses, workers = 16 * spec.rollout.group_size, spec.task.data.reward_workers
+    assert terms["at_peak"]["reward"] == pytest.approx(
+        responses / 2 * st.REWARD_S_PER_RESPONSE / (workers or st.DEFAULT_REWARD_WORKERS)
+    )
 
 
 def test_dapo_refill_repeats_the_rollout_terms_not_the_update():

@@ -832,9 +832,16 @@ def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dic
         "update_collectives": P(ici_bytes=fsdp["bytes_sent_per_chip"],
                                 collectives=fsdp["count"], in_update_mfu=True),
         "reward": P(seconds=step_terms.reward_seconds(
-            ro.prompts * ro.group_size, x.run_spec.task.data.reward_workers)),
+            ro.prompts * ro.group_size, x.run_spec.task.data.reward_workers,
+            _scoring_hosts(ro.prompts, devices, chip))),
     }  # fmt: skip
     return step_terms.priced_terms(terms, chip)
+
+
+def _scoring_hosts(prompts: int, devices: int, chip) -> int:
+    """Hosts that share the host reward: the sampler's, when the prompts split over them."""
+    hosts = max(1, devices // chip.chips_per_host)
+    return hosts if prompts % hosts == 0 else 1
 
 
 def exact_on_policy_terms(estimate: dict, run_spec, mc, *, prompt_len, devices, peak) -> dict:

@@ -47,7 +47,7 @@ def measure_cpu(n: int = 1024, read_mib: int = 256, repeats: int = 5) -> ChipSpe
     read = jax.jit(jnp.sum)  # decode reads weights and cache: a read, not a copy's page faults
     bandwidth = x.nbytes / _best_of(lambda: read(x).block_until_ready(), repeats)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return ChipSpec("cpu", memory, flops, bandwidth, 1, 1)
+    return ChipSpec("cpu", memory, flops, bandwidth, 1, 1, chips_per_host=len(jax.devices()))
 
 
 def device_chip(device) -> ChipSpec:

@@ -41,7 +41,7 @@ class GpuModel:
     def chip(self) -> ChipSpec:
         """The ChipSpec aot.run reads: HBM as the budget JAX gets (MEM_FRACTION of the card)."""
         hbm = int(self.memory_bytes * MEM_FRACTION)
-        return ChipSpec(self.name, hbm, self.peak_flops, self.hbm_bandwidth, 1, 3, NVLINK)
+        return ChipSpec(self.name, hbm, self.peak_flops, self.hbm_bandwidth, 1, 3, NVLINK, 8)
 
 
 # SXM5 parts; both are compute capability 9.0 with 132 SMs. Peaks are NVIDIA's dense bf16

@@ -16,3 +16,4 @@ class ChipSpec:
     cores_in_name: int  # `v5p-64` counts TensorCores: 2 per chip on v4/v5p
     torus_dims: int  # 3 for v4/v5p, 2 for v5e/v6e
     ici_bandwidth: float = 0.0  # bytes/s a chip sends over all its links (half the bidirectional)
+    chips_per_host: int = 4  # a multi-host TPU slice's VMs hold 4 chips; a GPU node 8

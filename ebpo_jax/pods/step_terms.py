@@ -143,9 +143,10 @@ def packed_micro_batches(update, rows, prompt_tokens: int, prompt_len: int) -> i
     return int(loss.ppo_epochs * loss.num_minibatches * math.ceil(per_mini / budget))
 
 
-def reward_seconds(responses: int, workers: int) -> float:
-    """The host reward of one step's responses at REWARD_S_PER_RESPONSE, over `workers`."""
-    return responses * REWARD_S_PER_RESPONSE / (workers or DEFAULT_REWARD_WORKERS)
+def reward_seconds(responses: int, workers: int, hosts: int = 1) -> float:
+    """The host reward of one step's responses at REWARD_S_PER_RESPONSE, over `workers` on
+    each of `hosts` (each scores its block of the prompts: distributed.map_row_blocks)."""
+    return responses / hosts * REWARD_S_PER_RESPONSE / (workers or DEFAULT_REWARD_WORKERS)
 
 
 class Priced(NamedTuple):
@@ -203,5 +204,6 @@ def assumptions(chip, eff: Efficiency = EFFICIENCY) -> list[str]:
         "weight move: cast or int8 quantize on the trainer's layout, then each chip receives "
         "its sampler slice over ICI",
         f"host reward: {REWARD_S_PER_RESPONSE * 1e3:.0f} ms per response on each of "
-        "data.reward_workers (0 = 4) host processes",
+        "data.reward_workers (0 = 4) processes per host, each host scoring its block of the "
+        "prompts (the sampler's chips / chips_per_host hosts)",
     ]

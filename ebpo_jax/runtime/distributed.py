@@ -86,6 +86,29 @@ def local_rows(tree, process_index=None, process_count=None):
     return jax.tree.map(lambda x: x[s], tree)
 
 
+def map_row_blocks(fn, tree, num_rows: int):
+    """fn over this process's block of `tree`'s rows (leaves with `num_rows` leading rows;
+    other leaves whole), every block's result joined in row order on every process.
+
+    A host reward scored this way costs each host its share of the batch, not all of it.
+    Rows that do not split evenly over the processes are all given to fn on every process.
+    """
+    count = jax.process_count()
+    if count == 1 or num_rows % count:
+        return np.asarray(fn(tree))
+    rows = process_slice(num_rows)
+    mine = np.asarray(fn(jax.tree.map(lambda x: _rows_of(x, rows, num_rows), tree)))
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, block, ...]
+    return every.reshape(num_rows, *mine.shape[1:])
+
+
+def _rows_of(x, rows: slice, num_rows: int):
+    """`x[rows]` for a leaf of `num_rows` leading rows; any other leaf as it is."""
+    return x[rows] if np.ndim(x) and np.shape(x)[0] == num_rows else x
+
+
 def global_batch(local_tree, sharding):
     """One global jax.Array per leaf from each process's block of rows (no host gather)."""
 

@@ -68,7 +68,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
 
     The task family (`task.family`) gives the data, policy and reward; `reward_fn` replaces
     it with a jittable reward (same signature), `host_reward(rollout) -> rewards [P, G]` with
-    a Python reward on host arrays (the step then runs jit -> host -> jit).
+    a Python reward on host arrays (the step then runs jit -> host -> jit; with several
+    processes each calls it on its own block of the P prompts, so it scores rows independently).
     `stop_after=n` stops after n steps of this call as SIGTERM would (checkpoint, return).
     """
     spec = resolve(config, jax.device_count())

@@ -148,7 +148,9 @@ class Pieces:
     def score(self, ro):
         """`ro` with its host reward filled in (as it is without one)."""
         if self.host_reward is not None:
-            rewards_PG = np.asarray(self.host_reward(distributed.to_host(ro)), np.float32)
+            rows = ro.rewards.shape[0]  # each process scores its block of the prompts
+            rewards_PG = distributed.map_row_blocks(self.host_reward, distributed.to_host(ro), rows)
+            rewards_PG = np.asarray(rewards_PG, np.float32)
             ro = ro._replace(rewards=put(rewards_PG, self.sh.rollout.rewards))
         return ro
 
