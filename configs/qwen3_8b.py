@@ -145,7 +145,7 @@ def _sampler_and_update(c, preset: str, int8: bool = False) -> None:
     c.sampler.page_size = 128
     # The sampler's copy of the float32 master weights in bf16: decode reads half the bytes.
     c.sampler.param_dtype = "int8" if int8 else "bfloat16"
-    c.sampler.kv_dtype = "int8" if int8 else "bfloat16"
+    c.sampler.kv_dtype = "int8" if int8 else ""  # "": the compute dtype
     layouts = INT8_LAYOUT if int8 and preset in INT8_LAYOUT else SAMPLER_LAYOUT
     mesh, dp, pages = layouts[preset]
     c.sampler.mesh = mesh
