@@ -81,13 +81,22 @@ def _blocks(fn, *xs_N, tile: int = TILE):
     return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:])[:N], out)
 
 
-def dot(x_NK, w_KM, preferred_element_type=None):
-    """x_NK @ w_KM, one fixed [TILE, K] @ [K, M] dot per block of rows."""
-    dot_ = functools.partial(jnp.dot, preferred_element_type=preferred_element_type)
+def cast(w, dtype):
+    """w in `dtype` (None: as it is); called inside a block, see `dot`."""
+    return w if dtype is None else w.astype(dtype)
+
+
+def dot(x_NK, w_KM, preferred_element_type=None, dtype=None):
+    """x_NK @ w_KM, one fixed [TILE, K] @ [K, M] dot per block of rows, w cast to `dtype` there.
+
+    Cast inside the block, not before the loop: the loop's transpose then sums the blocks'
+    gradients of w in w's own dtype (float32), not in the compute dtype (bfloat16).
+    """
+    dot_ = lambda x, w: jnp.dot(x, cast(w, dtype), preferred_element_type=preferred_element_type)
     return row_tiles(dot_, x_NK, consts=(w_KM,))
 
 
-def einsum(eq: str, x, w, preferred_element_type=None):
+def einsum(eq: str, x, w, preferred_element_type=None, dtype=None):
     """einsum(eq, x, w) for eq = "<rows><in>,<in><out>-><rows><out>" by `dot` on flat rows."""
     (lhs, rhs), out = eq.split("->")[0].split(","), eq.split("->")[1]
     n_in = len(set(lhs) & set(rhs))
@@ -96,7 +105,7 @@ def einsum(eq: str, x, w, preferred_element_type=None):
         raise ValueError(f"invariant.einsum: {eq!r} is not rows x in, in x out -> rows x out")
     lead, n_out = x.shape[: len(rows)], w.shape[n_in:]
     x_NK = x.reshape(math.prod(lead), -1)
-    y_NM = dot(x_NK, w.reshape(x_NK.shape[1], -1), preferred_element_type)
+    y_NM = dot(x_NK, w.reshape(x_NK.shape[1], -1), preferred_element_type, dtype)
     return y_NM.reshape(*lead, *n_out)
 
 
@@ -120,14 +129,16 @@ def token_logprobs(logits_NV, tok_N):
     return row_tiles(lambda lg, t: _logp_entropy(lg, t)[0], logits_NV, tok_N)
 
 
-def head_logprobs(h_ND, w_DV, tok_N, with_entropy=False):
-    """log p(tok) [N] (and entropy) through the head, a block of rows' logits at a time."""
+def head_logprobs(h_ND, w_DV, tok_N, with_entropy=False, dtype=None):
+    """log p(tok) [N] (and entropy) through the head, a block of rows' logits at a time (w_DV
+    cast to `dtype` in the block, as in `dot`)."""
 
     # Rematerialised: the gradient of the loop over blocks would keep every block's [TILE, V]
     # float32 logits and softmax (all the rows' logits, tens of GiB for a long row).
     @jax.checkpoint
     def block(h_TD, t_T, w_DV):
-        logp, ent = _logp_entropy(jnp.dot(h_TD, w_DV, preferred_element_type=jnp.float32), t_T)
+        logits_TV = jnp.dot(h_TD, cast(w_DV, dtype), preferred_element_type=jnp.float32)
+        logp, ent = _logp_entropy(logits_TV, t_T)
         return (logp, ent) if with_entropy else logp
 
     return row_tiles(block, h_ND, tok_N, consts=(w_DV,))

@@ -19,6 +19,7 @@ merged path is `merge`: W + scale A B, the plain params pytree the sampler and t
 """
 
 import dataclasses
+import functools
 import math
 import sys
 from typing import Any
@@ -103,10 +104,10 @@ def _is_qarray(w) -> bool:
 
 
 def dense(w, dtype):
-    """The weight as an array in `dtype`, dequantized when it is a qwix QArray."""
+    """The weight as an array in `dtype` (None: its own), dequantized when it is a qwix QArray."""
     if _is_qarray(w):
         w = sys.modules["qwix"].dequantize(w)
-    return w.astype(dtype)
+    return w if dtype is None else w.astype(dtype)
 
 
 def matmul(eq: str, x, w, dtype, invariant: bool = False):
@@ -115,19 +116,28 @@ def matmul(eq: str, x, w, dtype, invariant: bool = False):
     `eq` is like "btd,dhk->bthk": x's last dims contract with w's leading dims.
     `invariant`: by fixed row blocks (models.invariant), whatever the number of rows.
     """
-    ein = invariant_lib.einsum if invariant else jnp.einsum
+    ein = functools.partial(_einsum, dtype=dtype, invariant=invariant)
     w = w.get_value() if isinstance(w, nnx.Variable) else w
     if not isinstance(w, LoraWeight):
-        return ein(eq, x, dense(w, dtype))
+        return ein(eq, x, w)
     lhs_rhs, out = eq.split("->")
     lhs, rhs = lhs_rhs.split(",")
     n_in = w.a.ndim - 1
     assert "r" not in eq, eq
     ins, outs = rhs[:n_in], rhs[n_in:]
     keep = lhs[: len(lhs) - n_in]
-    y = ein(eq, x, dense(w.base, dtype))
-    xa = ein(f"{lhs},{ins}r->{keep}r", x, w.a.astype(dtype))
-    return y + ein(f"{keep}r,r{outs}->{out}", xa, w.b.astype(dtype)) * w.scale
+    y = ein(eq, x, w.base)
+    xa = ein(f"{lhs},{ins}r->{keep}r", x, w.a)
+    return y + ein(f"{keep}r,r{outs}->{out}", xa, w.b) * w.scale
+
+
+def _einsum(eq: str, x, w, dtype, invariant: bool):
+    """einsum(eq, x, w in dtype); `invariant`: by row blocks, w cast inside each block."""
+    if not invariant:
+        return jnp.einsum(eq, x, dense(w, dtype))
+    # A float weight keeps its dtype into the blocks, so their loop sums its gradient in that
+    # dtype (models.invariant.dot); a quantized one (no gradient) is dequantized first.
+    return invariant_lib.einsum(eq, x, dense(w, None), dtype=dtype)
 
 
 def _shapes(config: ModelConfig):

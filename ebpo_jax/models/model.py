@@ -115,19 +115,23 @@ def _head(config, params, x_BTD, return_hidden):
     h_BTD = final_norm(x_BTD)
     if return_hidden:
         return h_BTD
-    w_DV = output_embedding(config, params).astype(config.dtype)
-    ein = invariant.einsum if config.batch_invariant else jnp.einsum
-    logits_BTV = ein("btd,dv->btv", h_BTD, w_DV, preferred_element_type=jnp.float32)
+    w_DV, f32 = output_embedding(config, params), jnp.float32
+    if config.batch_invariant:  # w cast in each row block (invariant.dot)
+        logits_BTV = invariant.einsum("btd,dv->btv", h_BTD, w_DV, f32, config.dtype)
+    else:
+        logits_BTV = jnp.einsum(
+            "btd,dv->btv", h_BTD, w_DV.astype(config.dtype), preferred_element_type=f32
+        )
     return sharding.constrain(logits_BTV, ("batch", "seq", "act_vocab"), config.sharding_rules)
 
 
 def head_logprobs(config: ModelConfig, params, h_XD, tokens_X, with_entropy=False):
     """Batch-invariant log-probs (and entropies) [...] of tokens_X from final-normed hidden
     states [..., D]: the head and log-softmax by fixed row blocks, as the sampler's."""
-    w_DV = output_embedding(config, params).astype(config.dtype)
+    w_DV = output_embedding(config, params)
     lead = tokens_X.shape
     out = invariant.head_logprobs(
-        h_XD.reshape(-1, h_XD.shape[-1]), w_DV, tokens_X.reshape(-1), with_entropy
+        h_XD.reshape(-1, h_XD.shape[-1]), w_DV, tokens_X.reshape(-1), with_entropy, config.dtype
     )
     return jax.tree.map(lambda x: x.reshape(lead), out)
 

@@ -97,12 +97,14 @@ def _axes(rules, name, mesh) -> tuple[str, ...]:
 
 def swiglu_experts(x_MD, sizes_E, gate_EDI, up_EDI, down_EID, impl):
     """The experts' SwiGLU on expert-sorted rows (three grouped matmuls; impl "invariant":
-    by fixed blocks of one expert's rows, models.invariant)."""
+    by fixed blocks of one expert's rows, models.invariant, each weight cast to x's dtype in
+    the block so the loop sums its gradient in the weight's own dtype)."""
     if impl == "invariant":
 
         def block(x_TD, e):
-            h_TI = jax.nn.silu(jnp.dot(x_TD, gate_EDI[e])) * jnp.dot(x_TD, up_EDI[e])
-            return jnp.dot(h_TI, down_EID[e])
+            w = lambda w_E: w_E[e].astype(x_TD.dtype)
+            h_TI = jax.nn.silu(jnp.dot(x_TD, w(gate_EDI))) * jnp.dot(x_TD, w(up_EDI))
+            return jnp.dot(h_TI, w(down_EID))
 
         return gmm.invariant_grouped(block, x_MD, sizes_E, gate_EDI.shape[0])
     gate_MI = gmm.grouped_matmul(x_MD, gate_EDI, sizes_E, impl)
@@ -163,17 +165,13 @@ class MoE(nnx.Module):
         """(out [B, T, D], {"experts": [B, T, k] compact ints, "lb_loss", "load_max", "entropy"})."""
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(B * T, D)
-        ein = invariant.einsum if self.impl == "invariant" else jnp.einsum
-        logits_NE = ein(
-            "nd,de->ne",
-            x_ND,
-            self.router[...].astype(self.dtype),
-            preferred_element_type=jnp.float32,
-        )
+        logits_NE = self._router_logits(x_ND)
         replay_Nk = None if replay_BTk is None else replay_BTk.reshape(B * T, self.k)
         weights_Nk, experts_Nk, probs_NE = self._route(logits_NE, replay_Nk)
-        # dense: int8 sampler weights (models/quantize.py) are dequantized here
-        w = tuple(dense(p.get_value(), self.dtype) for p in (self.gate, self.up, self.down))
+        # dense: int8 sampler weights (models/quantize.py) are dequantized here; the invariant
+        # blocks cast float weights themselves (swiglu_experts), as invariant.dot does.
+        w_dtype = None if self.impl == "invariant" else self.dtype
+        w = tuple(dense(p.get_value(), w_dtype) for p in (self.gate, self.up, self.down))
         out_ND = sharded_dispatch(
             x_ND, experts_Nk, weights_Nk.astype(self.dtype), w, self.impl, self.rules
         )
@@ -181,6 +179,13 @@ class MoE(nnx.Module):
         aux = router_stats(probs_NE, experts_Nk, mask_N)
         aux["experts"] = experts_Nk.astype(expert_dtype(self.num_experts)).reshape(B, T, self.k)
         return out_ND.reshape(B, T, D), aux
+
+    def _router_logits(self, x_ND):
+        """Float32 router logits [N, E] (invariant: by row blocks, the router cast in each)."""
+        w_DE, f32 = self.router[...], jnp.float32
+        if self.impl == "invariant":
+            return invariant.einsum("nd,de->ne", x_ND, w_DE, f32, self.dtype)
+        return jnp.einsum("nd,de->ne", x_ND, w_DE.astype(self.dtype), preferred_element_type=f32)
 
     def _route(self, logits_NE, replay_Nk):
         one = lambda lg, rp=None: route(lg, self.k, self.norm_topk_prob, rp)
