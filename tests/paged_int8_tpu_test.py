@@ -1,0 +1,108 @@
+"""The int8 paged decode kernel for TPU (kernels/paged_int8_tpu.py): run by Pallas' TPU
+interpreter on CPU against the XLA int8 path and a float64 reference, and compiled by Mosaic
+for v5p without a device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+from kv_int8_test import _case, _int8, _swap_pairs
+
+from ebpo_jax.kernels import quant
+from ebpo_jax.kernels.paged_int8_tpu import paged_int8_decode
+from ebpo_jax.kernels.paged_xla import paged_decode_attention_xla
+from ebpo_jax.kernels.ragged_paged_tpu import paged_decode_attention_tpu
+from ebpo_jax.sampler import attention
+
+# float32 sums over <= 80 tokens; outputs reach 25 (outlier heads), so 1e-4 is 4e-6 of the
+# largest: each path is 1.6e-5 from float64, and they differ by 3.3e-5 (a few float32 ulps).
+TOL = dict(rtol=1e-5, atol=1e-4)
+
+
+def _float64(q, values, scales, table, lens):
+    """softmax(q k / sqrt(D)) v per row and head in float64, K/V = int8 values x scales."""
+    R, H, D = q.shape
+    kv = np.asarray(values, np.float64) * np.asarray(scales, np.float64)[..., None]
+    K = kv.shape[2] // 2
+    kv_RTCD = kv[np.asarray(table)].reshape(R, -1, 2 * K, D)
+    out = np.zeros((R, H, D))
+    for r, n in enumerate(np.asarray(lens)):
+        for h in range(H if n else 0):
+            k = h // (H // K)
+            s = kv_RTCD[r, :n, 2 * k] @ np.asarray(q[r, h], np.float64) / np.sqrt(D)
+            p = np.exp(s - s.max())
+            out[r, h] = p @ kv_RTCD[r, :n, 2 * k + 1] / p.sum()
+    return out
+
+
+def _kernel_case(seed, **kw):
+    """A ragged int8 case: lengths 1, a full last page, mid-page, idle; 4 query heads a kv head."""
+    q, kv, table, lens = _case(seed, rows=5, kv_heads=2, group=4, d=128, page_size=16, **kw)
+    lens[:] = [37, 0, 5 * 16, 1, 16]
+    return jnp.asarray(q), _int8(kv), jnp.asarray(table), jnp.asarray(lens)
+
+
+@pytest.mark.parametrize(
+    "pages_per_block",
+    [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)],
+)
+def test_kernel_in_the_interpreter_equals_the_xla_path_and_float64(pages_per_block):
+    """Blocks of 1, 2 (not dividing the 5-page table) and 4 pages; idle row 1 gives 0."""
+    q, kv8, table, lens = _kernel_case(0, num_pages=40, width=5)
+    got = paged_int8_decode(
+        q, kv8, table, lens, scale=128**-0.5, pages_per_block=pages_per_block,
+        interpret=pltpu.InterpretParams(),
+    )  # fmt: skip
+    got = np.asarray(got)
+    np.testing.assert_allclose(got, paged_decode_attention_xla(q, kv8, table, lens), **TOL)
+    np.testing.assert_allclose(got, _float64(q, *kv8, table, lens), **TOL)
+    np.testing.assert_array_equal(got[1], 0.0)
+    # The case sees the scales: ignoring them, or swapping keys' and values', is far off.
+    unscaled = _float64(q, kv8.values, np.ones_like(kv8.scales) / 127, table, lens)
+    swapped = _float64(q, kv8.values, _swap_pairs(kv8.scales), table, lens)
+    for wrong in (unscaled, swapped):
+        assert np.abs(wrong - got).max(axis=(1, 2))[np.asarray(lens) > 0].min() > 1e-2
+
+
+def test_bfloat16_queries_and_the_tpu_wrapper_route_int8_pages_to_the_kernel():
+    """The engine's TPU entry point on int8 pages runs this kernel (interpreted here): its
+    float32 math on bfloat16 queries is within bfloat16's output rounding of float64."""
+    q, kv8, table, lens = _kernel_case(1, num_pages=40, width=5)
+    q16 = q.astype(jnp.bfloat16)
+    got = paged_decode_attention_tpu(q16, kv8, table, lens, interpret=True)
+    assert got.dtype == jnp.bfloat16
+    want = _float64(q16.astype(jnp.float32), *kv8, table, lens)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2**-8, atol=2e-2)
+    assert attention.resolve("auto", "tpu") == "pallas_tpu"
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_v5p_in_the_engines_layout():
+    """Mosaic lowers the kernel for v5p at Qwen3-8B's shapes as the pod's engine calls it (dp
+    attention: one pool per chip with all 16 combined kv heads of 128, pages of 128), vmapped
+    over the data shards: the program holds it as a tpu_custom_call, gathers no pool, and
+    copies neither the int8 pages nor their scales (it reads the head-major scale layout XLA
+    keeps)."""
+    from paged_kernels_test import _topology_mesh
+
+    mesh = _topology_mesh("v5p-8", (2, 2))
+    shards = jax.sharding.PartitionSpec(("data", "tp"))
+    sds = lambda shape, dtype: jax.ShapeDtypeStruct(
+        (4, *shape), dtype, sharding=jax.sharding.NamedSharding(mesh, shards)
+    )
+    pages = (1024, 128, 16)
+    args = (
+        sds((64, 32, 128), jnp.bfloat16),
+        quant.Int8Pages(sds((*pages, 128), jnp.int8), sds(pages, jnp.float32)),
+        sds((64, 96), jnp.int32),
+        sds((64,), jnp.int32),
+    )
+    attend = jax.vmap(lambda *a: paged_decode_attention_tpu(*a, row_axes=("data", "tp")))
+    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+        compiled = jax.jit(attend).lower(*args).compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and "paged_int8_decode" in text
+    assert "all-gather" not in text
+    pool_bytes = 1024 * 128 * 16 * 128
+    assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 64
