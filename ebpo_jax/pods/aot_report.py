@@ -706,7 +706,11 @@ def step_time_estimate(
     `layout.dp_attention` splits only the paged engine's rows over shards x tp (before and
     slots_blocked keep heads split over tp).
     """
+    from ebpo_jax.sampler.layout import heads_split_error  # late: jax only when estimating
+
     shards, tp, dp_attention = layout
+    if error := heads_split_error(mc.num_heads, mc.num_kv_heads, tp):
+        raise ValueError(f"sampler.mesh: {error}")  # a layout that cannot be built
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
     elem = step_terms.element_bytes(run_spec.rollout.sampler, mc)
