@@ -106,3 +106,28 @@ def test_kernel_compiles_for_v5p_in_the_engines_layout():
     assert "all-gather" not in text
     pool_bytes = 1024 * 128 * 16 * 128
     assert compiled.memory_analysis().temp_size_in_bytes < pool_bytes // 64
+
+
+@pytest.mark.slow
+def test_the_engine_on_int8_pages_draws_the_xla_paths_rows_through_the_kernel(monkeypatch):
+    """generate with attention="pallas_tpu" runs the kernel (interpreted) at every decode
+    step: the same greedy tokens as the "xla" path and log-probs within float32 rounding."""
+    from kv_int8_test import CONFIG, _generate
+
+    from ebpo_jax import models
+    from ebpo_jax.kernels import paged_int8_tpu, ragged_paged_tpu
+
+    params = models.init_params(CONFIG, jax.random.key(0))
+    params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)
+    want = _generate(params, "int8")
+    calls = []
+
+    def interpreted(*args, **kw):
+        calls.append(kw)
+        return paged_int8_tpu.paged_int8_decode(*args, **kw | {"interpret": True})
+
+    monkeypatch.setattr(ragged_paged_tpu, "paged_int8_decode", interpreted)
+    got = _generate(params, "int8", attention="pallas_tpu")
+    assert len(calls) >= CONFIG.num_layers  # traced at least once per layer
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
