@@ -131,3 +131,33 @@ def test_the_engine_on_int8_pages_draws_the_xla_paths_rows_through_the_kernel(mo
     assert len(calls) >= CONFIG.num_layers  # traced at least once per layer
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_engines_int8_decode_on_v5p_holds_the_pool_about_once():
+    """The engine's decode loop with int8 pages, compiled for v5p (dp attention on tp=4, 16
+    combined kv heads of 128, pages of 128): its temporaries hold the pool about once. Each
+    token's scales are written element-wise (pages._set_token_scales): written as [C]-wide
+    windows, XLA converted every layer's scales out of the head-major layout the kernel reads
+    and back, 8x padded, at each step (temporaries 1.55x the pool, 1.28x on the xla path)."""
+    from paged_kernels_test import _topology_mesh
+
+    from ebpo_jax import models
+    from ebpo_jax.pods import aot
+    from ebpo_jax.sampler import SamplerSpec, Sampling
+    from ebpo_jax.sharding import param_shardings
+
+    mesh = _topology_mesh("v5p-8", (1, 4))
+    mc = models.get_config("tiny", head_dim=128, num_kv_heads=8, num_heads=32, dtype="bfloat16")
+    params = models.abstract_params(mc)
+    params = aot.abstract(params, param_shardings(mc, params, mesh))
+    spec = SamplerSpec(
+        max_new_tokens=256, num_samples=2, eos_ids=(1,), sampling=Sampling(), page_size=128,
+        kv_pages=2048, attention="pallas_tpu", dp_attention=True, kv_dtype="int8",
+    )  # fmt: skip
+    with jax.default_matmul_precision("default"):
+        programs = aot.compile_sampler(spec, mc, mesh, params, 8, 128)
+    decode = programs["decode"][2]
+    assert "paged_int8_decode" in decode.as_text()
+    pool = programs["plan"].pages * aot.page_bytes_per_chip(mc, 128, tp=1, kv_dtype="int8")
+    assert decode.memory_analysis().temp_size_in_bytes < 1.1 * pool
