@@ -64,16 +64,17 @@ def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
 
 def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret):
     """The kernel on one device's rows and pages (the XLA path where it refuses them)."""
-    if isinstance(kv_pages_PSCD, Int8Pages):
+    R = q_RHD.shape[0]
+    kv_pages, queries = block_sizes(kv_pages_PSCD.shape[1], page_table_RN.shape[1], R)
+    if isinstance(kv_pages_PSCD, Int8Pages):  # the same KV blocks (the estimate's rounding)
         return paged_int8_decode(
-            q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, scale=scale, interpret=interpret
-        )
+            q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, scale=scale,
+            pages_per_block=kv_pages, interpret=interpret,
+        )  # fmt: skip
     if fallback_reason(q_RHD, kv_pages_PSCD):
         return paged_decode_attention_xla(
             q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, scale=scale
         )
-    R = q_RHD.shape[0]
-    kv_pages, queries = block_sizes(kv_pages_PSCD.shape[1], page_table_RN.shape[1], R)
     out_RHD = ragged_paged_attention(
         q_RHD,
         kv_pages_PSCD,
