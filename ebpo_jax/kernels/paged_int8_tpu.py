@@ -24,9 +24,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ebpo_jax.kernels.quant import Int8Pages
 
-PAGES_PER_BLOCK = (
-    4  # pages DMA'd per grid step by default (ragged_paged_tpu passes the stock kernel's)
-)
+# Pages DMA'd per grid step by default; ragged_paged_tpu passes the stock kernel's blocks.
+PAGES_PER_BLOCK = 4
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) stays 1, never NaN
 
 
