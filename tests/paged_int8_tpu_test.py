@@ -25,7 +25,8 @@ def _float64(q, values, scales, table, lens):
     R, H, D = q.shape
     kv = np.asarray(values, np.float64) * np.asarray(scales, np.float64)[..., None]
     K = kv.shape[2] // 2
-    kv_RTCD = kv[np.asarray(table)].reshape(R, -1, 2 * K, D)
+    table = np.minimum(np.asarray(table), len(kv) - 1)  # "none" columns: never read
+    kv_RTCD = kv[table].reshape(R, -1, 2 * K, D)
     out = np.zeros((R, H, D))
     for r, n in enumerate(np.asarray(lens)):
         for h in range(H if n else 0):
@@ -37,9 +38,11 @@ def _float64(q, values, scales, table, lens):
 
 
 def _kernel_case(seed, **kw):
-    """A ragged int8 case: lengths 1, a full last page, mid-page, idle; 4 query heads a kv head."""
+    """A ragged int8 case: lengths 1, a full last page, mid-page, idle; 4 query heads a kv head.
+    As in the engine, a row's table holds the page id one past the pool after its pages."""
     q, kv, table, lens = _case(seed, rows=5, kv_heads=2, group=4, d=128, page_size=16, **kw)
     lens[:] = [37, 0, 5 * 16, 1, 16]
+    table[np.arange(table.shape[1])[None] >= -(-lens[:, None] // 16)] = kv.shape[0]
     return jnp.asarray(q), _int8(kv), jnp.asarray(table), jnp.asarray(lens)
 
 

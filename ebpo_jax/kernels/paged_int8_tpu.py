@@ -29,13 +29,18 @@ PAGES_PER_BLOCK = 4
 _NEG = -1e30  # a finite "minus infinity": exp(_NEG - _NEG) stays 1, never NaN
 
 
-def _page_map(b: int, pages_per_block: int, page_size: int, width: int, ndim: int):
-    """Index map of the b-th page of a block: the table's page, clamped to the row's last."""
+def _page_map(b: int, pages_per_block: int, pool_shape: tuple, width: int, ndim: int):
+    """Index map of the b-th page of a block: the table's page, clamped to the row's last.
+
+    An idle row's (length 0) first column may hold "none" (one past the pool, the engine's
+    empty slot): that id is clamped into the pool, and the page it copies is not read.
+    """
+    num_pages, page_size = pool_shape[:2]
 
     def index(r, j, table_ref, lens_ref):
         last = jnp.maximum((lens_ref[r] + page_size - 1) // page_size - 1, 0)
         col = jnp.minimum(j * pages_per_block + b, last)
-        return (table_ref[r * width + col],) + (0,) * (ndim - 1)
+        return (jnp.minimum(table_ref[r * width + col], num_pages - 1),) + (0,) * (ndim - 1)
 
     return index
 
@@ -113,8 +118,8 @@ def paged_int8_decode(
     B = max(1, min(pages_per_block, N))
     blocks = -(-N // B)
     table = jnp.pad(page_table_RN.astype(jnp.int32), ((0, 0), (0, blocks * B - N)))
-    pages = [_page_map(b, B, S, blocks * B, 4) for b in range(B)]
-    scale_pages = [_page_map(b, B, S, blocks * B, 3) for b in range(B)]
+    pages = [_page_map(b, B, pool.values.shape, blocks * B, 4) for b in range(B)]
+    scale_pages = [_page_map(b, B, pool.values.shape, blocks * B, 3) for b in range(B)]
     row = lambda r, j, *_: (r, 0, 0, 0)
     # XLA keeps a [pages, S, C] float32 pool head-major ([pages, C, S] in memory): taken as
     # such, the swap is free and a kv head's scales are a row of S lanes, like its scores.
