@@ -538,7 +538,12 @@ def decode_cost(
 ) -> DecodeCost:
     """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips; with
     dp_attention each chip attends every head of its own rows (a row shard per chip).
-    `elem`: bytes per weight and per cached K or V value (step_terms.element_bytes)."""
+    `elem`: bytes per weight and per cached K or V value (step_terms.element_bytes).
+    ValueError (naming sampler.mesh) for a tp that cannot split the heads: no such layout."""
+    from ebpo_jax.sampler.layout import heads_split_error  # late: jax only when estimating
+
+    if error := heads_split_error(mc.num_heads, mc.num_kv_heads, tp):
+        raise ValueError(f"sampler.mesh: {error}")
     m = matmul_params(mc)
     heads_split = 1 if dp_attention else tp
     return DecodeCost(
@@ -706,11 +711,7 @@ def step_time_estimate(
     `layout.dp_attention` splits only the paged engine's rows over shards x tp (before and
     slots_blocked keep heads split over tp).
     """
-    from ebpo_jax.sampler.layout import heads_split_error  # late: jax only when estimating
-
     shards, tp, dp_attention = layout
-    if error := heads_split_error(mc.num_heads, mc.num_kv_heads, tp):
-        raise ValueError(f"sampler.mesh: {error}")  # a layout that cannot be built
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
     elem = step_terms.element_bytes(run_spec.rollout.sampler, mc)
