@@ -8,8 +8,9 @@ from that table, so Pallas DMAs exactly those pages (values and scale pages) int
 block past the row's last live page maps to that page again: the pipeline skips a copy whose
 block index repeats, so a row reads its own pages, rounded up to a block, not the table.
 
-Per page and kv head, in float32: the key scale multiplies the int8 keys (scores = q . k s_k),
-the value scale the int8 values; tokens past the row's length are masked; an online softmax
+Per page and kv head, in float32: the key scales multiply the scores (q . k_int8 x s_k) and
+the value scales the softmax weights (p x s_v) before they meet the int8 values, so the
+pages are never dequantized; tokens past the row's length are masked; an online softmax
 (running max m, sum l, accumulator acc per query head) carries across the row's pages, and
 the last block writes acc / l. All query heads of a kv head (the GQA group) share its pages.
 Idle rows (length 0) compute nothing and give 0.
