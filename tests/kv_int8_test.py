@@ -191,14 +191,6 @@ def test_int8_pages_through_slots_and_a_short_pool_give_the_static_batchs_rows(p
     np.testing.assert_array_equal(np.asarray(paged.logprobs), np.asarray(static.logprobs))
 
 
-def test_int8_pages_skip_the_tpu_kernel_only():
-    """The TPU kernel has no per-token scales: the engine's ragged "xla" path runs instead."""
-    assert attention.resolve_for_pages("pallas_tpu", None, "int8") == "xla"
-    assert attention.resolve_for_pages("pallas_tpu", None, "") == "pallas_tpu"
-    assert attention.resolve_for_pages("pallas_gpu", None, "int8") == "pallas_gpu"
-    assert attention.resolve_for_pages("auto", "cpu", "int8") == "xla"
-
-
 def test_kv_dtype_travels_from_the_config_and_bad_values_are_one_line():
     from ebpo_jax import schema
 
@@ -218,34 +210,6 @@ def test_gpu_kernel_in_the_interpreter_takes_int8_pages_with_their_scales():
     got = paged_decode_attention_gpu(q, kv8, table, lens, interpret=True)
     want = paged_decode_attention_xla(q, quant.dequantize(kv8), table, lens)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_tpu_wrapper_compiles_int8_pages_for_v5p_on_its_xla_fallback():
-    """The stock TPU kernel takes no per-token scales: int8 pages run the XLA path per device,
-    placed like the kernel (no all-gather); the scales add 4 / head_dim = 3% to the pool."""
-    from paged_kernels_test import _qwen3_8b_layer, _topology_mesh
-
-    from ebpo_jax.kernels.ragged_paged_tpu import fallback_reason, paged_decode_attention_tpu
-
-    mesh = _topology_mesh("v5p-8", (2, 2))
-    q, kv, table, lens = _qwen3_8b_layer(mesh, (2,), 64, 1024, 64, 48)
-    scales_sh = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec("data", None, None, "tp")
-    )
-    pool = quant.Int8Pages(
-        jax.ShapeDtypeStruct(kv.shape, jnp.int8, sharding=kv.sharding),
-        jax.ShapeDtypeStruct(kv.shape[:-1], jnp.float32, sharding=scales_sh),
-    )
-    assert "per-token scales" in fallback_reason(q, pool)
-    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
-        compiled = (
-            jax.jit(jax.vmap(paged_decode_attention_tpu)).lower(q, pool, table, lens).compile()
-        )
-    assert "all-gather" not in compiled.as_text()
-    values = 2 * 1024 * 64 * 16 * 128 // mesh.size
-    args = compiled.memory_analysis().argument_size_in_bytes
-    assert values * 1.03 < args < values * 1.04  # the pool, its scales, q and the tables
 
 
 @pytest.mark.slow

@@ -47,6 +47,9 @@ def test_resolve_gives_frozen_slices_and_names_bad_fields():
     with pytest.raises(ConfigError, match=r"sampler.mesh='data=1' needs steps_per_jit=1"):
         resolve(_micro(**{"sampler.mesh": "data=1", "steps_per_jit": 2}))
     dp = {"sampler.mesh": "data=2,tp=4", "sampler.dp_attention": True, "mesh.shape": (-1,)}
+    with pytest.raises(ConfigError, match=r"^sampler.mesh='data=2,tp=4': tp=4 does not divide"):
+        resolve(_micro(**dp), num_devices=8)  # micro's 1 kv head
+    dp |= {"model.overrides.num_heads": 4, "model.overrides.num_kv_heads": 4}
     dp |= {"prompts_per_step": 4, "group_size": 2}
     resolve(_micro(**dp), num_devices=8)  # 8 rows per call over 2 x 4 chips
     with pytest.raises(ConfigError, match=r"sampler.dp_attention: the 2 x 2 rows .* 8 data x tp"):

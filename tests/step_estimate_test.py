@@ -336,3 +336,27 @@ def test_dapo_refill_repeats_the_rollout_terms_not_the_update():
     got = with_refill(est, 2.0)
     assert got["terms"]["at_peak"] == {**row, "decode": 80.0, "reward": 10.0}
     assert (got["step_s_after"], got["step_s_expected"]) == (117.0, 234.0)
+
+
+def test_a_tp_that_splits_a_kv_head_is_refused_by_the_config_and_the_estimate():
+    """Qwen3-30B-A3B's 4 kv heads cannot split over tp=8: one line naming sampler.mesh, from
+    the config's checks and from the estimator itself; tp=4 is accepted by both."""
+    from ebpo_jax import models
+    from ebpo_jax.schema import ConfigError
+
+    config = _qwen3_8b_aot(0)
+    config.model.preset = "qwen3_30b_a3b"
+    config.sampler.mesh, config.sampler.dp_attention = "data=4,tp=8", False
+    with pytest.raises(
+        ConfigError, match=r"^sampler.mesh='data=4,tp=8': tp=8 does not divide .* 4 kv heads"
+    ):
+        _spec(config)
+    config.sampler.mesh = "data=8,tp=4"
+    spec = _spec(config)
+    mc, chip = models.get_config("qwen3_30b_a3b"), aot.CHIPS["v5p"]
+    est = lambda tp: aot.step_time_estimate(
+        spec, mc, chip, prompt_len=4096, layout=aot.SamplerLayout(shards=32 // tp, tp=tp)
+    )
+    assert est(4)["decode_s_after"] > 0
+    with pytest.raises(ValueError, match=r"^sampler.mesh: tp=8 does not divide .* 4 kv heads"):
+        est(8)

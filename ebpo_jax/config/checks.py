@@ -581,6 +581,21 @@ def _batch_invariant_mesh(c: Config, d: Derived) -> None:
         )
 
 
+def _sampler_heads(c: Config, d: Derived) -> None:
+    """The sampler's mesh (sampler.mesh, else the trainer's) splits whole heads over its tp."""
+    from ebpo_jax.sampler.layout import heads_split_error  # late: this module stays free of jax
+
+    if d.sampler_mesh:
+        key, tp = f"sampler.mesh={c.sampler.mesh!r}", dict(d.sampler_mesh).get("tp", 1)
+    else:
+        key, tp = f"mesh.shape={c.mesh.shape}", dict(zip(c.mesh.axes, c.mesh.shape)).get("tp", 1)
+    heads = model_setting(c, "num_heads", ("num_attention_heads",))
+    kv_heads = model_setting(c, "num_kv_heads", ("num_key_value_heads",), heads)
+    if tp > 1 and heads and kv_heads:  # None: models.hf names an unreadable config.json
+        error = heads_split_error(heads, kv_heads, tp)
+        need(error is None, f"{key}: {error}")
+
+
 def check(c: Config, num_devices: int | None = None) -> Derived:
     """Every cross-section rule; ConfigError (one line) on the first broken one. Returns what
     the rules derived (the resolved meshes), which the run spec carries."""
@@ -601,6 +616,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _lora_targets(c)
     _context(c)
     _batch_invariant_mesh(c, d)
+    _sampler_heads(c, d)
     if num_devices is not None:
         _devices(c, d)
     _difficulty_file(c)  # last: these read files

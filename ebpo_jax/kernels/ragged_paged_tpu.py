@@ -14,8 +14,8 @@ Keep at least 8 combined kv heads per device (bfloat16, v5p): with 4 (8 kv heads
 XLA keeps a decode loop's pool in another tiled layout than the kernel's and converts it
 around every call, a copy of the pool per layer per step and 3x the pool in memory; with 8
 or 16 it does not (tests/paged_kernels_test.py compiles the engine's decode to check).
-An int8 pool (`quant.Int8Pages`) runs the XLA path too: the kernel takes int8 pages but only
-one static scale per tensor (`k_scale`, `v_scale`), not the per-token scales kept here.
+An int8 pool (`quant.Int8Pages`) runs this codebase's own kernel (`paged_int8_tpu`): the stock
+kernel takes int8 pages but only one static scale per tensor, not the per-token scales kept here.
 Under a mesh the kernel runs per device (`paged_shard`: page tables are local to the row
 shard's pool slab).
 """
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel import get_min_heads_per_blk
 
+from ebpo_jax.kernels.paged_int8_tpu import paged_int8_decode
 from ebpo_jax.kernels.paged_shard import ROW_AXES, per_shard
 from ebpo_jax.kernels.paged_xla import check_layout, paged_decode_attention_xla
 from ebpo_jax.kernels.quant import Int8Pages
@@ -51,7 +52,7 @@ def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
     """None when the kernel takes one device's shapes, else why the XLA path runs instead."""
     D, C = q_RHD.shape[-1], kv_pages_PSCD.shape[2]
     if isinstance(kv_pages_PSCD, Int8Pages):
-        return "int8 pages with per-token scales: the kernel takes one static scale per tensor"
+        return None  # paged_int8_tpu takes every shape
     if D % LANES:
         return f"head_dim {D}: the kernel's scratch is {LANES} lanes wide, needs a multiple"
     try:
@@ -61,14 +62,19 @@ def fallback_reason(q_RHD, kv_pages_PSCD) -> str | None:
     return None
 
 
-def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale):
+def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret):
     """The kernel on one device's rows and pages (the XLA path where it refuses them)."""
+    R = q_RHD.shape[0]
+    kv_pages, queries = block_sizes(kv_pages_PSCD.shape[1], page_table_RN.shape[1], R)
+    if isinstance(kv_pages_PSCD, Int8Pages):  # the same KV blocks (the estimate's rounding)
+        return paged_int8_decode(
+            q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, scale=scale,
+            pages_per_block=kv_pages, interpret=interpret,
+        )  # fmt: skip
     if fallback_reason(q_RHD, kv_pages_PSCD):
         return paged_decode_attention_xla(
             q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, scale=scale
         )
-    R = q_RHD.shape[0]
-    kv_pages, queries = block_sizes(kv_pages_PSCD.shape[1], page_table_RN.shape[1], R)
     out_RHD = ragged_paged_attention(
         q_RHD,
         kv_pages_PSCD,
@@ -84,15 +90,17 @@ def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale):
 
 
 def paged_decode_attention_tpu(
-    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, row_axes=ROW_AXES
-):
+    q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None, row_axes=ROW_AXES,
+    interpret=False,
+):  # fmt: skip
     """softmax(q k^T * scale) v over each row's own pages, by the Pallas TPU kernel: [R, H, D].
 
-    scale defaults to 1/sqrt(head_dim). Only compiles for TPU (its interpret mode fails in
-    JAX 0.10.2); `ref_ragged_paged_attention` in the kernel's module is its CPU twin.
+    scale defaults to 1/sqrt(head_dim). The stock kernel only compiles for TPU (its interpret
+    mode fails in JAX 0.10.2; `ref_ragged_paged_attention` in its module is its CPU twin);
+    `interpret` runs the int8 kernel in the TPU interpreter instead.
     Under a mesh, rows and pages split over its `row_axes` (paged_shard).
     """
     check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)
     scale = q_RHD.shape[-1] ** -0.5 if scale is None else float(scale)
-    local = functools.partial(_local, scale=scale)
+    local = functools.partial(_local, scale=scale, interpret=interpret)
     return per_shard(local, row_axes)(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R)

@@ -538,7 +538,12 @@ def decode_cost(
 ) -> DecodeCost:
     """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips; with
     dp_attention each chip attends every head of its own rows (a row shard per chip).
-    `elem`: bytes per weight and per cached K or V value (step_terms.element_bytes)."""
+    `elem`: bytes per weight and per cached K or V value (step_terms.element_bytes).
+    ValueError (naming sampler.mesh) for a tp that cannot split the heads: no such layout."""
+    from ebpo_jax.sampler.layout import heads_split_error  # late: jax only when estimating
+
+    if error := heads_split_error(mc.num_heads, mc.num_kv_heads, tp):
+        raise ValueError(f"sampler.mesh: {error}")
     m = matmul_params(mc)
     heads_split = 1 if dp_attention else tp
     return DecodeCost(

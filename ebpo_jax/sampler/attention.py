@@ -51,13 +51,6 @@ def resolve(impl: str, platform: str | None = None) -> str:
     return kernel if kernel is not None and _available(kernel) else "xla"
 
 
-def resolve_for_pages(impl: str, platform: str | None, kv_dtype: str) -> str:
-    """`resolve`, except that int8 pages skip the TPU kernel: it takes one static scale per
-    tensor, and its fallback gathers each row's whole page table where "xla" reads live pages."""
-    impl = resolve(impl, platform)
-    return "xla" if kv_dtype == "int8" and impl == "pallas_tpu" else impl
-
-
 def paged_decode_attention(
     q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, impl="xla", row_axes=None
 ):

@@ -81,7 +81,7 @@ def make_plan(spec: SamplerSpec, num_prompts, prompt_len, mesh=None, axes=None, 
     prompts = max(((d + 1) * Rd - 1) // G - first[d] + 1 for d in range(D))
     lead = layout.leading_sharding(mesh, axes, rules, spec.dp_attention)
     prompt_lead = lead if num_prompts % D == 0 else None
-    impl = attention.resolve_for_pages(spec.attention, _platform(mesh), spec.kv_dtype)
+    impl = attention.resolve(spec.attention, _platform(mesh))
     reserve = spec.kv_pages == 0
     return Plan(
         D, Rd, slots // D, prompts, total // D, width, max_pages, impl, reserve, lead, prompt_lead

@@ -101,6 +101,18 @@ def rows_over_tp(q_BTHd, k_BTKd, v_BTKd, lead_sharding):
     return q.astype(q_BTHd.dtype), k_.astype(k_BTKd.dtype), v.astype(v_BTKd.dtype)
 
 
+def heads_split_error(num_heads: int, num_kv_heads: int, tp: int) -> str | None:
+    """Why `tp` cannot split the attention heads (None when it can): each chip takes whole
+    query and kv heads, in the projections, the paged pool and kernels (kernels/paged_shard.py)
+    and, with dp attention, before `rows_over_tp`'s all-to-all."""
+    if num_heads % tp == 0 and num_kv_heads % tp == 0:
+        return None
+    return (
+        f"tp={tp} does not divide the model's {num_kv_heads} kv heads and {num_heads} query "
+        f"heads (each chip takes whole heads); use a tp dividing {np.gcd(num_heads, num_kv_heads)}"
+    )
+
+
 def heads_over_tp(x_BTHd, lead_sharding):
     """Rows over the data axes but tp, heads over tp: attention's output handed back to the
     tp-split output projection (rows split over tp too would gather its weights instead)."""

@@ -45,8 +45,22 @@ def _set(pool, index, x):
     """pool.at[index].set(x) ("none" pages dropped); an Int8Pages quantizes x first."""
     if isinstance(pool, Int8Pages):
         q, s = quantize(x)
+        if isinstance(index, tuple):  # (page_B, offset_B): one token per row
+            return Int8Pages(_set(pool.values, index, q), _set_token_scales(pool.scales, *index, s))
         return Int8Pages(_set(pool.values, index, q), _set(pool.scales, index, s))
     return pool.at[index].set(x.astype(pool.dtype), mode="drop")
+
+
+def _set_token_scales(scales_PSC, page_B, offset_B, s_BC):
+    """scales_PSC with row b's scales at (page_B[b], offset_B[b]), one element at a time.
+
+    XLA keeps the scales head-major ([P, C, S] in memory, as the TPU kernel reads them); a
+    scatter of [C]-wide windows made it convert the layer's scales to [P, S, C] order, 8x
+    padded, around every decode step's write. Element-wise updates need no conversion.
+    """
+    c_C = jnp.arange(s_BC.shape[-1])
+    index = (page_B[:, None], offset_B[:, None], c_C[None])
+    return scales_PSC.at[index].set(s_BC, mode="drop")
 
 
 def interleave(k_BKD, v_BKD):
