@@ -17,7 +17,8 @@ How each number was chosen:
   The data/ and checkpoints/ paths are placeholders (relative to the working directory):
   put the files there or override, e.g. `--config.model.hf_path=/ckpt/Qwen3-8B`.
   `--config=configs/qwen3_8b.py:aot` is the same recipe without data or checkpoint paths
-  (the synthetic tasks), for experiments/aot_compile.py on a host without them.
+  (the synthetic tasks), for experiments/aot_compile.py on a host without them;
+  `:int8` (e.g. `:aot,int8`) samples from int8 KV pages and int8 weights (INT8_LAYOUT).
 - Estimator, two named variants (`--config=configs/qwen3_8b.py:paper`, the default, or
   `:authors`; either combines with aot, e.g. `:authors,aot`):
   `paper` is the method as the paper describes it: Welford statistics carried across steps,
