@@ -81,7 +81,8 @@ def train(config, *, reward_fn=None, host_reward=None, log=print, stop_after=Non
     t_start = time.time()
     # Writable, free space, locked, resumable, config compatible: before anything compiles.
     get_family(spec.task.family)  # an unknown family is refused before the workdir is touched
-    workdir_lib.check_shared(spec.workdir, remote=spec.remote)  # multi-host: every host's
+    # multi-host: a local workdir must be one every host sees
+    workdir_lib.check_shared(spec.workdir, remote=spec.remote)
     defaults = default_config().to_dict()  # fields added since a run was saved keep these
     lock = (
         workdir_lib.prepare_workdir(spec, log=log, write_config=False, defaults=defaults)
