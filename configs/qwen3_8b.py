@@ -148,11 +148,13 @@ def _sampler_and_update(c, preset: str, int8: bool = False) -> None:
     c.sampler.param_dtype = "int8" if int8 else "bfloat16"
     c.sampler.kv_dtype = "int8" if int8 else ""  # "": the compute dtype
     layouts = INT8_LAYOUT if int8 and preset in INT8_LAYOUT else SAMPLER_LAYOUT
+    from ebpo_jax.sharding import parse_mesh
+
     mesh, dp, pages = layouts[preset]
     c.sampler.mesh = mesh
     c.sampler.dp_attention = dp
     # row shards on v5p-64's 32 chips: every chip with dp attention, else the data shards
-    shards = 32 if dp else int(dict(a.split("=") for a in mesh.split(","))["data"])
+    shards = 32 if dp else dict(parse_mesh(mesh))["data"]
     c.sampler.kv_pages = shards * pages  # see the comment block
 
     c.optimizer.learning_rate = 1e-6
