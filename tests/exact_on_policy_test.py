@@ -139,6 +139,7 @@ def _refusal(**fields):
         ({"loss.is_correction": "mis"}, "loss.is_correction='mis' is redundant"),
         ({"sampler.param_dtype": "bfloat16"}, "sampler.param_dtype='bfloat16' samples with"),
         ({"model.lora.rank": 4}, "model.lora.rank=4: the sampler runs the merged"),
+        ({"sampler.kv_dtype": "int8"}, "sampler.kv_dtype='int8' samples from rounded"),
     ],
 )
 def test_mode_rules_name_the_setting(fields, setting):

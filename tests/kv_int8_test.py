@@ -27,13 +27,14 @@ def _case(seed, *, rows=5, kv_heads=2, group=2, d=32, page_size=4, num_pages=32,
     return q, kv, table, lens
 
 
-def _swap_pairs(s_PSC):
-    """Each key's scale where its value's is and back."""
-    return s_PSC.reshape(*s_PSC.shape[:-1], -1, 2)[..., ::-1].reshape(s_PSC.shape)
+def _swap_pairs(s_PCS):
+    """Each key's scale where its value's is and back (head-major scales [P, 2K, S])."""
+    P, C, S = s_PCS.shape
+    return s_PCS.reshape(P, C // 2, 2, S)[:, :, ::-1].reshape(P, C, S)
 
 
 def _int8(kv):
-    return quant.Int8Pages(*quant.quantize(jnp.asarray(kv)))
+    return quant.to_pages(jnp.asarray(kv))
 
 
 def _bound(q, kv, kv8, table, lens):
@@ -48,7 +49,7 @@ def _bound(q, kv, kv8, table, lens):
     R, H, D = q.shape
     K = kv.shape[2] // 2
     kv_RTCD = kv[table].reshape(R, -1, 2 * K, D)
-    s_RTC = np.asarray(kv8.scales)[table].reshape(R, -1, 2 * K)
+    s_RTC = np.swapaxes(np.asarray(kv8.scales), 1, 2)[table].reshape(R, -1, 2 * K)
     out = np.zeros((R, H))
     for r in np.flatnonzero(lens):
         n = lens[r]
@@ -74,9 +75,22 @@ def test_quantize_error_is_at_most_half_a_step_and_zeros_stay_zero():
     assert q.dtype == jnp.int8 and s.dtype == jnp.float32 and s.shape == (6, 4)
     np.testing.assert_allclose(s, np.abs(x).max(-1) / 127, rtol=1e-6)
     assert np.abs(np.asarray(q)).max() == 127
-    err = np.abs(np.asarray(quant.dequantize(quant.Int8Pages(q, s))) - x)
+    dequantized = np.asarray(q, np.float32) * np.asarray(s)[..., None]
+    err = np.abs(dequantized - x)
     assert (err <= np.asarray(s)[..., None] / 2 * (1 + 1e-5) + 1e-12).all()
     np.testing.assert_array_equal(np.asarray(q)[0, 0], 0)
+
+
+def test_int8_pages_are_stored_head_major_and_read_back_in_the_shared_layout():
+    """A page's values and scales lie [2K, page_size, ...] (TPU tiles (page_size, D) unpadded);
+    `shape` and `dequantize` give the shared [pages, page_size, 2K, D]."""
+    x = np.random.default_rng(1).normal(size=(3, 8, 4, 32)).astype(np.float32)
+    pool = quant.to_pages(jnp.asarray(x))
+    assert pool.values.shape == (3, 4, 8, 32) and pool.scales.shape == (3, 4, 8)
+    assert pool.shape == x.shape
+    q, s = quant.quantize(jnp.asarray(x))
+    np.testing.assert_array_equal(pool.values, np.swapaxes(np.asarray(q), 1, 2))
+    np.testing.assert_array_equal(quant.dequantize(pool), np.asarray(q) * np.asarray(s)[..., None])
 
 
 @pytest.mark.parametrize("impl", ["engine_xla", "gather_xla"])

@@ -227,6 +227,11 @@ def _batch_invariant(c: Config) -> None:
         "set it ''",
     )
     need(
+        c.sampler.kv_dtype == "",
+        f"{on}: sampler.kv_dtype={c.sampler.kv_dtype!r} samples from rounded keys and values, "
+        "the trainer from exact ones; set it ''",
+    )
+    need(
         c.model.lora.rank == 0,
         f"{on}: model.lora.rank={c.model.lora.rank}: the sampler runs the merged weights, the "
         "trainer the adapters; their log-probs differ",

@@ -51,9 +51,13 @@ def _head_major(kv_PSCD, dtype) -> tuple:
             head_major(kv_PSCD[:, :, 1::2]).astype(dtype),
             (),
         )
-    v_PSCD, s_PSC = kv_PSCD
-    k_KPSD, v_KPSD = head_major(v_PSCD[:, :, 0::2]), head_major(v_PSCD[:, :, 1::2])
-    return k_KPSD, v_KPSD, (head_major(s_PSC[:, :, 0::2]), head_major(s_PSC[:, :, 1::2]))
+    v_PCSD, s_PCS = kv_PSCD  # already head-major within a page: [P, K, ...] -> [K, P, ...]
+    lead = lambda x: jnp.moveaxis(x, 1, 0)
+    return (
+        lead(v_PCSD[:, 0::2]),
+        lead(v_PCSD[:, 1::2]),
+        (lead(s_PCS[:, 0::2]), lead(s_PCS[:, 1::2])),
+    )
 
 
 def _local(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale, interpret):

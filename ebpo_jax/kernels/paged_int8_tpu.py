@@ -1,7 +1,8 @@
 """Decode attention over int8 KV pages on TPU: this codebase's own Pallas kernel.
 
-One query token per row; the pool is a `quant.Int8Pages` (int8 values [pages, page_size,
-2K, D], K at even and V at odd combined heads, a float32 scale per token and combined head).
+One query token per row; the pool is a `quant.Int8Pages` (int8 values [pages, 2K, page_size,
+D], K at even and V at odd combined heads, a float32 scale per combined head and token, both
+head-major within a page, the layout read here as it is stored).
 The grid is (rows, blocks of `pages_per_block` pages). The row's page table and lengths are
 scalar-prefetched into SMEM, and each block's pages are picked by the BlockSpecs' index maps
 from that table, so Pallas DMAs exactly those pages (values and scale pages) into VMEM. A
@@ -47,15 +48,15 @@ def _page_map(b: int, pages_per_block: int, pool_shape: tuple, width: int, ndim:
 
 
 def _attend_page(q_ref, kv_ref, s_ref, softmax_refs, start, length, scale):
-    """Fold one page (int8 K/V [S, C, D], scales [C, S]) into every kv head's online softmax
+    """Fold one page (int8 K/V [C, S, D], scales [C, S]) into every kv head's online softmax
     (softmax_refs: running max, sum and accumulator)."""
     m_ref, l_ref, acc_ref = softmax_refs
-    S, C, _ = kv_ref.shape
+    C, S, _ = kv_ref.shape
     G = q_ref.shape[1]
     valid_GS = start + jax.lax.broadcasted_iota(jnp.int32, (G, S), 1) < length
     for k in range(C // 2):
         q_GD = q_ref[k].astype(jnp.float32)
-        k_SD = kv_ref[:, 2 * k, :].astype(jnp.float32)
+        k_SD = kv_ref[2 * k].astype(jnp.float32)
         s_GS = jax.lax.dot_general(
             q_GD, k_SD, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
         )
@@ -65,7 +66,7 @@ def _attend_page(q_ref, kv_ref, s_ref, softmax_refs, start, length, scale):
         p_GS = jnp.where(valid_GS, jnp.exp(s_GS - m_new_G1), 0.0)
         rescale_G1 = jnp.exp(m_G1 - m_new_G1)
         l_ref[k] = l_ref[k] * rescale_G1 + p_GS.sum(axis=1, keepdims=True)
-        v_SD = kv_ref[:, 2 * k + 1, :].astype(jnp.float32)
+        v_SD = kv_ref[2 * k + 1].astype(jnp.float32)
         pv_GD = jnp.dot(
             p_GS * s_ref[2 * k + 1 : 2 * k + 2, :], v_SD, preferred_element_type=jnp.float32
         )
@@ -79,7 +80,7 @@ def _kernel(table_ref, lens_ref, q_ref, *refs, pages_per_block, scale):
     kv_refs, s_refs = refs[:B], refs[B : 2 * B]
     out_ref, m_ref, l_ref, acc_ref = refs[2 * B :]
     r, j = pl.program_id(0), pl.program_id(1)
-    S = kv_refs[0].shape[0]
+    S = kv_refs[0].shape[1]
     length = lens_ref[r]
 
     @pl.when(j == 0)
@@ -114,22 +115,19 @@ def paged_int8_decode(
     interpreter (CPU tests).
     """
     R, H, D = q_RHD.shape
-    _, S, C, _ = pool.values.shape
+    _, S, C, _ = pool.shape
     K, N = C // 2, page_table_RN.shape[1]
     B = max(1, min(pages_per_block, N))
     blocks = -(-N // B)
     table = jnp.pad(page_table_RN.astype(jnp.int32), ((0, 0), (0, blocks * B - N)))
-    pages = [_page_map(b, B, pool.values.shape, blocks * B, 4) for b in range(B)]
-    scale_pages = [_page_map(b, B, pool.values.shape, blocks * B, 3) for b in range(B)]
+    pages = [_page_map(b, B, pool.shape, blocks * B, 4) for b in range(B)]
+    scale_pages = [_page_map(b, B, pool.shape, blocks * B, 3) for b in range(B)]
     row = lambda r, j, *_: (r, 0, 0, 0)
-    # XLA keeps a [pages, S, C] float32 pool head-major ([pages, C, S] in memory): taken as
-    # such, the swap is free and a kv head's scales are a row of S lanes, like its scores.
-    scales_PCS = jnp.swapaxes(pool.scales, 1, 2)
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=2,
         grid=(R, blocks),
         in_specs=[pl.BlockSpec((None, K, H // K, D), row)]
-        + [pl.BlockSpec((None, S, C, D), m) for m in pages]
+        + [pl.BlockSpec((None, C, S, D), m) for m in pages]
         + [pl.BlockSpec((None, C, S), m) for m in scale_pages],
         out_specs=pl.BlockSpec((None, K, H // K, D), row),
         scratch_shapes=[
@@ -151,6 +149,6 @@ def paged_int8_decode(
         kv_lens_R.astype(jnp.int32),
         q_RHD.reshape(R, K, H // K, D),
         *([pool.values] * B),
-        *([scales_PCS] * B),
+        *([pool.scales] * B),
     )
     return out_RKGD.reshape(R, H, D)

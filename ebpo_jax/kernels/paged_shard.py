@@ -54,8 +54,9 @@ def mesh_specs(mesh, rows: int, pages: int, heads: int, kv_heads: int, row_axes=
 
 def _pool_spec(kv, *lead, heads):
     """The pool's PartitionSpec (an Int8Pages: one for its values, one for its scales)."""
-    spec = P(*lead, None, heads, None)
-    return Int8Pages(spec, P(*lead, None, heads)) if isinstance(kv, Int8Pages) else spec
+    if isinstance(kv, Int8Pages):  # head-major pages (quant.py)
+        return Int8Pages(P(*lead, heads, None, None), P(*lead, heads, None))
+    return P(*lead, None, heads, None)
 
 
 def shard_paged(local_fn, q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, row_axes=ROW_AXES):

@@ -18,10 +18,10 @@ def check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R) -> None:
     R, H, D = q_RHD.shape
     _, _, C, Dk = kv_pages_PSCD.shape
     quantized = isinstance(kv_pages_PSCD, quant.Int8Pages)
-    if quantized and kv_pages_PSCD.scales.shape != kv_pages_PSCD.shape[:-1]:
+    if quantized and kv_pages_PSCD.scales.shape != kv_pages_PSCD.values.shape[:-1]:
         raise ValueError(
             f"kv_pages_PSCD scales {kv_pages_PSCD.scales.shape}: expected "
-            f"{kv_pages_PSCD.shape[:-1]} (one per token and combined head)"
+            f"{kv_pages_PSCD.values.shape[:-1]} (one per combined head and token, head-major)"
         )
     if C % 2 or H % (C // 2):
         raise ValueError(
@@ -37,6 +37,13 @@ def check_layout(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R) -> None:
         raise ValueError(f"kv_lens_R shape {kv_lens_R.shape}: expected ({R},)")
 
 
+def _rows_of_scales(s_RNK1S, R: int, K: int):
+    """Gathered pages' scales [R, N, K, 1, S] as [R, K, 1, N * S] (1.0 stays 1.0)."""
+    if isinstance(s_RNK1S, float):
+        return s_RNK1S
+    return jnp.moveaxis(s_RNK1S, 1, 3).reshape(R, K, 1, -1)
+
+
 def paged_decode_attention_xla(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *, scale=None):
     """softmax(q k^T * scale) v over each row's first kv_len cached tokens: [R, H, D].
 
@@ -47,10 +54,9 @@ def paged_decode_attention_xla(q_RHD, kv_pages_PSCD, page_table_RN, kv_lens_R, *
     C = kv_pages_PSCD.shape[2]
     K = C // 2
     scale = D**-0.5 if scale is None else scale
-    kv_RTCD = jax.tree.map(
-        lambda x: x.reshape(R, -1, *x.shape[3:]), quant.take(kv_pages_PSCD, page_table_RN)
-    )
-    k_RTKD, v_RTKD, ks_RK1T, vs_RK1T = quant.split_kv(kv_RTCD, q_RHD.dtype)
+    kv_RNSKD = quant.split_kv(quant.take(kv_pages_PSCD, page_table_RN), q_RHD.dtype)
+    k_RTKD, v_RTKD = (x.reshape(R, -1, K, D) for x in kv_RNSKD[:2])
+    ks_RK1T, vs_RK1T = (_rows_of_scales(s, R, K) for s in kv_RNSKD[2:])
     q_RKGD = q_RHD.reshape(R, K, H // K, D)
     s_RKGT = jnp.einsum("rkgd,rtkd->rkgt", q_RKGD, k_RTKD, preferred_element_type=jnp.float32)
     valid_RT = jnp.arange(k_RTKD.shape[1])[None, :] < kv_lens_R[:, None]

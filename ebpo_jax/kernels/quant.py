@@ -1,12 +1,15 @@
 """int8 KV pages: a pool of int8 values with a float32 scale per token and combined kv head.
 
-`Int8Pages(values_PSCD, scales_PSC)` stands where a plain pool [pages, page_size, 2K, D]
-does: values int8 in the same layout, scales [pages, page_size, 2K] beside them. A token's
-key (or value) head is quantized on its own when it is written (absmax / 127, round to
-nearest), so appending to a partly filled page never rescales or clips the tokens already
-there, and the error of an element is at most its scale / 2. The attention paths fold the
-scales into the scores (keys) and the softmax weights (values) instead of dequantizing the
-pages first.
+`Int8Pages` stands where a plain pool [pages, page_size, 2K, D] does (its `shape` is that
+one), but stores each page head-major: values [pages, 2K, page_size, D] int8 and scales
+[pages, 2K, page_size] float32. TPU tiles an array's last two dims: a page's (page_size, D)
+tiles without padding at any number of heads per chip, where (2K, D) pads to int8's 32-row
+tile below 32 combined heads, and XLA then copied the pool into another tiling around every
+kernel call. A token's key (or value) head is quantized on its own when it is written
+(absmax / 127, round to nearest), so appending to a partly filled page never rescales or
+clips the tokens already there, and the error of an element is at most its scale / 2. The
+attention paths fold the scales into the scores (keys) and the softmax weights (values)
+instead of dequantizing the pages first.
 """
 
 from typing import NamedTuple
@@ -19,14 +22,16 @@ QMAX = 127.0  # symmetric: -128 is never used, so q and -q both exist
 
 
 class Int8Pages(NamedTuple):
-    """A quantized pool: values [..., pages, page_size, 2K, D] int8, scales [..., 2K] float32."""
+    """A quantized pool, head-major: values [..., pages, 2K, page_size, D] int8, scales
+    [..., pages, 2K, page_size] float32; `shape` is the shared [..., pages, page_size, 2K, D]."""
 
     values: jax.Array
     scales: jax.Array
 
     @property
     def shape(self):
-        return self.values.shape
+        *lead, C, S, D = self.values.shape
+        return (*lead, S, C, D)
 
 
 def quantize(x_CD) -> tuple:
@@ -38,9 +43,16 @@ def quantize(x_CD) -> tuple:
     return q_CD, scale_C
 
 
+def to_pages(x_SCD) -> Int8Pages:
+    """x [..., page_size, 2K, D] (pages in the shared layout) quantized into an Int8Pages."""
+    q_SCD, s_SC = quantize(x_SCD)
+    return Int8Pages(jnp.swapaxes(q_SCD, -3, -2), jnp.swapaxes(s_SC, -2, -1))
+
+
 def dequantize(pool: Int8Pages, dtype=jnp.float32):
-    """The pool's values times their scales, in `dtype` (the references and tests)."""
-    return (pool.values.astype(jnp.float32) * pool.scales[..., None]).astype(dtype)
+    """The pool's values times their scales in the shared layout, in `dtype` (references, tests)."""
+    x_CSD = pool.values.astype(jnp.float32) * pool.scales[..., None]
+    return jnp.swapaxes(x_CSD, -3, -2).astype(dtype)
 
 
 def bytes_per_element(kv_dtype: str, compute_dtype, head_dim: int) -> float:
@@ -55,12 +67,13 @@ def take(pool, index):
     return jax.tree.map(lambda x: x[index], pool)
 
 
-def split_kv(pages_BTCD, dtype) -> tuple:
-    """(keys, values [B, T, K, D], key scales, value scales [B, K, 1, T]) of gathered pages:
-    int8 values cast to `dtype` (exact: |q| <= 127); scales 1.0 for a plain pool."""
-    if not isinstance(pages_BTCD, Int8Pages):
-        return pages_BTCD[:, :, 0::2], pages_BTCD[:, :, 1::2], 1.0, 1.0
-    v_BTCD, s_BTC = pages_BTCD
-    per_head = lambda s_BTK: s_BTK.transpose(0, 2, 1)[:, :, None, :]
-    k_BTKD, v_BTKD = v_BTCD[:, :, 0::2].astype(dtype), v_BTCD[:, :, 1::2].astype(dtype)
-    return k_BTKD, v_BTKD, per_head(s_BTC[:, :, 0::2]), per_head(s_BTC[:, :, 1::2])
+def split_kv(pages, dtype) -> tuple:
+    """(keys, values [..., page_size, K, D], key scales, value scales [..., K, 1, page_size])
+    of gathered pages (a plain pool's [..., page_size, 2K, D] or an Int8Pages'): int8 values
+    cast to `dtype` (exact: |q| <= 127); scales 1.0 for a plain pool."""
+    if not isinstance(pages, Int8Pages):
+        return pages[..., 0::2, :], pages[..., 1::2, :], 1.0, 1.0
+    v_CSD, s_CS = pages
+    token_major = lambda x: jnp.swapaxes(x, -3, -2).astype(dtype)
+    k_SKD, v_SKD = token_major(v_CSD[..., 0::2, :, :]), token_major(v_CSD[..., 1::2, :, :])
+    return k_SKD, v_SKD, s_CS[..., 0::2, None, :], s_CS[..., 1::2, None, :]

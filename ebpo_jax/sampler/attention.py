@@ -5,8 +5,9 @@ one layer's pool `kv_pages_PSCD` is [pages, page_size, 2 * kv_heads, head_dim] w
 of kv head k at combined index 2k and its value at 2k + 1. Row r's token i sits at
 offset i % page_size of page page_table_RN[r, i // page_size]; kv_lens_R[r] tokens are
 valid (0: an idle row, whose output is zeros and ignored). An int8 pool is a
-`kernels.quant.Int8Pages` (int8 values in that layout, a float32 scale per token and combined
-head): every path folds the scales into the scores and the softmax weights.
+`kernels.quant.Int8Pages` (int8 values and a float32 scale per token and combined head,
+stored head-major within a page): every path folds the scales into the scores and the
+softmax weights.
 
 "xla" is hand-written (XLA has no ragged attention): the live pages of all rows as one list,
 walked in fixed-size chunks with a per-row online softmax, so a step reads the live tokens

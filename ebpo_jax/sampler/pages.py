@@ -1,8 +1,9 @@
 """The paged KV cache of one data shard: page pools, the free mask, and page moves.
 
 Per layer a pool [pages, page_size, 2 * kv_heads, head_dim] (sampler.attention's layout),
-or with kv_dtype "int8" an `Int8Pages` of int8 values in that layout and a float32 scale per
-token and combined head beside them (kernels/quant.py): writes quantize each token there.
+or with kv_dtype "int8" an `Int8Pages` of int8 values and a float32 scale per token and
+combined head, stored head-major within each page (kernels/quant.py): writes quantize each
+token there.
 A page is free or held; `take` hands out the lowest free ids, `give_back` frees them. All
 functions are fixed-shape and jittable; page id `pages` (one past the last) means "none",
 and every scatter drops it, so a row that takes no page writes nowhere.
@@ -10,7 +11,7 @@ and every scatter drops it, so a row that takes no page writes nowhere.
 
 import jax.numpy as jnp
 
-from ebpo_jax.kernels.quant import Int8Pages, bytes_per_element, quantize
+from ebpo_jax.kernels.quant import Int8Pages, bytes_per_element, quantize, to_pages
 
 
 def pages_for(tokens, page_size):
@@ -35,32 +36,29 @@ def init_pools(config, shards: int, pages: int, page_size: int, kv_dtype: str = 
     """One zero pool per layer, [shards, pages, page_size, 2 * kv_heads, head_dim] each."""
     shape = (shards, pages, page_size, 2 * config.num_kv_heads, config.head_dim)
     if kv_dtype == "int8":
-        pool = lambda: Int8Pages(jnp.zeros(shape, jnp.int8), jnp.zeros(shape[:-1], jnp.float32))
+        values = (shards, pages, 2 * config.num_kv_heads, page_size, config.head_dim)
+        pool = lambda: Int8Pages(jnp.zeros(values, jnp.int8), jnp.zeros(values[:-1], jnp.float32))
     else:
         pool = lambda: jnp.zeros(shape, config.dtype)
     return tuple(pool() for _ in range(config.num_layers))
 
 
 def _set(pool, index, x):
-    """pool.at[index].set(x) ("none" pages dropped); an Int8Pages quantizes x first."""
-    if isinstance(pool, Int8Pages):
-        q, s = quantize(x)
-        if isinstance(index, tuple):  # (page_B, offset_B): one token per row
-            return Int8Pages(_set(pool.values, index, q), _set_token_scales(pool.scales, *index, s))
-        return Int8Pages(_set(pool.values, index, q), _set(pool.scales, index, s))
-    return pool.at[index].set(x.astype(pool.dtype), mode="drop")
+    """pool.at[index].set(x) ("none" pages dropped); an Int8Pages quantizes x first.
 
-
-def _set_token_scales(scales_PSC, page_B, offset_B, s_BC):
-    """scales_PSC with row b's scales at (page_B[b], offset_B[b]), one element at a time.
-
-    XLA keeps the scales head-major ([P, C, S] in memory, as the TPU kernel reads them); a
-    scatter of [C]-wide windows made it convert the layer's scales to [P, S, C] order, 8x
-    padded, around every decode step's write. Element-wise updates need no conversion.
+    index: page ids (x [..., page_size, 2K, D], whole pages) or (page_B, offset_B), one
+    token per row (x [B, 2K, D]).
     """
-    c_C = jnp.arange(s_BC.shape[-1])
-    index = (page_B[:, None], offset_B[:, None], c_C[None])
-    return scales_PSC.at[index].set(s_BC, mode="drop")
+    if not isinstance(pool, Int8Pages):
+        return pool.at[index].set(x.astype(pool.dtype), mode="drop")
+    if isinstance(index, tuple):  # each row's heads written element-wise, in place
+        page_B, offset_B = index
+        index = (page_B[:, None], jnp.arange(x.shape[-2])[None], offset_B[:, None])
+        values, scales = quantize(x)
+    else:
+        values, scales = to_pages(x)
+    put = lambda a, v: a.at[index].set(v, mode="drop")
+    return Int8Pages(put(pool.values, values), put(pool.scales, scales))
 
 
 def interleave(k_BKD, v_BKD):
