@@ -10,7 +10,13 @@
   g16          the same five methods at G=16 (8 prompts per step), run last;
   variants     the EBPO priors (carried, per-batch, per (topic, difficulty) cell,
                forgetting) against GRPO at G=4;
-  curriculum   naive, topic and easy-to-hard orders for GRPO and EBPO at G=4.
+  curriculum   naive, topic and easy-to-hard orders for GRPO and EBPO at G=4;
+  int8         issue 46's learning check: the sampler's KV pages and its weights each
+               float32 or int8 (2 x 2), EBPO at G=8, 3 seeds, every arm recomputing the old
+               log-probs with TIS (so `mismatch/*` shows the sampler/trainer gap).
+               Rule, stated before the runs: an int8 arm learns unchanged when its 3-seed
+               mean of final held-out pass@1 lies within the float32 arm's seed band (the
+               min and max of its 3 seeds); the paired mean difference is reported beside.
 Seeds: give them by power analysis, e.g.
   python experiments/ablate.py --config=configs/ablations/reasoning.py:group_size \\
       --power_effect=0.02 --power=0.8 --pilot_seeds=4 --max_seeds=20
@@ -101,7 +107,7 @@ NOTES = {
     "EBPO-topic beats EBPO-naive": _EXTENDED,
     "(project) the gain is the shrunk baseline: EBPO beats RPP at G=2": _EXTENDED,
 }
-PARTS = ("pilot", "small_g", "g8", "group_size", "g16", "variants", "curriculum")
+PARTS = ("pilot", "small_g", "g8", "group_size", "g16", "variants", "curriculum", "int8")
 BASELINES = ["grpo", "dr_grpo", "rloo", "rpp", "ebpo"]
 
 
@@ -149,6 +155,24 @@ def _blocks(part: str) -> list[dict]:
             {
                 "name": "variant",
                 "axes": {"method": methods, "group_size": [4], "seed": SEEDS},
+                "rollouts_per_step": BUDGET,
+            }
+        ]
+    if part == "int8":
+        return [
+            {
+                "name": "int8",
+                "axes": {
+                    "seed": [0, 1, 2],
+                    "method": ["ebpo"],
+                    "group_size": [8],
+                    "sampler.kv_dtype": ["", "int8"],
+                    "sampler.param_dtype": ["", "int8"],
+                },
+                "fixed": {
+                    "loss.recompute_old_logprobs": True,
+                    "loss.is_correction": "tis",
+                },
                 "rollouts_per_step": BUDGET,
             }
         ]
