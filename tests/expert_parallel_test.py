@@ -114,6 +114,20 @@ def test_generate_with_expert_parallel_equals_without(dp_attention):
     np.testing.assert_allclose(on.logprobs, off.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
+def test_generate_with_expert_parallel_inside_a_jit_as_the_trainer_runs_it():
+    params = models.init_params(CONFIG, jax.random.key(0))
+    mesh = sharding.make_mesh([("data", 4), ("tp", 2)])
+    ep = sharding.param_shardings(moe.expert_parallel_config(CONFIG), params, mesh)
+    want = _generate(params, mesh)
+    with jax.set_mesh(mesh):  # the trainer's rollout: traced under the sampler's mesh
+        got = jax.jit(lambda p: _generate(p, mesh, expert_parallel=True))(
+            jax.device_put(params, ep)
+        )
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
 def test_expert_parallel_refuses_a_dense_model():
     with pytest.raises(ValueError, match="expert_parallel needs a mixture-of-experts"):
         sampler.Session(models.get_config("tiny"), sampler.SamplerSpec(4, expert_parallel=True))

@@ -107,9 +107,13 @@ class Session:
             return self._start(params, prompt_tokens, prompt_lengths, rng, row_limits)
 
     def _mesh_if_needed(self):
-        """The mesh for tracing under: expert parallelism's shard_map needs it (without, the
-        programs leave the layout to the compiler, as they always have)."""
-        return _on(self.mesh if self.spec.expert_parallel else None)
+        """The mesh to trace under when none is set (abstract: a caller may be inside a jit):
+        expert parallelism's shard_map needs it; without it the programs leave the layout to
+        the compiler, as they always have."""
+        ambient = jax.sharding.get_abstract_mesh()
+        if not self.spec.expert_parallel or self.mesh is None or not ambient.empty:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
 
     def _start(self, params, prompt_tokens, prompt_lengths, rng, row_limits) -> Generation:
         spec = self.spec
