@@ -668,6 +668,12 @@ ASSUMPTIONS = (
         "dp_attention: a row shard per chip, each reading every kv head of its rows; the "
         "matmuls run the tp group's rows on each chip's weight slice"
     ),
+    (
+        "expert_parallel (paged only): each chip reads its data shard's E / shards experts; "
+        "each sparse layer adds an all-gather of the shard's rows and a reduce-scatter of "
+        "their outputs over the data shards; prefill gathers the experts instead (not priced), "
+        "and the weight move still counts every expert's bytes"
+    ),
     "update: model FLOPs at bf16 peak (padded width before, each row's real tokens after)",
     (
         "step_s_after: the complete step at peak (terms.at_peak: decode, sampling, prefill, "
@@ -755,7 +761,7 @@ def step_time_estimate(
     `sampler.page_size`, a pool of `sampler.kv_pages`) with the ragged kernel, and the packed
     update over the real tokens. ASSUMPTIONS (also in the output) say what is modelled.
     `layout.dp_attention` splits only the paged engine's rows over shards x tp (before and
-    slots_blocked keep heads split over tp).
+    slots_blocked keep heads split over tp), `layout.expert_parallel` only its experts.
     """
     shards, tp, dp_attention = layout[:3]
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
