@@ -394,3 +394,5 @@ def test_expert_parallel_reads_a_shards_experts_and_prices_its_collectives_by_ha
     peak = lambda ep: est[ep]["terms"]["at_peak"]["decode_collectives"]
     assert peak(True) - peak(False) == pytest.approx(added)
     assert est[True]["decode_s_after"] < est[False]["decode_s_after"]
+    move = lambda ep: est[ep]["terms"]["at_peak"]["weight_move"]  # each chip its half of them
+    assert move(False) - move(True) == pytest.approx(2 * experts / 2 / 4 / hw.ici_bandwidth)

@@ -671,8 +671,8 @@ ASSUMPTIONS = (
     (
         "expert_parallel (paged only): each chip reads its data shard's E / shards experts; "
         "each sparse layer adds an all-gather of the shard's rows and a reduce-scatter of "
-        "their outputs over the data shards; prefill gathers the experts instead (not priced), "
-        "and the weight move still counts every expert's bytes"
+        "their outputs over the data shards; prefill gathers the experts instead (not priced); "
+        "the weight move sends each chip its own shard's experts"
     ),
     "update: model FLOPs at bf16 peak (padded width before, each row's real tokens after)",
     (
@@ -875,6 +875,7 @@ def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dic
     move = step_terms.weight_move_bytes(step_terms.WeightMove(
         total_params(mc), step_terms.dtype_bytes(mc.param_dtype), x.elem, devices, tp,
         ro.sampler.param_dtype == "int8", bool(x.run_spec.mesh.sampler),
+        int(expert_params(mc) * (1 - 1 / x.layout.expert_shards)),
     ))  # fmt: skip
     P = step_terms.Priced
     terms = {
