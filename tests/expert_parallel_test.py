@@ -56,7 +56,9 @@ def test_sharded_dispatch_with_expert_parallel_equals_dispatch(routing, N):
     run = jax.jit(lambda a, w: moe.sharded_dispatch(*a, w, "xla", rules))
     with jax.set_mesh(mesh):
         got = run(args, placed)
+        hlo = run.lower(args, placed).as_text()
         one_row = run(jax.tree.map(lambda a: a[:1], (x_ND, experts_Nk, weights_Nk)), placed)
+    assert ("reduce_scatter" in hlo) == (N == 32)  # the tokens' way back, or none
     assert got.sharding.spec == P("data")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(one_row, want[:1], rtol=1e-5, atol=1e-6)  # rows whole: psum
