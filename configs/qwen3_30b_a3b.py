@@ -8,7 +8,10 @@ full remat, chunked log-probs, the paged sampler on a data=16 x tp=2 mesh). What
 - Experts: stored split over the `fsdp` axis (the `expert` rule), 4 of the 128 per chip on
   fsdp=32; each device sorts its own rows and runs them through the experts gathered at
   the dispatch's shard_map (models/moe.py), as FSDP gathers a dense layer. In the sampler
-  (no fsdp axis) the experts are replicated over `data` and their hidden dim split over `tp`.
+  (no fsdp axis) the experts are replicated over `data` and their hidden dim split over `tp`;
+  the `int8` variant splits them over its 8 data shards too (sampler.expert_parallel, 16
+  experts a shard): a decode step reads 1/8 of the expert weights, and each MoE layer
+  all-gathers the step's tokens and reduce-scatters the outputs over `data` instead.
 - Sampler pool: 1536 pages of 128 tokens per data shard (qwen3_8b.py's SAMPLER_LAYOUT, 9 GiB per
   chip), as the bf16 weights take 28.5 GiB per chip on tp=2. AOT for v5p-64
   (results/aot_tpu/qwen3_30b_a3b_v5p64.json, docs/moe.md): decode 74.6 GiB per chip, 88.8

@@ -94,12 +94,16 @@ SAMPLER_LAYOUT = {
 # heads over tp=4 (2 per chip): no dp attention's all-to-alls, and 8 data shards of 256 rows
 # wait less for their slowest shard than 32 of 64 do. The int8 pool is read by this
 # codebase's own kernel or the XLA path, neither of which needs 8 combined heads per chip.
-# Compiled for v5p-64 with both fitting (docs/pods.md, "The complete step"); the 14B and MoE
-# presets keep SAMPLER_LAYOUT.
+# Compiled for v5p-64 with both fitting (docs/pods.md, "The complete step"); the 14B preset
+# keeps SAMPLER_LAYOUT. Qwen3-30B-A3B takes the same mesh with its experts split over the 8
+# data shards (INT8_EXPERT_PARALLEL, sampler.expert_parallel): a decode step then reads 16
+# of the 128 experts per chip, not all of them (docs/moe.md).
 INT8_LAYOUT = {
     "qwen3_8b": ("data=8,tp=4", False, 3072),
     "llama3_1_8b": ("data=8,tp=4", False, 3072),
+    "qwen3_30b_a3b": ("data=8,tp=4", False, 3072),
 }
+INT8_EXPERT_PARALLEL = ("qwen3_30b_a3b",)
 
 
 def _variants(variant: str | None) -> set[str]:
@@ -153,6 +157,7 @@ def _sampler_and_update(c, preset: str, int8: bool = False) -> None:
     mesh, dp, pages = layouts[preset]
     c.sampler.mesh = mesh
     c.sampler.dp_attention = dp
+    c.sampler.expert_parallel = int8 and preset in INT8_EXPERT_PARALLEL
     # row shards on v5p-64's 32 chips: every chip with dp attention, else the data shards
     shards = 32 if dp else dict(parse_mesh(mesh))["data"]
     c.sampler.kv_pages = shards * pages  # see the comment block

@@ -321,6 +321,11 @@ class Sampler:
         False,
         "rows and KV pages split over tp too: each tp chip attends all heads of its rows",
     )
+    expert_parallel: bool = setting(
+        False,
+        "mixture of experts: the sampler's experts split over its data axes (E / shards each), "
+        "tokens all-gathered to them and their outputs reduce-scattered back (models/moe.py)",
+    )
     live_buckets: int = setting(
         1,
         "decode steps run on the smallest of this many batch sizes that holds the live rows "

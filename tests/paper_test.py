@@ -101,7 +101,7 @@ def test_paper_table_prints_a_cells_estimate_and_its_report(capsys, tmp_path):
     assert out[3].endswith("| 1 |")
 
 
-@pytest.mark.parametrize("preset", ["qwen3_8b", "llama3_1_8b", "qwen3_14b"])
+@pytest.mark.parametrize("preset", ["qwen3_8b", "llama3_1_8b", "qwen3_14b", "qwen3_30b_a3b"])
 def test_the_int8_variant_samples_int8_on_its_layout(preset):
     c = pod.recipe(preset, "aot,int8")
     validate(c, 32)
@@ -110,3 +110,4 @@ def test_the_int8_variant_samples_int8_on_its_layout(preset):
     mesh, dp, pages = pod.INT8_LAYOUT.get(preset, pod.SAMPLER_LAYOUT[preset])
     assert (c.sampler.mesh, c.sampler.dp_attention) == (mesh, dp)
     assert c.sampler.kv_pages == (32 if dp else 8) * pages  # pages per row shard
+    assert s.expert_parallel == (preset == "qwen3_30b_a3b")  # its experts over the data shards

@@ -360,3 +360,39 @@ def test_a_tp_that_splits_a_kv_head_is_refused_by_the_config_and_the_estimate():
     assert est(4)["decode_s_after"] > 0
     with pytest.raises(ValueError, match=r"^sampler.mesh: tp=8 does not divide .* 4 kv heads"):
         est(8)
+
+
+def test_expert_parallel_reads_a_shards_experts_and_prices_its_collectives_by_hand():
+    """Qwen3-30B-A3B's experts split over 2 data shards (sampler.expert_parallel): each chip
+    reads half the experts, and each of the 48 sparse layers adds an all-gather of a shard's
+    rows (bf16 activations, int32 ids, bf16 weights) and a reduce-scatter of bf16 outputs."""
+    from ebpo_jax import models
+
+    mc = models.get_config("qwen3_30b_a3b")
+    experts = 48 * 128 * 3 * 2048 * 768
+    off, on = aot.decode_cost(mc, 4), aot.decode_cost(mc, 4, expert_shards=2)
+    assert off.weight_bytes - on.weight_bytes == pytest.approx(2 * experts / 2 / 4)
+    assert (on.row_flops, on.kv_token_bytes) == (off.row_flops, off.kv_token_bytes)
+    config = _qwen3_8b_aot(0, max_new_tokens=100, prompts_per_call=16, page_size=4)
+    config.prompts_per_step = 16
+    config.loss.num_minibatches = config.loss.num_microbatches = 1
+    config.loss.logits_chunk = 0
+    hw, lengths = aot.CHIPS["v5p"], aot.Lengths(prompt_tokens=10, at_limit=1.0)
+    est = {
+        ep: aot.step_time_estimate(_spec(config), mc, hw, prompt_len=16, lengths=lengths,
+                                   layout=aot.SamplerLayout(2, 4, False, ep))
+        for ep in (False, True)
+    }  # fmt: skip
+    rows = 16 * 4 // 2  # a data shard's rows, every step
+    moves = est[True]["paged"]["collectives_per_step"]
+    assert moves["all_gather"] == moves["reduce_scatter"] == 48
+    assert moves["all_gather_bytes_sent_per_chip"] == 48 * rows * (2048 * 2 + 8 * (4 + 2))
+    assert moves["reduce_scatter_bytes_sent_per_chip"] == 48 * rows * 2048 * 2
+    assert "all_gather" not in est[False]["paged"]["collectives_per_step"]
+    steps = est[True]["paged"]["steps_all_calls"]
+    added = steps * (48 * rows * (2048 * 2 + 48) + 48 * rows * 2048 * 2) / hw.ici_bandwidth
+    peak = lambda ep: est[ep]["terms"]["at_peak"]["decode_collectives"]
+    assert peak(True) - peak(False) == pytest.approx(added)
+    assert est[True]["decode_s_after"] < est[False]["decode_s_after"]
+    move = lambda ep: est[ep]["terms"]["at_peak"]["weight_move"]  # each chip its half of them
+    assert move(False) - move(True) == pytest.approx(2 * experts / 2 / 4 / hw.ici_bandwidth)

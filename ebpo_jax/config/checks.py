@@ -447,20 +447,23 @@ def _turn_sampler(c: Config, what: str) -> None:
         )
 
 
-def _replay_model(c: Config) -> None:
-    """Routing replay records and replays experts: the policy must have some."""
-    if not c.model.moe.routing_replay:
-        return
+def _policy_experts(c: Config, key: str) -> int:
+    """The policy's num_experts (None: its config.json unreadable); ConfigError naming `key`
+    when it has none."""
     experts = model_setting(c, "num_experts", ("num_experts", "num_local_experts"), 0)
     source = (
         f"model.hf_path={c.model.hf_path!r}"
         if c.model.hf_path
         else f"model.preset={c.model.preset!r}"
     )
-    need(
-        experts != 0,
-        f"model.moe.routing_replay needs a mixture-of-experts policy: {source} has no experts",
-    )
+    need(experts != 0, f"{key} needs a mixture-of-experts policy: {source} has no experts")
+    return experts
+
+
+def _replay_model(c: Config) -> None:
+    """Routing replay records and replays experts: the policy must have some."""
+    if c.model.moe.routing_replay:
+        _policy_experts(c, "model.moe.routing_replay")
 
 
 def _replay_attention(c: Config, d: Derived) -> None:
@@ -601,6 +604,28 @@ def _sampler_heads(c: Config, d: Derived) -> None:
         need(error is None, f"{key}: {error}")
 
 
+def _expert_parallel(c: Config, d: Derived) -> None:
+    """sampler.expert_parallel: a mixture of experts whose experts split evenly over the
+    sampler mesh's data shards, and not batch-invariant numerics."""
+    if not c.sampler.expert_parallel:
+        return
+    experts = _policy_experts(c, "sampler.expert_parallel")
+    need(
+        not c.model.batch_invariant,
+        "sampler.expert_parallel with model.batch_invariant: the reduce-scatter adds a token's "
+        "experts in another order than the trainer's forward; turn one off",
+    )
+    pairs = d.sampler_mesh or tuple(zip(c.mesh.axes, d.mesh_shape or c.mesh.shape))
+    shards = [n for axis, n in pairs if axis in ("data", "fsdp")]
+    if experts and -1 not in shards:  # None: models.hf names an unreadable config.json
+        key = "sampler.mesh" if d.sampler_mesh else "mesh.shape"
+        need(
+            experts % math.prod(shards) == 0,
+            f"sampler.expert_parallel: the model's {experts} experts do not split over {key}'s "
+            f"{math.prod(shards)} data shards",
+        )
+
+
 def check(c: Config, num_devices: int | None = None) -> Derived:
     """Every cross-section rule; ConfigError (one line) on the first broken one. Returns what
     the rules derived (the resolved meshes), which the run spec carries."""
@@ -622,6 +647,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _context(c)
     _batch_invariant_mesh(c, d)
     _sampler_heads(c, d)
+    _expert_parallel(c, d)
     if num_devices is not None:
         _devices(c, d)
     _difficulty_file(c)  # last: these read files

@@ -12,9 +12,26 @@ device sorts its own rows (the `batch` axes) and runs every expert on them, the 
 hidden dim split over the `moe_mlp` axes (tensor parallel, one psum after the down
 projection). The expert weights are stored split over the `expert` axes (FSDP-style expert
 sharding) and gathered at the shard_map's boundary, as FSDP gathers a dense layer.
+
+Expert parallelism (the sampler's copy under `sampler.expert_parallel`: `expert_parallel_rules`
+puts an `expert_parallel` entry in the rules table): the experts are split over the row axes,
+E / shards per shard, hidden dim still over tp, so a decode step reads only a shard's own
+experts. Each shard all-gathers the step's tokens, expert ids and routing weights over those
+axes, runs its experts on the (token, expert) pairs routed to them (a window of sorted pairs
+at a time: dropless, whatever the skew), then a reduce-scatter hands each shard its own rows'
+sums. Where gathering the other shards' experts sends fewer bytes (prefill's many tokens:
+`moves_tokens`), they are gathered instead, as FSDP gathers a layer. Why all-gather and
+reduce-scatter, not all-to-all: a dropless all-to-all of static shapes sizes each shard's
+buffer for all k of a token's pairs, k times the all-gather's rows; and with top-8 of 128
+experts over 8 shards a token visits 5.3 shards on average (4.7 of its 7 others), so even a
+ragged all-to-all would save only a third of the bytes. Sampler only: the windows' loop has
+a data-dependent trip count (no reverse-mode gradient).
 """
 
+import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +148,8 @@ def sharded_dispatch(x_ND, experts_Nk, weights_Nk, w, impl, rules=None):
         rows = ()
     if I % size(tp):
         tp = ()
+    if ep := _ep_axes(rules, mesh, E):
+        return _ep_dispatch((x_ND, experts_Nk, weights_Nk, *w), impl, mesh, rows, tp, ep)
     r, t = P(rows or None), P(None, None, tp or None)
     fn = jax.shard_map(
         lambda *a: local(*a, tp=tp),
@@ -140,6 +159,138 @@ def sharded_dispatch(x_ND, experts_Nk, weights_Nk, w, impl, rules=None):
         check_vma=False,  # pallas_call (megablox) outputs carry no varying-axes type
     )
     return fn(x_ND, experts_Nk, weights_Nk, *w)
+
+
+# The rules-table entry naming the mesh axes the dispatch splits the experts over.
+EP_RULE = "expert_parallel"
+# A shard's window of sorted (token, expert) pairs, in units of the pairs an even routing
+# sends it: a skewed routing runs more windows, none drops a pair.
+EP_HEADROOM = 2
+
+
+def expert_parallel_rules(rules=None) -> tuple:
+    """`rules` (None: the defaults) with the experts split over the row (`batch`) axes, stored
+    so (`expert`) and dispatched so (EP_RULE)."""
+    table = dict(sharding.rules_from(rules=rules))
+    table["expert"] = table[EP_RULE] = table["batch"]
+    return tuple(table.items())
+
+
+def expert_parallel_config(config: ModelConfig) -> ModelConfig:
+    """`config` whose MoE layers run expert-parallel (ValueError for a dense model)."""
+    if not config.is_moe:
+        raise ValueError(
+            "sampler.expert_parallel needs a mixture-of-experts model (num_experts > 0)"
+        )
+    return dataclasses.replace(config, sharding_rules=expert_parallel_rules(config.sharding_rules))
+
+
+def _ep_axes(rules, mesh, num_experts: int) -> tuple[str, ...]:
+    """The mesh axes the rules split the dispatch's experts over (() = not expert-parallel)."""
+    axes = tuple(a for a in sharding.rules_from(rules=rules).get(EP_RULE, ()) if a in mesh.shape)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    if num_experts % shards:
+        raise ValueError(
+            f"sampler.expert_parallel: {num_experts} experts do not split over {axes} ({shards})"
+        )
+    return axes if shards > 1 else ()
+
+
+def _ep_dispatch(args, impl, mesh, rows, tp, ep):
+    """sharded_dispatch with the experts split over `ep`: tokens gathered over it when the
+    rows split over it too (reduce-scattered back), else whole on each shard (summed)."""
+    gathered = set(ep) <= set(rows)
+    if not gathered and set(ep) & set(rows):
+        raise ValueError(f"expert-parallel axes {ep} split only part of the rows' axes {rows}")
+    size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+    how = EpLayout(impl, ep, tp, size(ep), gathered)
+    r, e = P(rows or None), P(ep, None, tp or None)
+    row_shards = size(rows) if gathered else how.shards
+    by_tokens = moves_tokens(args[0], args[3:], how.shards, row_shards, size(tp))
+    local = functools.partial(_ep_local if by_tokens else _experts_gathered_local, how=how)
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(r, r, r, e, e, P(ep, tp or None, None)),
+        out_specs=r,
+        check_vma=False,  # as sharded_dispatch
+    )
+    return fn(*args)
+
+
+def moves_tokens(x_ND, w, shards: int, row_shards: int, tp_shards: int) -> bool:
+    """Whether moving the tokens to the experts (gathered in, reduce-scattered out; summed when
+    whole) sends no more bytes per chip than gathering the other shards' experts: true for
+    decode's few rows, false for prefill's many, which take the experts as FSDP would."""
+    N, D = x_ND.shape
+    tokens = 2 * (shards - 1) * N * D * x_ND.dtype.itemsize / row_shards
+    experts = (shards - 1) / shards * sum(a.size * a.dtype.itemsize for a in w) / tp_shards
+    return tokens <= experts
+
+
+class EpLayout(NamedTuple):
+    """How an expert-parallel dispatch runs on each shard."""
+
+    impl: str  # the grouped matmul (gmm.IMPLS)
+    ep: tuple[str, ...]  # the mesh axes the experts split over
+    tp: tuple[str, ...]  # the mesh axes their hidden dim splits over
+    shards: int  # devices over `ep`
+    gathered: bool  # the rows split over `ep` too: gathered, then reduce-scattered back
+
+
+def _experts_gathered_local(x_ND, experts_Nk, weights_Nk, *w, how: EpLayout):
+    """Every expert gathered over `how.ep` onto this shard, run on its own rows."""
+    gate, up, down = (jax.lax.all_gather(a, how.ep, axis=0, tiled=True) for a in w)
+    fn = lambda x_MD, sizes_E: swiglu_experts(x_MD, sizes_E, gate, up, down, how.impl)
+    y_ND = dispatch(x_ND, experts_Nk, weights_Nk, fn, gate.shape[0])
+    return jax.lax.psum(y_ND, how.tp) if how.tp else y_ND
+
+
+def _ep_local(x_ND, experts_Nk, weights_Nk, gate, up, down, *, how: EpLayout):
+    """One shard's experts on the pairs routed to them, summed back to the rows' shards."""
+    ep = how.ep
+    if how.gathered:
+        gather = lambda a: jax.lax.all_gather(a, ep, axis=0, tiled=True)
+        x_ND, experts_Nk, weights_Nk = gather(x_ND), gather(experts_Nk), gather(weights_Nk)
+    E = gate.shape[0]
+    local_Nk = experts_Nk - jax.lax.axis_index(ep) * E
+    fn = lambda x_MD, sizes_E: swiglu_experts(x_MD, sizes_E, gate, up, down, how.impl)
+    window = min(experts_Nk.size, -(-experts_Nk.size * EP_HEADROOM // how.shards // 8) * 8)
+    y_ND = owned_dispatch(x_ND, local_Nk, weights_Nk, fn, E, window).astype(x_ND.dtype)
+    if how.gathered:
+        y_ND = jax.lax.psum_scatter(y_ND, ep, scatter_dimension=0, tiled=True)
+    else:
+        y_ND = jax.lax.psum(y_ND, ep)
+    return jax.lax.psum(y_ND, how.tp) if how.tp else y_ND
+
+
+def owned_dispatch(x_ND, local_Nk, weights_Nk, expert_fn, E: int, window: int):
+    """`dispatch` of only the pairs whose `local_Nk` id is one of the E experts here, `window`
+    expert-sorted pairs at a time (as many windows as those pairs need): [N, D] float32."""
+    N, k = local_Nk.shape
+    mine_M = ((local_Nk >= 0) & (local_Nk < E)).reshape(-1)
+    flat_M = jnp.where(mine_M, local_Nk.reshape(-1), E)  # the others sort after every group
+    order_M = jnp.argsort(flat_M, stable=True)
+    sizes_E = jnp.zeros((E,), jnp.int32).at[flat_M].add(1, mode="drop")
+    ends_E, count = jnp.cumsum(sizes_E), jnp.sum(mine_M)
+    order_M = jnp.pad(order_M, (0, -order_M.size % window))
+    w_M = weights_Nk.reshape(-1).astype(jnp.float32)
+
+    def body(carry):
+        lo, out_ND = carry
+        pair_W = jax.lax.dynamic_slice_in_dim(order_M, lo, window)
+        in_window_E = jnp.clip(ends_E, lo, lo + window) - jnp.clip(
+            ends_E - sizes_E, lo, lo + window
+        )
+        y_WD = expert_fn(jnp.take(x_ND, pair_W // k, axis=0), in_window_E)
+        # Rows past the window's groups hold unspecified values (megablox), maybe NaN: where,
+        # not a product with zero.
+        valid_W = lo + jnp.arange(window) < count
+        y_WD = jnp.where(valid_W[:, None], y_WD.astype(jnp.float32) * w_M[pair_W][:, None], 0.0)
+        return lo + window, out_ND.at[pair_W // k].add(y_WD)
+
+    out_ND = jnp.zeros((N, x_ND.shape[-1]), jnp.float32)
+    return jax.lax.while_loop(lambda c: c[0] < count, body, (jnp.int32(0), out_ND))[1]
 
 
 class MoE(nnx.Module):

@@ -355,7 +355,8 @@ def _estimate(spec, mc, hw, s_mesh, prompt_len):
 
     shards = layout.data_size(s_mesh, None, mc.sharding_rules)
     tp = dict(s_mesh.shape).get("tp", 1)
-    layout = SamplerLayout(shards, tp, spec.rollout.sampler.dp_attention)
+    sampler = spec.rollout.sampler
+    layout = SamplerLayout(shards, tp, sampler.dp_attention, sampler.expert_parallel)
     return step_time_estimate(spec, mc, hw, prompt_len=prompt_len, layout=layout)
 
 

@@ -143,6 +143,13 @@ def matmul_params(mc) -> dict[str, int]:
     return {"layers": attn + _ffn_params(mc, active=True), "head": D * mc.vocab_size}
 
 
+def expert_params(mc) -> int:
+    """The experts' SwiGLU weights of every sparse layer (0 for a dense model)."""
+    if not getattr(mc, "is_moe", False):
+        return 0
+    return mc.num_sparse_layers * mc.num_experts * 3 * mc.hidden_size * mc.moe_intermediate_size
+
+
 def total_params(mc) -> int:
     """Every parameter, embeddings included (norms too), as a count."""
     m = matmul_params(mc)
@@ -534,11 +541,14 @@ class DecodeCost:
 
 
 def decode_cost(
-    mc, tp: int, dp_attention: bool = False, elem: ElementBytes = ElementBytes(2.0, 2.0)
-) -> DecodeCost:
+    mc, tp: int, dp_attention: bool = False, elem: ElementBytes = ElementBytes(2.0, 2.0),
+    expert_shards: int = 1,
+) -> DecodeCost:  # fmt: skip
     """The per-chip DecodeCost of model `mc` on a tensor-parallel group of `tp` chips; with
     dp_attention each chip attends every head of its own rows (a row shard per chip).
     `elem`: bytes per weight and per cached K or V value (step_terms.element_bytes).
+    `expert_shards`: the experts split over that many data shards (sampler.expert_parallel),
+    each chip reading its own shard's experts only.
     ValueError (naming sampler.mesh) for a tp that cannot split the heads: no such layout."""
     from ebpo_jax.sampler.layout import heads_split_error  # late: jax only when estimating
 
@@ -546,8 +556,9 @@ def decode_cost(
         raise ValueError(f"sampler.mesh: {error}")
     m = matmul_params(mc)
     heads_split = 1 if dp_attention else tp
+    not_read = expert_params(mc) * (1 - 1 / expert_shards)  # the other shards' experts
     return DecodeCost(
-        weight_bytes=elem.weight * total_params(mc) / tp,
+        weight_bytes=elem.weight * (total_params(mc) - not_read) / tp,
         kv_token_bytes=elem.kv * mc.num_layers * mc.num_kv_heads * mc.head_dim * 2 / heads_split,
         row_flops=2.0 * (m["layers"] + m["head"]) / tp,
         kv_token_flops=4.0 * mc.num_layers * mc.num_heads * mc.head_dim / heads_split,
@@ -555,10 +566,13 @@ def decode_cost(
     )
 
 
-def collectives_per_step(mc, rows_per_data_shard: int, tp: int, dp_attention: bool) -> dict:
+def collectives_per_step(
+    mc, rows_per_data_shard: int, tp: int, dp_attention: bool, expert_shards: int = 1
+) -> dict:
     """The decode step's collectives on one chip: tp's two ring all-reduces per layer of every
     computed row's activations and, with dp_attention, two all-to-alls per layer (q, k, v to
-    the rows' chips; outputs back); bf16 bytes sent."""
+    the rows' chips; outputs back); bf16 bytes sent. With `expert_shards` > 1 (expert
+    parallelism) each sparse layer adds expert_collectives."""
     L, H, K, Dh = mc.num_layers, mc.num_heads, mc.num_kv_heads, mc.head_dim
     moved = rows_per_data_shard * (tp - 1) / tp**2 * (2 * H + 2 * K) * Dh * 2
     reduced = 2 * (tp - 1) / tp * rows_per_data_shard * mc.hidden_size * 2
@@ -568,7 +582,31 @@ def collectives_per_step(mc, rows_per_data_shard: int, tp: int, dp_attention: bo
         "all_to_all": 2 * L if a2a else 0,
         "all_to_all_bytes_sent_per_chip": float(L * moved) if a2a else 0.0,
         "all_reduce_bytes_sent_per_chip": float(2 * L * reduced) if tp > 1 else 0.0,
+    } | expert_collectives(mc, rows_per_data_shard, expert_shards)
+
+
+def expert_collectives(mc, rows_per_data_shard: int, expert_shards: int) -> dict:
+    """Expert parallelism's collectives per decode step on one chip, over the `expert_shards`
+    data shards (models/moe.py): per sparse layer a ring all-gather of the shard's rows (bf16
+    activations, int32 expert ids, bf16 routing weights) and a ring reduce-scatter of the bf16
+    outputs; each sends (shards - 1) x the shard's part. Empty with one shard."""
+    if expert_shards <= 1:
+        return {}
+    Ls, D, k = mc.num_sparse_layers, mc.hidden_size, mc.num_experts_per_tok
+    sent = (expert_shards - 1) * rows_per_data_shard
+    return {
+        "all_gather": Ls,
+        "reduce_scatter": Ls,
+        "all_gather_bytes_sent_per_chip": float(Ls * sent * (D * 2 + k * (4 + 2))),
+        "reduce_scatter_bytes_sent_per_chip": float(Ls * sent * D * 2),
     }
+
+
+def step_collectives(moves: dict) -> tuple[float, float]:
+    """(bytes sent per chip, collectives) of one decode step's `collectives_per_step`."""
+    sent = sum(v for key, v in moves.items() if key.endswith("_bytes_sent_per_chip"))
+    count = sum(v for key, v in moves.items() if not key.endswith("_bytes_sent_per_chip"))
+    return sent, count
 
 
 class PagedPool(NamedTuple):
@@ -583,6 +621,7 @@ class PagedPool(NamedTuple):
     dp_attention: bool = False
     elem: ElementBytes = ElementBytes(2.0, 2.0)  # bytes per weight and per K or V value
     balance: bool = False  # refills go to the least-loaded shard (else each its own rows)
+    expert_shards: int = 1  # the experts split over the data shards (expert parallelism)
 
 
 def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
@@ -596,7 +635,7 @@ def paged_decode_estimate(run_spec, mc, spec, rows_C, pool: PagedPool):
     slots = min(run_spec.rollout.sampler.slots or per_call, per_call)
     sched = _paged_schedule(rows_C.reshape(shards, -1), slots // shards, prompt_tokens,
                             page_size, pool.block_tokens, pool.balance)  # fmt: skip
-    cost = decode_cost(mc, tp, pool.dp_attention, pool.elem)
+    cost = decode_cost(mc, tp, pool.dp_attention, pool.elem, pool.expert_shards)
     step_SD = cost.seconds(spec, sched.live_SD, sched.read_SD, sched.kv_SD)
     prompts = run_spec.rollout.prompts_per_call
     prompt_pages = prompts // shards * -(-prompt_tokens // page_size)
@@ -628,6 +667,12 @@ ASSUMPTIONS = (
     (
         "dp_attention: a row shard per chip, each reading every kv head of its rows; the "
         "matmuls run the tp group's rows on each chip's weight slice"
+    ),
+    (
+        "expert_parallel (paged only): each chip reads its data shard's E / shards experts; "
+        "each sparse layer adds an all-gather of the shard's rows and a reduce-scatter of "
+        "their outputs over the data shards; prefill gathers the experts instead (not priced); "
+        "the weight move sends each chip its own shard's experts"
     ),
     "update: model FLOPs at bf16 peak (padded width before, each row's real tokens after)",
     (
@@ -689,11 +734,18 @@ def _paged_calls(run_spec, mc, spec, calls_CDR, pool: PagedPool):
 
 class SamplerLayout(NamedTuple):
     """How the sampler mesh splits a call's rows: `shards` data shards of `tp` chips each;
-    with `dp_attention` the paged engine's rows and pages are split over shards x tp."""
+    with `dp_attention` the paged engine's rows and pages are split over shards x tp; with
+    `expert_parallel` its experts over the data shards."""
 
     shards: int
     tp: int = 1
     dp_attention: bool = False
+    expert_parallel: bool = False
+
+    @property
+    def expert_shards(self) -> int:
+        """Data shards the paged engine's experts split over (1: every chip reads them all)."""
+        return self.shards if self.expert_parallel else 1
 
 
 def step_time_estimate(
@@ -709,9 +761,9 @@ def step_time_estimate(
     `sampler.page_size`, a pool of `sampler.kv_pages`) with the ragged kernel, and the packed
     update over the real tokens. ASSUMPTIONS (also in the output) say what is modelled.
     `layout.dp_attention` splits only the paged engine's rows over shards x tp (before and
-    slots_blocked keep heads split over tp).
+    slots_blocked keep heads split over tp), `layout.expert_parallel` only its experts.
     """
-    shards, tp, dp_attention = layout
+    shards, tp, dp_attention = layout[:3]
     P, G, N = run_spec.rollout.prompts, run_spec.rollout.group_size, run_spec.rollout.max_new_tokens
     lengths = Lengths().scaled_to(N) if lengths is None else lengths
     elem = step_terms.element_bytes(run_spec.rollout.sampler, mc)
@@ -759,15 +811,18 @@ def step_time_estimate(
 def _paged_after(x: "_StepInputs", calls_CDR, slots: int):
     """The paged engine's decode seconds over every call and its report fields: page use,
     the decode step's collectives, the same decode with balanced admission."""
-    ro, (shards, tp, dp) = x.run_spec.rollout, x.layout
+    ro, (shards, tp, dp) = x.run_spec.rollout, x.layout[:3]
     page_size = int(ro.sampler.page_size or 16)
     pages_per_row = -(-(x.prompt_len + ro.max_new_tokens) // page_size)
     block = kernel_block_tokens(page_size, pages_per_row, slots)
     pool = PagedPool(shards * tp if dp else shards, tp, x.prompt_tokens, page_size,
-                     int(ro.sampler.kv_pages), block, dp, x.elem)  # fmt: skip
+                     int(ro.sampler.kv_pages), block, dp, x.elem,
+                     expert_shards=x.layout.expert_shards)  # fmt: skip
     after, paged = _paged_calls(x.run_spec, x.mc, x.chip, calls_CDR, pool)
     rows_per_shard = ro.prompts_per_call * ro.group_size // shards
-    paged["collectives_per_step"] = collectives_per_step(x.mc, rows_per_shard, tp, dp)
+    paged["collectives_per_step"] = collectives_per_step(
+        x.mc, rows_per_shard, tp, dp, x.layout.expert_shards
+    )
     paged["balanced_admission"] = _balanced(x.run_spec, x.mc, x.chip, calls_CDR, pool, slots)
     return after, paged
 
@@ -806,11 +861,12 @@ class _StepInputs(NamedTuple):
 def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dict) -> dict:
     """Every term of the step (step_terms.Priced), priced at peak and expected."""
     ro, up, mc, chip = x.run_spec.rollout, x.run_spec.update, x.mc, x.chip
-    shards, tp, _ = x.layout
+    shards, tp = x.layout[:2]
     devices, steps = shards * tp, paged["steps_all_calls"]
     slots = min(ro.sampler.slots or ro.prompts_per_call * ro.group_size,
                 ro.prompts_per_call * ro.group_size) // shards  # fmt: skip
-    moves = collectives_per_step(mc, slots, tp, x.layout.dp_attention)
+    moves = collectives_per_step(mc, slots, tp, x.layout.dp_attention, x.layout.expert_shards)
+    sent, count = step_collectives(moves)
     mesh = dict(zip(x.run_spec.mesh.mesh.axes, x.run_spec.mesh.shape))
     micro = step_terms.packed_micro_batches(up, x.rows, x.prompt_tokens, x.prompt_len)
     fsdp = step_terms.update_collective_bytes(
@@ -819,6 +875,7 @@ def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dic
     move = step_terms.weight_move_bytes(step_terms.WeightMove(
         total_params(mc), step_terms.dtype_bytes(mc.param_dtype), x.elem, devices, tp,
         ro.sampler.param_dtype == "int8", bool(x.run_spec.mesh.sampler),
+        int(expert_params(mc) * (1 - 1 / x.layout.expert_shards)),
     ))  # fmt: skip
     P = step_terms.Priced
     terms = {
@@ -829,10 +886,7 @@ def _complete_terms(x: _StepInputs, decode_s: float, update_s: float, paged: dic
                                                     x.prompt_len) / devices, mfu="prefill_mfu"),
         "weight_move": P(hbm_bytes=move["hbm_bytes_per_chip"],
                          ici_bytes=move["ici_bytes_per_chip"]),
-        "decode_collectives": P(
-            ici_bytes=steps * (moves["all_reduce_bytes_sent_per_chip"]
-                               + moves["all_to_all_bytes_sent_per_chip"]),
-            collectives=steps * (moves["all_reduce"] + moves["all_to_all"])),
+        "decode_collectives": P(ici_bytes=steps * sent, collectives=steps * count),
         "update": P(flops=update_s * chip.peak_flops, mfu="update_mfu"),
         "update_collectives": P(ici_bytes=fsdp["bytes_sent_per_chip"],
                                 collectives=fsdp["count"], in_update_mfu=True),

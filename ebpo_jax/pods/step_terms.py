@@ -105,6 +105,7 @@ class WeightMove(NamedTuple):
     tp: int  # the sampler's weight split
     quantize: bool  # int8: an absmax pass, then a scale-and-round pass
     moved: bool  # the sampler has its own mesh (a reshard), else its weights are the trainer's
+    not_received: int = 0  # weights no sampler chip holds a slice of (others' experts, EP)
 
 
 def weight_move_bytes(move: WeightMove) -> dict:
@@ -114,7 +115,7 @@ def weight_move_bytes(move: WeightMove) -> dict:
     cast = move.dst.weight != move.src_bytes
     reads = (2 if move.quantize else 1) * move.src_bytes if cast else 0.0
     hbm = local * (reads + (move.dst.weight if cast else 0.0))
-    ici = move.params / move.tp * move.dst.weight if move.moved else 0.0
+    ici = (move.params - move.not_received) / move.tp * move.dst.weight if move.moved else 0.0
     return {"hbm_bytes_per_chip": hbm, "ici_bytes_per_chip": ici}
 
 

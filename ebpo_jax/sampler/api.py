@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ebpo_jax import sharding
+from ebpo_jax.models import moe
 from ebpo_jax.sampler import engine
 from ebpo_jax.sampler.spec import Generation, SamplerSpec, validated
 
@@ -85,6 +86,8 @@ class Session:
         self.config, self.spec = config, validated(spec, config.vocab_size)
         if self.spec.record_routing and not config.is_moe:
             raise ValueError("record_routing needs a mixture-of-experts config (num_experts > 0)")
+        if self.spec.expert_parallel:
+            self.config = moe.expert_parallel_config(config)
         self.mesh, self.data_axes, self.turns = mesh, data_axes, turns
         self.state, self.stats, self._run = None, None, None
 
@@ -100,6 +103,19 @@ class Session:
 
     def start(self, params, prompt_tokens, prompt_lengths, *, rng, row_limits=None) -> Generation:
         """Every row's completion, or (turns) first turn, up to row_limits [rows] tokens."""
+        with self._mesh_if_needed():
+            return self._start(params, prompt_tokens, prompt_lengths, rng, row_limits)
+
+    def _mesh_if_needed(self):
+        """The mesh to trace under when none is set (abstract: a caller may be inside a jit):
+        expert parallelism's shard_map needs it; without it the programs leave the layout to
+        the compiler, as they always have."""
+        ambient = jax.sharding.get_abstract_mesh()
+        if not self.spec.expert_parallel or self.mesh is None or not ambient.empty:
+            return contextlib.nullcontext()
+        return jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh)
+
+    def _start(self, params, prompt_tokens, prompt_lengths, rng, row_limits) -> Generation:
         spec = self.spec
         _check_prompts(self.config, prompt_tokens, prompt_lengths, spec.max_new_tokens)
         num_prompts, prompt_len = jnp.shape(prompt_tokens)
@@ -136,9 +152,10 @@ class Session:
             jnp.asarray(go, bool), jnp.asarray(row_limits, jnp.int32),
             jnp.asarray(given_tokens, jnp.int32), jnp.asarray(given_mask, bool),
         )  # fmt: skip
-        self.state, self.stats = self._run["resume"](
-            params, self.state, self.rng, self.eos_E, given
-        )
+        with self._mesh_if_needed():
+            self.state, self.stats = self._run["resume"](
+                params, self.state, self.rng, self.eos_E, given
+            )
         return self._episodes()
 
     def _episodes(self) -> Generation:

@@ -55,6 +55,9 @@ class SamplerSpec(NamedTuple):
     # Rows and their pages split over the mesh's tp axis too (attention data-parallel over
     # the tp chips, each holding every kv head of its rows); the weights stay split over tp.
     dp_attention: bool = _config("dp_attention")
+    # Mixture of experts: the experts split over the data axes (models/moe.py, expert
+    # parallelism); the sampler's weights must lie so (trainer/shardings.py).
+    expert_parallel: bool = _config("expert_parallel")
     # A decode step runs on the smallest of `live_buckets` batch sizes (slots x j / buckets
     # per shard) that holds its live rows, so a step with few live rows computes few; each
     # size compiles its own forward. 1: every slot at every step.
@@ -118,7 +121,7 @@ def validated(spec: SamplerSpec, vocab_size: int) -> SamplerSpec:
     check_int("page_size", spec.page_size, 1)
     check_int("kv_pages", spec.kv_pages, 0)
     check_int("live_buckets", spec.live_buckets, 1)
-    for name in ("record_routing", "dp_attention"):
+    for name in ("record_routing", "dp_attention", "expert_parallel"):
         if not isinstance(getattr(spec, name), bool):
             raise TypeError(f"{name} must be a bool, got {getattr(spec, name)!r}")
     if spec.attention not in ATTENTION_IMPLS:

@@ -120,10 +120,12 @@ class SamplerWeights:
     """The sampler's copy of the policy, made one way for the run and for AOT: `sampled` (the
     params, or LoRA's one jitted merge per step), cast to sampler.param_dtype (int8: quantized,
     models/quantize.py) on the trainer's mesh, then moved device to device onto the sampler's
-    mesh when it has its own."""
+    mesh when it has its own (or, `relaid`, its own layout: expert parallelism on the trainer's
+    mesh)."""
 
-    def __init__(self, policy: Policy, param_dtype: str, sh):
+    def __init__(self, policy: Policy, param_dtype: str, sh, relaid: bool = False):
         self.sh, self.is_lora = sh, policy.is_lora
+        self.moves = sh.sampler_mesh is not sh.mesh or relaid
         self.sampled = jax.jit(policy.sampled) if policy.is_lora else policy.sampled
         # On the trainer's devices: half the bytes to move from float32 master weights.
         self.cast = _cast(policy, param_dtype, sh) if param_dtype else None
@@ -134,7 +136,7 @@ class SamplerWeights:
         if self.cast is not None:
             with jax.set_mesh(sh.mesh):
                 params = self.cast(params)
-        if sh.sampler_mesh is not sh.mesh:  # weights move device to device, not via the host
+        if self.moves:  # weights move device to device, not via the host
             params = jax.device_put(params, sh.sampler_params)
         return params
 
@@ -157,7 +159,7 @@ class SamplerWeights:
             params = run("lora merge", sh.mesh, "base + A B", self.sampled, state)
         if self.cast is not None:
             params = run("cast weights", sh.mesh, "to sampler.param_dtype", self.cast, params)
-        if sh.sampler_mesh is not sh.mesh and devices(sh.sampler_mesh) & devices(sh.mesh):
+        if self.moves and devices(sh.sampler_mesh) & devices(sh.mesh):
             move = jax.jit(lambda p: p, out_shardings=sh.sampler_params)
             params = run("reshard weights", sh.sampler_mesh, "onto the sampler's mesh", move,
                          params)  # fmt: skip

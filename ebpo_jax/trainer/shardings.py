@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import config as config_lib
 from ebpo_jax import sharding
+from ebpo_jax.models import moe
 from ebpo_jax.rollout.single_turn import Rollout
 from ebpo_jax.spec import MeshSpec, RunSpec
 from ebpo_jax.trainer import policy
@@ -102,6 +103,14 @@ class Shardings(NamedTuple):
         return sharding.put_batch(tree, self.mesh, self.prompt_rows, axis=1, strict=False)
 
 
+def sampler_model_config(spec: RunSpec, model_config):
+    """The model config the sampler lays its weights out by: with sampler.expert_parallel,
+    the experts split over its data axes (models/moe.py), as sampler.Session runs them."""
+    if not spec.rollout.sampler.expert_parallel:
+        return model_config
+    return moe.expert_parallel_config(model_config)
+
+
 def bundle(
     spec: RunSpec, view: policy.Policy, optimizer, abstract_state, mesh, devices=None
 ) -> Shardings:
@@ -117,7 +126,7 @@ def bundle(
     mc, P_ = view.model_config, spec.rollout.prompts
     params = sharding.param_shardings(mc, abstract_state.params, mesh)
     base = sharding.param_shardings(mc, abstract_state.base, mesh)  # None: no LoRA base
-    sampler_params = sharding.param_shardings(mc, sampled, s_mesh)
+    sampler_params = sharding.param_shardings(sampler_model_config(spec, mc), sampled, s_mesh)
     rows, s_rows = sharding.rows_sharding(mesh, P_), sharding.rows_sharding(s_mesh, P_)
     routing = spec.rollout.moe.routing_replay
     return Shardings(

@@ -75,7 +75,10 @@ class Pieces:
         )
         # The sampler's weights: state.params itself, or (LoRA) one merge per step; then
         # their cast and move (AOT compiles the same programs from `weights`).
-        self.weights = policy_lib.SamplerWeights(view, spec.rollout.sampler.param_dtype, sh)
+        sampler = spec.rollout.sampler
+        self.weights = policy_lib.SamplerWeights(
+            view, sampler.param_dtype, sh, relaid=sampler.expert_parallel
+        )
         self.policy = self.weights.sampled
         if task.env is None:
             rollout = self._single_turn(spec.rollout, task, host_rounds)
