@@ -101,7 +101,10 @@ def _generate(params, mesh, **kw):
 
 
 @pytest.mark.parametrize("dp_attention", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_generate_with_expert_parallel_equals_without(dp_attention):
+def test_generate_with_expert_parallel_equals_without(dp_attention, monkeypatch):
+    traced = []  # the expert-parallel dispatch ran (a silent fallback would match too)
+    ep_dispatch = moe._ep_dispatch
+    monkeypatch.setattr(moe, "_ep_dispatch", lambda *a: traced.append(a[-1]) or ep_dispatch(*a))
     params = models.init_params(CONFIG, jax.random.key(0))
     params = jax.tree.map(lambda x: x * 4.0 if x.ndim > 1 else x, params)  # clear argmax margins
     mesh = sharding.make_mesh([("data", 4), ("tp", 2)])
@@ -110,7 +113,9 @@ def test_generate_with_expert_parallel_equals_without(dp_attention):
     ep_placed = jax.device_put(params, sharding.param_shardings(ep_config, params, mesh))
     assert ep_placed["moe"]["gate"][...].sharding.spec == P(None, "data", None, "tp")
     off = _generate(placed, mesh, dp_attention=dp_attention)
+    assert not traced
     on = _generate(ep_placed, mesh, dp_attention=dp_attention, expert_parallel=True)
+    assert traced and all(ep == ("data",) for ep in traced)
     np.testing.assert_array_equal(on.tokens, off.tokens)
     np.testing.assert_array_equal(on.lengths, off.lengths)
     np.testing.assert_allclose(on.logprobs, off.logprobs, atol=1e-5)
