@@ -90,17 +90,18 @@ SAMPLER_LAYOUT = {
 }
 
 
-# With int8 KV pages and weights (variant "int8", issue 46) the 8B models split their kv
+# With int8 KV pages and weights (variant "int8", issue 46) the dense models split their kv
 # heads over tp=4 (2 per chip): no dp attention's all-to-alls, and 8 data shards of 256 rows
 # wait less for their slowest shard than 32 of 64 do. The int8 pool is read by this
 # codebase's own kernel or the XLA path, neither of which needs 8 combined heads per chip.
-# Compiled for v5p-64 with both fitting (docs/pods.md, "The complete step"); the 14B preset
-# keeps SAMPLER_LAYOUT. Qwen3-30B-A3B takes the same mesh with its experts split over the 8
+# Compiled for v5p-64, each fitting (docs/pods.md, "The complete step"); Qwen3-14B's 8 kv heads
+# split the same way. Qwen3-30B-A3B takes the same mesh with its experts split over the 8
 # data shards (INT8_EXPERT_PARALLEL, sampler.expert_parallel): a decode step then reads 16
 # of the 128 experts per chip, not all of them (docs/moe.md).
 INT8_LAYOUT = {
     "qwen3_8b": ("data=8,tp=4", False, 3072),
     "llama3_1_8b": ("data=8,tp=4", False, 3072),
+    "qwen3_14b": ("data=8,tp=4", False, 3072),
     "qwen3_30b_a3b": ("data=8,tp=4", False, 3072),
 }
 INT8_EXPERT_PARALLEL = ("qwen3_30b_a3b",)
