@@ -111,82 +111,72 @@ PARTS = ("pilot", "small_g", "g8", "group_size", "g16", "variants", "curriculum"
 BASELINES = ["grpo", "dr_grpo", "rloo", "rpp", "ebpo"]
 
 
-def _blocks(part: str) -> list[dict]:
-    if part == "pilot":
-        return [
-            {
-                "name": "pilot",
-                "axes": {"method": ["grpo", "ebpo"], "group_size": [4], "seed": SEEDS},
-                "rollouts_per_step": BUDGET,
-            }
-        ]
-    if part in ("small_g", "g8"):  # seed-major, so a grid cut short still holds whole pairs
-        return [
-            {
-                "name": part,
-                "axes": {
-                    "seed": SEEDS,
-                    "method": ["grpo", "ebpo"],
-                    "group_size": [2 if part == "small_g" else 8],
-                },
-                "rollouts_per_step": BUDGET,
-            }
-        ]
-    if part in ("group_size", "g16"):
-        sizes = [2, 4, 8] if part == "group_size" else [16]
-        budget = {
-            "name": "budget",
-            "axes": {"method": BASELINES, "group_size": sizes, "seed": SEEDS},
-            "rollouts_per_step": BUDGET,
-        }
-        if part == "g16":
-            return [budget]
-        return [
-            budget,
-            {
-                "name": "dapo",
-                "axes": {"method": ["grpo", "dapo"], "group_size": [4], "seed": SEEDS},
-                "rollouts_per_step": BUDGET,
-            },
-        ]
-    if part == "variants":
-        methods = ["grpo", "ebpo", "ebpo_per_batch", "ebpo_cluster", "ebpo_forget"]
-        return [
-            {
-                "name": "variant",
-                "axes": {"method": methods, "group_size": [4], "seed": SEEDS},
-                "rollouts_per_step": BUDGET,
-            }
-        ]
-    if part == "int8":
-        return [
-            {
-                "name": "int8",
-                "axes": {
-                    "seed": [0, 1, 2],
-                    "method": ["ebpo"],
-                    "group_size": [8],
-                    "sampler.kv_dtype": ["", "int8"],
-                    "sampler.param_dtype": ["", "int8"],
-                },
-                "fixed": {
-                    "loss.recompute_old_logprobs": True,
-                    "loss.is_correction": "tis",
-                },
-                "rollouts_per_step": BUDGET,
-            }
-        ]
+def _block(name: str, axes: dict, **rest) -> dict:
+    """One block of a part's grid at the budget of responses per step (`rest`: more fields)."""
+    return {"name": name, "axes": axes, "rollouts_per_step": BUDGET, **rest}
+
+
+def _pair(part: str) -> list[dict]:
+    """small_g / g8: seed-major, so a grid cut short still holds whole pairs."""
+    size = 2 if part == "small_g" else 8
+    return [_block(part, {"seed": SEEDS, "method": ["grpo", "ebpo"], "group_size": [size]})]
+
+
+def _budget(part: str) -> list[dict]:
+    """group_size (G = 2, 4, 8 and one DAPO block) or g16: the baselines at the budget."""
+    sizes = [2, 4, 8] if part == "group_size" else [16]
+    budget = _block("budget", {"method": BASELINES, "group_size": sizes, "seed": SEEDS})
+    if part == "g16":
+        return [budget]
+    dapo = _block("dapo", {"method": ["grpo", "dapo"], "group_size": [4], "seed": SEEDS})
+    return [budget, dapo]
+
+
+def _int8(part: str) -> list[dict]:
+    """The sampler's KV pages x its weights, float32 or int8, every arm with the recompute
+    and TIS so `mismatch/*` is logged."""
+    axes = {
+        "seed": [0, 1, 2],
+        "method": ["ebpo"],
+        "group_size": [8],
+        "sampler.kv_dtype": ["", "int8"],
+        "sampler.param_dtype": ["", "int8"],
+    }
+    fixed = {"loss.recompute_old_logprobs": True, "loss.is_correction": "tis"}
+    return [_block("int8", axes, fixed=fixed)]
+
+
+def _curriculum(part: str) -> list[dict]:
+    """naive, topic and easy-to-hard orders for GRPO and EBPO at G=4 (32 prompts a step)."""
+    axes = {"method": ["grpo", "ebpo"], "order": ["naive", "topic", "difficulty"], "seed": SEEDS}
     return [
-        {
-            "name": "order",
-            "axes": {
-                "method": ["grpo", "ebpo"],
-                "order": ["naive", "topic", "difficulty"],
-                "seed": SEEDS,
-            },
-            "fixed": {"group_size": 4, "prompts_per_step": BUDGET // 4},
-        }
+        {"name": "order", "axes": axes, "fixed": {"group_size": 4, "prompts_per_step": BUDGET // 4}}
     ]
+
+
+def _at_g4(part: str) -> list[dict]:
+    """pilot (EBPO vs GRPO) or variants (the EBPO priors against GRPO), at G=4."""
+    if part == "pilot":
+        name, methods = "pilot", ["grpo", "ebpo"]
+    else:
+        name, methods = "variant", ["grpo", "ebpo", "ebpo_per_batch", "ebpo_cluster", "ebpo_forget"]
+    return [_block(name, {"method": methods, "group_size": [4], "seed": SEEDS})]
+
+
+_BUILDERS = {
+    "pilot": _at_g4,
+    "variants": _at_g4,
+    "small_g": _pair,
+    "g8": _pair,
+    "group_size": _budget,
+    "g16": _budget,
+    "int8": _int8,
+    "curriculum": _curriculum,
+}
+
+
+def _blocks(part: str) -> list[dict]:
+    return _BUILDERS[part](part)
 
 
 def get_config(part: str = "group_size"):
