@@ -223,16 +223,29 @@ def claims_table(claims, finals_of, alpha: float = 0.05, problems_of=None) -> pd
         if problems_of is not None:
             rows[-1].update(problem_bootstrap(c, problems_of, finals_of))
     directions = [c["direction"] for c in claims]
-    table = ablation.claims(pd.DataFrame(rows), directions, alpha)
+    # The family is every registered claim with a direction: one not run yet stays in it
+    # (never rejected), so verdicts read part-way through the grids are not more liberal.
+    table = ablation.claims(pd.DataFrame(rows), directions, alpha, whole=True)
     missing = table.seeds == 0
     table.loc[missing, ["verdict", "verdict_holm"]] = "not run"
-    held = ablation.claims(_held_with_bootstrap(table), directions, alpha)
+    held = ablation.claims(_held_with_bootstrap(table), directions, alpha, whole=True)
     for k in ("p_holm", "verdict", "verdict_holm"):
         table[f"held_{k}"] = np.where(missing, "not run", held[k]) if "verdict" in k else held[k]
     return table
 
 
 _HELD = ("diff", "ci_low", "ci_high", "p", "floored")
+
+
+def holm_family(table: pd.DataFrame) -> str:
+    """The line stating Holm's family: every claim with a direction, those not run counted."""
+    directed = table.direction != 0
+    absent = int((directed & (table.verdict_holm == "not run")).sum())
+    return (
+        f"Holm family: the {int(directed.sum())} claims with a direction, {absent} of them not "
+        "run (in the family with an unknown p, never rejected, so the family does not shrink "
+        "with the runs read).\n"
+    )
 
 
 def _held_with_bootstrap(table: pd.DataFrame) -> pd.DataFrame:
@@ -446,6 +459,7 @@ def main(argv):
             *([module.SEED_RULE] if hasattr(module, "SEED_RULE") else []),
             *([module.RERUN_RULE] if hasattr(module, "RERUN_RULE") else []),
             COLUMNS,
+            holm_family(table),
             render(table, compare, name),
             "",
         ]

@@ -106,12 +106,15 @@ def paired_test(a: Sequence[float], b: Sequence[float]) -> dict:
     return {**out, "ci_low": out["diff"] - half, "ci_high": out["diff"] + half, "p": p, "sd": sd}
 
 
-def holm(pvalues: Sequence[float]) -> np.ndarray:
-    """Holm step-down adjusted p-values (NaNs stay NaN and do not count as hypotheses)."""
+def holm(pvalues: Sequence[float], family: int | None = None) -> np.ndarray:
+    """Holm step-down adjusted p-values; NaNs stay NaN. `family`: the number of hypotheses,
+    NaNs included as never rejected (a claim not run); by default the finite p-values."""
     p = np.asarray(pvalues, np.float64)
     out = np.full(p.shape, np.nan)
     idx = np.flatnonzero(np.isfinite(p))
-    m = idx.size
+    m = idx.size if family is None else family
+    if m < idx.size:
+        raise ValueError(f"Holm family of {m} hypotheses, but {idx.size} have p-values")
     order = idx[np.argsort(p[idx], kind="stable")]
     running = 0.0
     for k, i in enumerate(order):

@@ -201,14 +201,18 @@ def paired_difference(evals: pd.DataFrame, by: Sequence[str], column: str, a, b)
     return pd.DataFrame(out)
 
 
-def claims(table: pd.DataFrame, direction: Sequence[int], alpha: float = 0.05) -> pd.DataFrame:
+def claims(
+    table: pd.DataFrame, direction: Sequence[int], alpha: float = 0.05, whole: bool = False
+) -> pd.DataFrame:
     """`table` (paired_difference rows) with the pre-stated verdicts. `direction` is the
     paper's sign per row (+1: a > b; 0: no claim, left out of the Holm family). `verdict`
-    reads the row's 95% interval; `verdict_holm` the Holm-adjusted p-value across the claims."""
+    reads the row's 95% interval; `verdict_holm` the Holm-adjusted p-value across the claims
+    (`whole`: every directed row counts in the family, one without a p-value never rejected)."""
     out = table.copy()
     out["direction"] = [int(d) for d in direction]
     claim = out.direction != 0
-    out["p_holm"] = power.holm(np.where(claim, out["p"].to_numpy(np.float64), np.nan))
+    family = int(claim.sum()) if whole else None
+    out["p_holm"] = power.holm(np.where(claim, out["p"].to_numpy(np.float64), np.nan), family)
     out["verdict"] = [
         power.verdict(lo, hi, d) if d else "n/a"
         for lo, hi, d in zip(out.ci_low, out.ci_high, out.direction)

@@ -1,0 +1,216 @@
+"""experiments/claims.py against an independent float64 reference, on synthetic grids shaped
+like the paper-axes ones (results.csv eval rows, problems.csv.gz rows in shuffled order): the
+registered claims of configs/ablations/paper_axes_claims.py and paper_curriculum_claims.py."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import load_experiment
+from scipy import stats
+
+from ebpo_jax.ablation import twolevel
+
+J = 24  # held-out problems per run
+SAMPLES = 4
+SHA = "a" * 64
+
+
+def _claims():
+    return load_experiment("claims")
+
+
+def _run(rng, cols: dict, effect: float, tokens: float, steps, val=None, bands=None):
+    """(eval rows, problem rows) of one synthetic run: each held-out problem's correct count
+    of SAMPLES, the last eval's pass@1 (and band means) their mean; earlier evals random."""
+    base = np.linspace(0.05, 0.6, J)  # problem difficulty, shared by every run
+    correct = rng.binomial(SAMPLES, np.clip(base + effect, 0, 1)).astype(float)
+    ids = [f"test/t{j % 3}/1/{j}" for j in range(J)]
+    probs = [{**cols, "set": "heldout", "problem_id": i, "samples": SAMPLES, "correct": k,
+              **({"band": bands[j]} if bands else {})}
+             for j, (i, k) in enumerate(zip(ids, correct))]  # fmt: skip
+    # A validation row: it must never enter the bootstrap.
+    probs.append({**cols, "set": "validation", "problem_id": "val/0", "samples": SAMPLES,
+                  "correct": 0.0})  # fmt: skip
+    evals = []
+    for k, step in enumerate(steps):
+        last = k == len(steps) - 1
+        rate = correct / SAMPLES if last else rng.uniform(0, 0.6, J)
+        row = {**cols, "step": step, "generated_tokens": tokens * step / steps[-1],
+               "pass@1": rate.mean(), "claims_sha256": SHA}  # fmt: skip
+        if bands:
+            row.update({f"pass@1/{b}": rate[np.array(bands) == b].mean() for b in set(bands)})
+        if val is not None:
+            row["val_pass@1"] = val if last else 0.0
+        evals.append(row)
+    return evals, probs
+
+
+def _frames(runs, rng, drop_problem=None):
+    """results.csv and problems.csv.gz frames of `runs`, the problem rows shuffled."""
+    evals = pd.DataFrame([r for e, _ in runs for r in e])
+    probs = pd.DataFrame([r for _, p in runs for r in p])
+    if drop_problem is not None:  # (run_id, problem_id) a run did not evaluate
+        rid, pid = drop_problem
+        probs = probs[~((probs.run_id == rid) & (probs.problem_id == pid))]
+    return evals, probs.sample(frac=1.0, random_state=int(rng.integers(1 << 30)))
+
+
+def _g_axis(rng, missing=()):
+    """4 warm starts x 2 seeds x (EBPO, GRPO, Clip-Cov) x G = 2, 4, 8, 16; runs in `missing`
+    ((method, G, warm start, seed)) never finished."""
+    runs, truth = [], {}
+    gain = {"ebpo": 0.04, "grpo": 0.0, "clip_cov": 0.01}
+    for w in (100, 101, 102, 103):
+        warm = rng.normal(0, 0.02)
+        for s in (0, 1):
+            for m in gain:
+                for g in (2, 4, 8, 16):
+                    if (m, g, w, s) in missing:
+                        continue
+                    rid = f"g__sft.seed-{w}__seed-{s}__method-{m}__group_size-{g}"
+                    cols = {"block": "g", "run_id": rid, "sft.seed": w, "seed": s, "method": m,
+                            "group_size": g, "prompts_per_step": 16}  # fmt: skip
+                    effect = gain[m] * 4 / g + warm * (m == "ebpo") + rng.normal(0, 0.01)
+                    tokens = 1000.0 * g * (1.1 if m == "ebpo" else 1.0) * rng.uniform(0.9, 1.1)
+                    runs.append(_run(rng, cols, effect, tokens, (0, 100, 200)))
+                    truth[(m, g, w, s)] = runs[-1]
+    return runs, truth
+
+
+def _final(run) -> float:
+    return run[0][-1]["pass@1"]
+
+
+def _rates(run) -> dict:
+    """problem_id -> pass rate of a run's held-out problems."""
+    return {p["problem_id"]: p["correct"] / p["samples"] for p in run[1] if p["set"] == "heldout"}
+
+
+def _ref_floored(d: dict) -> dict:
+    """The registered interval from {(warm start, seed): difference}: the t over warm-start
+    means with its standard error floored at sigma sqrt(sum 1 / n_w) / W."""
+    ws = sorted({w for w, _ in d})
+    groups = [np.array([v for (w, _), v in d.items() if w == x]) for x in ws]
+    m = np.array([g.mean() for g in groups])
+    big_w, mu = len(ws), float(np.mean([g.mean() for g in groups]))
+    se = m.std(ddof=1) / math.sqrt(big_w)
+    sigma2 = sum(((g - g.mean()) ** 2).sum() for g in groups) / (len(d) - big_w)
+    floor = math.sqrt(sigma2 * sum(1 / len(g) for g in groups)) / big_w
+    held, t = max(se, floor), stats.t.ppf(0.975, big_w - 1)
+    p = 2 * stats.t.sf(abs(mu) / held, big_w - 1)
+    return {"diff": mu, "ci_low": mu - t * held, "ci_high": mu + t * held, "p": p}
+
+
+def _ref_boot(runs_by_key: dict, sign: dict) -> dict:
+    """twolevel.bootstrap on a [pairs, problems] matrix built here by problem id: sum over a
+    claim's terms of sign x each problem's pass rate (nan where a run lacks it)."""
+    keys = sorted(runs_by_key)
+    ids = sorted({i for runs in runs_by_key.values() for r in runs for i in _rates(r)})
+    d_kj = np.zeros((len(keys), len(ids)))
+    for k, key in enumerate(keys):
+        for term, run in zip(sign[key], runs_by_key[key]):
+            rates = _rates(run)
+            d_kj[k] += [term * rates.get(i, np.nan) for i in ids]
+    return twolevel.bootstrap(d_kj, [w for w, _ in keys])
+
+
+def _holm_rejects(p: dict, family: int, alpha: float) -> set:
+    """Holm's step-down procedure as stated: reject while the k-th smallest p <= alpha /
+    (family - k); `family` counts hypotheses whose p is unknown (never rejected)."""
+    out = set()
+    for k, (name, value) in enumerate(sorted(p.items(), key=lambda kv: kv[1])):
+        if value > alpha / (family - k):
+            break
+        out.add(name)
+    return out
+
+
+def _verdict(lo, hi, direction) -> str:
+    if lo > 0 or hi < 0:
+        return "reproduced" if (lo > 0) == (direction > 0) else "opposite"
+    return "inconclusive"
+
+
+def _gain(truth, key, g, other="grpo"):
+    return _final(truth[("ebpo", g, *key)]) - _final(truth[(other, g, *key)])
+
+
+def test_paper_axes_claims_equal_the_reference_with_a_missing_run_and_part():
+    """The g_axis claims over 4 warm starts x 2 seeds, one GRPO G=4 run missing (its pair
+    drops, no other shifts), the tuning part not run: effects, floored intervals, the
+    bootstrap by problem id, the held verdicts and Holm over every directed claim."""
+    c = _claims()
+    module = c.load_module("configs/ablations/paper_axes_claims.py")
+    rng = np.random.default_rng(0)
+    runs, truth = _g_axis(rng, missing={("grpo", 4, 101, 1)})
+    lacks = truth[("ebpo", 16, 102, 0)][0][-1]["run_id"], "test/t1/1/4"
+    evals, probs = _frames(runs, rng, drop_problem=lacks)
+    del truth[("ebpo", 16, 102, 0)][1][4]  # the reference's run lacks that problem too
+    parts = {"g_axis": (evals, probs)}
+    table = c.claims_table(
+        module.CLAIMS,
+        lambda p: parts.get(p, (pd.DataFrame(),))[0],
+        problems_of=lambda p: parts.get(p, (None, pd.DataFrame()))[1],
+    ).set_index("claim")
+    keys = [(w, s) for w in (100, 101, 102, 103) for s in (0, 1)]
+    shrink = "the gain shrinks with G: (EBPO - GRPO at G=4) - (at G=16)"
+    spec = {f"EBPO beats GRPO at G={g}": ([("ebpo", g)], [("grpo", g)]) for g in (2, 4, 8, 16)}
+    spec[shrink] = ([("ebpo", 4), ("grpo", 16)], [("grpo", 4), ("ebpo", 16)])
+    spec["EBPO beats Clip-Cov at G=4"] = ([("ebpo", 4)], [("clip_cov", 4)])
+    for g in (2, 4, 8, 16):
+        spec[f"reference: Clip-Cov - GRPO at G={g}"] = ([("clip_cov", g)], [("grpo", g)])
+    held_p = {}
+    for claim, (plus, minus) in spec.items():
+        have = [k for k in keys if all((*t, *k) in truth for t in plus + minus)]
+        d = {k: sum(_final(truth[(*t, *k)]) for t in plus)
+             - sum(_final(truth[(*t, *k)]) for t in minus) for k in have}  # fmt: skip
+        row, ref = table.loc[claim], _ref_floored(d)
+        assert row.seeds == len(have) == (7 if ("grpo", 4) in plus + minus else 8), claim
+        assert row["diff"] == pytest.approx(ref["diff"], abs=1e-12), claim
+        for k in ("diff", "ci_low", "ci_high", "p"):
+            assert row[f"held_{k}"] == pytest.approx(ref[k], rel=1e-9, abs=1e-12), (claim, k)
+        by_key = {k: [truth[(*t, *k)] for t in plus + minus] for k in have}
+        boot = _ref_boot(by_key, {k: [1] * len(plus) + [-1] * len(minus) for k in have})
+        for k in ("diff", "ci_low", "ci_high", "p"):
+            assert row[f"boot_{k}"] == pytest.approx(boot[k], rel=1e-9, abs=1e-12), (claim, k)
+        if row.direction:
+            held_p[claim] = max(ref["p"], boot["p"])
+            lo, hi = min(ref["ci_low"], boot["ci_low"]), max(ref["ci_high"], boot["ci_high"])
+            assert row.held_verdict == _verdict(lo, hi, row.direction), claim
+        else:
+            assert row.held_verdict == "n/a" and np.isnan(row.held_p_holm), claim
+    # The contrast's direction: EBPO minus GRPO, the synthetic gain positive at G=2.
+    assert table.loc["EBPO beats GRPO at G=2", "diff"] > 0.03
+    directed = [cl["claim"] for cl in module.CLAIMS if cl["direction"]]
+    not_run = [cl for cl in directed if cl not in spec]
+    assert len(directed) == 12 and len(not_run) == 6
+    assert (table.loc[not_run, "held_verdict_holm"] == "not run").all()
+    adjusted = table.held_p_holm.astype(float)
+    for alpha in np.unique(np.r_[[p for p in held_p.values() if p < 1], 0.05, 0.2, 0.5]):
+        rejected = set(table.index[adjusted <= alpha])  # the adjusted p is the smallest alpha
+        assert rejected == _holm_rejects(held_p, len(directed), alpha), alpha
+    ranked = adjusted[list(held_p)].to_numpy()[np.argsort(list(held_p.values()))]
+    assert (np.diff(ranked) >= 0).all() and ranked.max() <= 1.0  # monotone, capped at 1
+
+
+def test_holm_family_counts_claims_not_run_and_the_table_says_so():
+    """A directed claim whose runs are missing stays in Holm's family (its p unknown, never
+    rejected), so a family read part-way is the registered one; the text states it."""
+    c = _claims()
+    finals = pd.DataFrame({"method": ["ebpo"] * 4 + ["grpo"] * 4, "seed": [0, 1, 2, 3] * 2,
+                           "pass@1": [0.30, 0.31, 0.29, 0.33, 0.20, 0.22, 0.21, 0.20]})  # fmt: skip
+    vs = lambda name, part, d=1: {"claim": name, "direction": d,
+                                  "plus": [(part, {"method": "ebpo"})],
+                                  "minus": [(part, {"method": "grpo"})]}  # fmt: skip
+    claims = [vs("ran", "a"), vs("absent", "b"), vs("absent too", "b"), vs("ref", "b", 0)]
+    table = c.claims_table(claims, lambda p: finals if p == "a" else pd.DataFrame())
+    p = table.p.iloc[0]
+    assert table.p_holm.iloc[0] == pytest.approx(min(1.0, 3 * p))  # m = 3, not 1
+    assert table.held_p_holm.iloc[0] == pytest.approx(min(1.0, 3 * table.held_p.iloc[0]))
+    assert list(table.verdict_holm[1:3]) == ["not run"] * 2
+    assert c.holm_family(table) == (
+        "Holm family: the 3 claims with a direction, 2 of them not run (in the family with "
+        "an unknown p, never rejected, so the family does not shrink with the runs read).\n"
+    )
