@@ -55,7 +55,9 @@ COLUMNS = (
     "independently (twolevel.bootstrap, 10,000 draws, percentile). `held: verdict` applies "
     "the verdict rule to the span of the floored and bootstrap intervals, and its Holm to "
     "the larger of their p-values: a verdict holds only under both. `changed`: where the "
-    "held verdicts differ from the registered ones.\n"
+    "held verdicts differ from the registered ones. `best rate (validation)`: each term's "
+    "value of a `select` axis, best on the validation split; `(not bracketed)` when it is the "
+    "smallest or largest value among that term's runs.\n"
 )
 EFFECT = 0.02  # the smallest difference the seed counts are sized for (ablate.py's pilot)
 PAIR = ("sft.seed", "seed")  # runs pair by warm start and RL seed
@@ -102,6 +104,20 @@ def _best_value(rows: pd.DataFrame, select: dict):
     if by not in rows or rows[by].isna().all():
         raise ValueError(f"select by {by!r}: the rows have no {by} (a validation split?)")
     return _finals(rows).groupby(axis)[by].mean().idxmax()
+
+
+def best_values(claim, finals_of) -> str:
+    """Each term's best value of the claim's `select` axis, `(not bracketed)` where it is the
+    smallest or largest value the term's runs hold (the grid's end); "" without `select`."""
+    sel, out = claim.get("select"), []
+    for part, where in claim["plus"] + claim["minus"] if sel else ():
+        rows = _where(finals_of(part), where)
+        if rows.empty:
+            return ""
+        best, grid = _best_value(rows, sel), sorted(rows[sel["axis"]].unique())
+        edge = " (not bracketed)" if best in (grid[0], grid[-1]) else ""
+        out.append(f"{'/'.join(map(str, where.values()))} {best:g}{edge}")
+    return "; ".join(out)
 
 
 def _indexed(rows: pd.DataFrame, column: str) -> pd.Series:
@@ -219,7 +235,7 @@ def claims_table(claims, finals_of, alpha: float = 0.05, problems_of=None) -> pd
         rows.append({"claim": c["claim"], **power.paired_test([], []), **test})
         held = held_test(d) if len(d) else {}
         rows[-1].update({f"held_{k}": held.get(k, np.nan) for k in _HELD})
-        rows[-1].update(equal_tokens(c, finals_of))
+        rows[-1].update(equal_tokens(c, finals_of), best=best_values(c, finals_of))
         if problems_of is not None:
             rows[-1].update(problem_bootstrap(c, problems_of, finals_of))
     directions = [c["direction"] for c in claims]
@@ -388,6 +404,8 @@ def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str =
         )
         out["token ratio"] = table.token_ratio.to_numpy()
     out[f"seeds for {EFFECT:+.2f}"] = [n if n > 0 else "-" for n in seeds_for(table, EFFECT)]
+    if "best" in table and (table.best != "").any():
+        out["best rate (validation)"] = table.best.replace("", "-").to_numpy()
     if "held_diff" in table:
         out = pd.concat([out, _held_columns(table)], axis=1)
     if compare is not None:

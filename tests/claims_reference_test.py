@@ -79,6 +79,13 @@ def _g_axis(rng, missing=()):
     return runs, truth
 
 
+def _table(c, module, parts: dict) -> pd.DataFrame:
+    """module's claims table over `parts` (part -> (results, problems)), indexed by claim."""
+    rows_of = lambda p: parts.get(p, (pd.DataFrame(),))[0]
+    problems_of = lambda p: parts.get(p, (None, pd.DataFrame()))[1]
+    return c.claims_table(module.CLAIMS, rows_of, problems_of=problems_of).set_index("claim")
+
+
 def _final(run) -> float:
     return run[0][-1]["pass@1"]
 
@@ -149,11 +156,7 @@ def test_paper_axes_claims_equal_the_reference_with_a_missing_run_and_part():
     evals, probs = _frames(runs, rng, drop_problem=lacks)
     del truth[("ebpo", 16, 102, 0)][1][4]  # the reference's run lacks that problem too
     parts = {"g_axis": (evals, probs)}
-    table = c.claims_table(
-        module.CLAIMS,
-        lambda p: parts.get(p, (pd.DataFrame(),))[0],
-        problems_of=lambda p: parts.get(p, (None, pd.DataFrame()))[1],
-    ).set_index("claim")
+    table = _table(c, module, parts)
     keys = [(w, s) for w in (100, 101, 102, 103) for s in (0, 1)]
     shrink = "the gain shrinks with G: (EBPO - GRPO at G=4) - (at G=16)"
     spec = {f"EBPO beats GRPO at G={g}": ([("ebpo", g)], [("grpo", g)]) for g in (2, 4, 8, 16)}
@@ -214,3 +217,90 @@ def test_holm_family_counts_claims_not_run_and_the_table_says_so():
         "Holm family: the 3 claims with a direction, 2 of them not run (in the family with "
         "an unknown p, never rejected, so the family does not shrink with the runs read).\n"
     )
+
+
+LRS = (1e-5, 2.3e-5, 5.5e-5, 1.3e-4, 3e-4)
+# Each method's best rate on validation: GRPO's and DAPO's at the grid's ends.
+PEAK = {"ebpo": 5.5e-5, "grpo": 1e-5, "dr_grpo": 2.3e-5, "rloo": 1.3e-4, "rpp": 5.5e-5,
+        "clip_cov": 2.3e-5, "dapo": 3e-4}  # fmt: skip
+
+
+def _tuning(rng, missing=()):
+    """3 warm starts x 2 seeds x 7 methods x 5 rates at G=4; EBPO and DAPO evaluated every
+    10 steps, the others every 50; DAPO generates ~3x the tokens."""
+    runs, truth = [], {}
+    for w in (200, 201, 202):
+        for s in (0, 1):
+            for m, peak in PEAK.items():
+                for lr in LRS:
+                    if (m, lr, w, s) in missing:
+                        continue
+                    dense = m in ("ebpo", "dapo")
+                    cols = {"block": "dense" if dense else "lr", "sft.seed": w, "seed": s,
+                            "method": m, "lr": lr, "group_size": 4, "prompts_per_step": 32,
+                            "run_id": f"{'dense' if dense else 'lr'}__{w}_{s}_{m}_{lr}"}  # fmt: skip
+                    val = 0.3 - 0.02 * abs(np.log(lr / peak)) + rng.normal(0, 1e-3)
+                    tokens = 1e5 * (3.0 if m == "dapo" else 1.0) * rng.uniform(0.95, 1.05)
+                    steps = tuple(range(0, 201, 10 if dense else 50))
+                    effect = 0.03 * (m == "ebpo") + rng.normal(0, 0.01)
+                    runs.append(_run(rng, cols, effect, tokens, steps, val=val))
+                    truth[(m, lr, w, s)] = runs[-1]
+    return runs, truth
+
+
+def _interp(run, budget: float) -> float:
+    """pass@1 at `budget` generated tokens, linear between the run's eval rows (by hand)."""
+    rows = run[0]
+    for a, b in zip(rows, rows[1:]):
+        t0, t1 = a["generated_tokens"], b["generated_tokens"]
+        if t0 <= budget <= t1:
+            return a["pass@1"] + (budget - t0) / (t1 - t0) * (b["pass@1"] - a["pass@1"])
+    raise AssertionError(budget)
+
+
+def test_best_rate_claims_pair_at_each_methods_rate_and_flag_the_grids_ends():
+    """Each method read at its own best validation rate (mean over its runs), compared on the
+    test split paired by (warm start, seed); a best rate at 1e-5 or 3e-4 reported as not
+    bracketed; equal tokens two-level and floored, read from the eval rows' token counts."""
+    c = _claims()
+    module = c.load_module("configs/ablations/paper_axes_claims.py")
+    rng = np.random.default_rng(1)
+    runs, truth = _tuning(rng, missing={("grpo", 1e-5, 201, 0)})
+    evals, probs = _frames(runs, rng)
+    parts = {"tuning": (evals, probs)}
+    table = _table(c, module, parts)
+    best = {}
+    for m in PEAK:
+        vals = {lr: np.mean([r[0][-1]["val_pass@1"] for (m2, lr2, _, _), r in truth.items()
+                             if (m2, lr2) == (m, lr)]) for lr in LRS}  # fmt: skip
+        best[m] = max(vals, key=vals.get)
+    assert best == PEAK
+    keys = [(w, s) for w in (200, 201, 202) for s in (0, 1)]
+    for other in ("grpo", "dr_grpo", "rloo", "rpp", "clip_cov", "dapo"):
+        claim = next(cl for cl in module.CLAIMS if cl.get("select") and
+                     cl["minus"][0][1]["method"] == other)  # fmt: skip
+        row = table.loc[claim["claim"]]
+        pair = {k: (truth[("ebpo", best["ebpo"], *k)], truth[(other, best[other], *k)])
+                for k in keys if (other, best[other], *k) in truth}  # fmt: skip
+        assert row.seeds == len(pair) == (5 if other == "grpo" else 6), other
+        ref = _ref_floored({k: _final(a) - _final(b) for k, (a, b) in pair.items()})
+        for k in ("diff", "ci_low", "ci_high", "p"):
+            assert row[f"held_{k}"] == pytest.approx(ref[k], rel=1e-9, abs=1e-12), (other, k)
+        boot = _ref_boot({k: list(v) for k, v in pair.items()}, {k: [1, -1] for k in pair})
+        assert row.boot_ci_low == pytest.approx(boot["ci_low"], rel=1e-9), other
+        edge = other in ("grpo", "dapo")
+        assert row.best == f"ebpo {best['ebpo']:g}; {other} {best[other]:g}" + (
+            " (not bracketed)" if edge else ""
+        )
+        tok, ratio = {}, []
+        for k, (a, b) in pair.items():
+            ends = a[0][-1]["generated_tokens"], b[0][-1]["generated_tokens"]
+            tok[k] = _interp(a, min(ends)) - _interp(b, min(ends))
+            ratio.append(max(ends) / min(ends))
+        ref = _ref_floored(tok)
+        for k in ("diff", "ci_low", "ci_high", "p"):
+            assert row[f"tok_{k}"] == pytest.approx(ref[k], rel=1e-9, abs=1e-12), (other, k)
+        assert row.token_ratio == pytest.approx(np.mean(ratio))
+    assert table.loc["best rate: EBPO beats DAPO at G=4", "token_ratio"] > 2.5
+    text = c.render(table.reset_index())
+    assert "| best rate (validation) |" in text and "dapo 0.0003 (not bracketed)" in text
