@@ -288,15 +288,27 @@ def _curves(rows: pd.DataFrame, column: str = "pass@1") -> dict:
     return out
 
 
+def _up_to(rows: pd.DataFrame, where: dict) -> pd.DataFrame:
+    """The rows of `where`, its `step` read as every evaluation up to that one."""
+    rows = _where(rows, {k: v for k, v in where.items() if k != "step"})
+    if "step" not in where:
+        return rows
+    return rows[rows.step <= where["step"]] if "step" in rows else rows.iloc[0:0]
+
+
 def equal_tokens(claim, rows_of) -> dict:
     """The claim at equal generated tokens: per pairing key, every term's pass@1 at the
     smallest final token count among the terms (linear between its eval steps), summed
     plus - minus; the paired test of that, and the mean ratio of the largest to the
-    smallest final token count. Empty when the rows hold no per-step eval tokens."""
+    smallest final token count. A term's `step` ends its curve there. Empty when the rows
+    hold no per-step eval tokens, or when the terms name different steps (such a claim
+    compares budgets by design)."""
     sel, signed = claim.get("select"), []
+    if len({where.get("step") for _, where in claim["plus"] + claim["minus"]}) > 1:
+        return {}
     for sign, terms in ((1, claim["plus"]), (-1, claim["minus"])):
         for part, where in terms:
-            rows = _select(_where(rows_of(part), where), sel)
+            rows = _select(_up_to(rows_of(part), where), sel)
             need = ("generated_tokens", "step", metric(claim))
             if rows.empty or any(c not in rows for c in need):
                 return {}

@@ -248,13 +248,14 @@ def _tuning(rng, missing=()):
     return runs, truth
 
 
-def _interp(run, budget: float) -> float:
-    """pass@1 at `budget` generated tokens, linear between the run's eval rows (by hand)."""
-    rows = run[0]
+def _interp(run, budget: float, column: str = "pass@1", until: int = 10**9) -> float:
+    """`column` at `budget` generated tokens, linear between the run's eval rows up to step
+    `until` (by hand)."""
+    rows = [r for r in run[0] if r["step"] <= until]
     for a, b in zip(rows, rows[1:]):
         t0, t1 = a["generated_tokens"], b["generated_tokens"]
         if t0 <= budget <= t1:
-            return a["pass@1"] + (budget - t0) / (t1 - t0) * (b["pass@1"] - a["pass@1"])
+            return a[column] + (budget - t0) / (t1 - t0) * (b[column] - a[column])
     raise AssertionError(budget)
 
 
@@ -304,3 +305,69 @@ def test_best_rate_claims_pair_at_each_methods_rate_and_flag_the_grids_ends():
     assert table.loc["best rate: EBPO beats DAPO at G=4", "token_ratio"] > 2.5
     text = c.render(table.reset_index())
     assert "| best rate (validation) |" in text and "dapo 0.0003 (not bracketed)" in text
+
+
+def _curriculum(rng):
+    """3 warm starts x 2 seeds x 3 orders, evaluated every 28 steps to 112; each warm start's
+    held-out quartiles (its own difficulty file) a different split of the problems."""
+    runs, truth, orders = [], {}, ("naive", "difficulty", "reverse_difficulty")
+    for w in (300, 301, 302):
+        bands = [f"q{1 + j % 4}" for j in rng.permutation(J)]
+        for s in (0, 1):
+            for order in orders:
+                rid = f"epoch__sft.seed-{w}__seed-{s}__method-ebpo__order-{order}"
+                cols = {"block": "epoch", "run_id": rid, "sft.seed": w, "seed": s,
+                        "method": "ebpo", "order": order, "group_size": 4}  # fmt: skip
+                effect = 0.02 * orders.index(order) + rng.normal(0, 0.01)
+                tokens = 5e4 * (1 + 0.1 * orders.index(order)) * rng.uniform(0.95, 1.05)
+                runs.append(_run(rng, cols, effect, tokens, (0, 28, 56, 84, 112), bands=bands))
+                truth[(order, w, s)] = runs[-1]
+    return runs, truth
+
+
+def _at(run, step: int, column: str) -> float:
+    return next(r[column] for r in run[0] if r["step"] == step)
+
+
+def test_curriculum_band_and_step_claims_read_their_band_and_step():
+    """Band claims read pass@1/<band> and bootstrap over each warm start's own band; a term's
+    step reads that evaluation (no bootstrap: per-problem counts are the last step's)."""
+    c = _claims()
+    module = c.load_module("configs/ablations/paper_curriculum_claims.py")
+    rng = np.random.default_rng(2)
+    runs, truth = _curriculum(rng)
+    evals, probs = _frames(runs, rng)
+    table = _table(c, module, {"curriculum": (evals, probs)})
+    keys = [(w, s) for w in (300, 301, 302) for s in (0, 1)]
+    for claim in module.CLAIMS:
+        band = claim.get("band")
+        column = f"pass@1/{band}" if band else "pass@1"
+        terms = [(sign, where["order"], where.get("step", 112)) for sign, side in
+                 ((1, claim["plus"]), (-1, claim["minus"])) for _, where in side]  # fmt: skip
+        d = {k: sum(sign * _at(truth[(o, *k)], step, column) for sign, o, step in terms)
+             for k in keys}  # fmt: skip
+        row, ref = table.loc[claim["claim"]], _ref_floored(d)
+        for k in ("diff", "ci_low", "ci_high", "p"):
+            assert row[f"held_{k}"] == pytest.approx(ref[k], rel=1e-9, abs=1e-12), claim["claim"]
+        steps = {step for _, _, step in terms}
+        if len(steps) == 1:  # equal tokens: every term's curve up to the claim's step
+            at = lambda o, k, s=steps.pop(): [r for r in truth[(o, *k)][0] if r["step"] == s][0]
+            tok = {}
+            for k in keys:
+                budget = min(at(o, k)["generated_tokens"] for _, o, _ in terms)
+                tok[k] = sum(sign * _interp(truth[(o, *k)], budget, column, step)
+                             for sign, o, step in terms)  # fmt: skip
+            assert row.tok_diff == pytest.approx(_ref_floored(tok)["diff"]), claim["claim"]
+            assert row.token_ratio > 1.05  # the orders' token counts differ: read at equal ones
+        else:  # the claim compares budgets by design: no equal-token reading
+            assert np.isnan(row.tok_diff) and np.isnan(row.token_ratio), claim["claim"]
+        if any(step != 112 for _, _, step in terms):
+            assert np.isnan(row.boot_diff), claim["claim"]
+            continue
+        in_band = lambda r: r if not band else (r[0], [p for p in r[1] if p.get("band") == band])
+        by_key = {k: [in_band(truth[(o, *k)]) for _, o, _ in terms] for k in keys}
+        boot = _ref_boot(by_key, {k: [sign for sign, _, _ in terms] for k in keys})
+        for k in ("diff", "ci_low", "ci_high", "p"):
+            assert row[f"boot_{k}"] == pytest.approx(boot[k], rel=1e-9, abs=1e-12), claim["claim"]
+        assert row.boot_diff == pytest.approx(row.held_diff)  # pass@1 (band) is their mean
+    assert table.boot_diff.notna().sum() == 5  # two epoch claims, q4, q1, hard-to-easy - naive
