@@ -364,14 +364,15 @@ def registrations(module, claims, rows_of) -> list[str]:
     out = []
     for c in claims:
         parts = dict.fromkeys(part for part, _ in c["plus"] + c["minus"])
-        recorded = []
+        recorded, absent = [], False
         for part, where in c["plus"] + c["minus"]:
             finals = _finals(_where(rows_of(part), where))
             recorded += list(finals.get("claims_sha256", pd.Series([""] * len(finals))))
+            absent |= finals.empty  # a term without runs: the claim is not run, as its row says
         results = [os.path.relpath(_results_path(module, p), _REPO) for p in parts]
         rel = os.path.relpath(path, _REPO)
         history = lambda: registration.git_history(_REPO, rel, c["claim"], results)  # noqa: B023
-        label = registration.status(recorded, current, history) if recorded else "not run"
+        label = "not run" if absent else registration.status(recorded, current, history)
         note = notes.get(c["claim"])
         out.append(f"{label}; {note}" if note else label)
     return out

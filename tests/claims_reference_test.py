@@ -10,7 +10,7 @@ import pytest
 from conftest import load_experiment
 from scipy import stats
 
-from ebpo_jax.ablation import twolevel
+from ebpo_jax.ablation import registration, twolevel
 
 J = 24  # held-out problems per run
 SAMPLES = 4
@@ -371,3 +371,37 @@ def test_curriculum_band_and_step_claims_read_their_band_and_step():
             assert row[f"boot_{k}"] == pytest.approx(boot[k], rel=1e-9, abs=1e-12), claim["claim"]
         assert row.boot_diff == pytest.approx(row.held_diff)  # pass@1 (band) is their mean
     assert table.boot_diff.notna().sum() == 5  # two epoch claims, q4, q1, hard-to-easy - naive
+
+
+def test_registration_is_pre_registered_only_when_every_run_read_has_the_current_hash():
+    """Every run a claim reads (a best-rate claim: every rate's) recorded the claims file's
+    current SHA-256: pre-registered; another hash anywhere: post hoc; some without: partial;
+    a term without runs: not run, like the claim's row."""
+    c = _claims()
+    module = c.load_module("configs/ablations/paper_axes_claims.py")
+    sha = registration.file_sha256(module.__file__)
+    rng = np.random.default_rng(3)
+    g_axis = _frames(_g_axis(rng)[0], rng)[0].assign(claims_sha256=sha)
+    tuning = _frames(_tuning(rng)[0], rng)[0].assign(claims_sha256=sha)
+    g4, best = "EBPO beats GRPO at G=4", "best rate: EBPO beats GRPO at G=4"
+    claims = [cl for cl in module.CLAIMS if cl["claim"] in (g4, best, "EBPO beats GRPO at G=2")]
+
+    def labels(g_rows, t_rows):
+        rows = {"g_axis": g_rows, "tuning": t_rows}
+        return dict(zip([cl["claim"] for cl in claims], c.registrations(module, claims, rows.get)))
+
+    assert set(labels(g_axis, tuning).values()) == {registration.PRE}
+    # GRPO at G=4, one run's hash changed / one run's missing; GRPO at a rate not chosen.
+    one = lambda rows, m, col, value: rows.index[(rows.method == m) & (rows[col] == value)][-1]
+    other = g_axis.copy()
+    other.loc[one(other, "grpo", "group_size", 4), "claims_sha256"] = "b" * 64
+    partial = g_axis.copy()
+    partial.loc[one(partial, "grpo", "group_size", 4), "claims_sha256"] = np.nan
+    unchosen = tuning.copy()
+    unchosen.loc[one(unchosen, "grpo", "lr", 3e-4), "claims_sha256"] = "b" * 64
+    assert labels(other, tuning)[g4] == registration.POST_CHANGED
+    assert labels(other, tuning)["EBPO beats GRPO at G=2"] == registration.PRE
+    assert labels(partial, tuning)[g4] == registration.PARTIAL
+    assert labels(g_axis, unchosen)[best] == registration.POST_CHANGED
+    no_grpo = g_axis[g_axis.method != "grpo"]
+    assert labels(no_grpo, pd.DataFrame())[g4] == labels(g_axis, pd.DataFrame())[best] == "not run"
