@@ -405,3 +405,30 @@ def test_registration_is_pre_registered_only_when_every_run_read_has_the_current
     assert labels(g_axis, unchosen)[best] == registration.POST_CHANGED
     no_grpo = g_axis[g_axis.method != "grpo"]
     assert labels(no_grpo, pd.DataFrame())[g4] == labels(g_axis, pd.DataFrame())[best] == "not run"
+
+
+def test_rerun_band_of_the_paper_rule_spans_the_cells_warm_starts():
+    """The paper grids' rerun rule judges a run against the prediction band of its cell's 16
+    runs (all warm starts): `cell_verdict`; `verdict` keeps the run's own warm start's band."""
+    from ebpo_jax.ablation import rerun as rerun_lib
+    from ebpo_jax.ablation.grid import Run
+
+    rng = np.random.default_rng(4)
+    recorded = _frames(_g_axis(rng)[0], rng)[0].assign(cpu="AMD EPYC 7B13")
+    run = Run("g", (("sft.seed", 100), ("seed", 0), ("method", "ebpo"), ("group_size", 4)), ())
+    old = recorded[recorded.run_id == run.run_id]
+    finals = recorded[(recorded.step == 200) & (recorded.method == "ebpo")]
+    cell = finals[finals.group_size == 4]["pass@1"].to_numpy()
+    half = stats.t.ppf(0.975, 7) * cell.std(ddof=1) * math.sqrt(1 + 1 / 8)
+    new = old.assign(**{"pass@1": old["pass@1"].where(old.step < 200, cell.mean() + 1.1 * half)})
+    report = rerun_lib._rerun_report(
+        recorded, old, new, run, {"cpu": "Intel(R) Xeon(R)"}, atol=0.0, warm_file=""
+    )
+    assert report["cell_band"]["seeds"] == 8 and report["seed_band"]["seeds"] == 2
+    assert report["cell_band"]["high"] == pytest.approx(cell.mean() + half)
+    assert report["cell_verdict"] == "other CPU family: outside the seed band"
+    own = finals[(finals.group_size == 4) & (finals["sft.seed"] == 100)]["pass@1"].to_numpy()
+    inside = abs(cell.mean() + 1.1 * half - own.mean()) <= (
+        stats.t.ppf(0.975, 1) * own.std(ddof=1) * math.sqrt(1.5)
+    )
+    assert report["verdict"].endswith("inside the seed band" if inside else "outside the seed band")

@@ -57,7 +57,9 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     run used (its provenance), in `<out_dir>/rerun/<run_id>`, from the recorded warm start's
     committed weights when `<out_dir>/warm_starts/` holds them; versions and machine are
     reported beside the recorded ones, and `verdict` is reproduce.verdict's: bitwise on the
-    recorded CPU family, inside or outside the cell's seed band on another.
+    recorded CPU family, inside or outside the cell's seed band on another (the band of the
+    run's warm start; with an `sft.seed` axis `cell_verdict` reads the band over all of the
+    cell's warm starts, as the paper grids' rerun rule states).
     """
     from ebpo_jax import ablation
 
@@ -83,9 +85,10 @@ def rerun(grid, run_id: str, *, atol: float = 0.0, log=print) -> dict:
     with open(_report_path(rerun_dir, run_id, recorded, prov), "w") as f:
         json.dump(report, f, indent=2, default=str)  # the record; the run's folder is not kept
     verdict = "MATCH" if report["match"] else "MISMATCH"
+    cell = report.get("cell_verdict")
     log(
         f"rerun {run_id}: {verdict} (max |diff| {report.get('max_abs_diff')}, atol {atol}); "
-        f"{report['verdict']}"
+        f"{report['verdict']}" + (f"; over the cell's warm starts: {cell}" if cell else "")
     )
     return report
 
@@ -118,10 +121,12 @@ def _rerun_report(recorded_all, old, new, run, prov: dict, *, atol: float, warm_
         warm_start_file=warm_file,
         **_against_band(recorded_all, old, new, run),
     )
-    report["verdict"] = reproduce.verdict(
-        report["match"], recorded.get("cpu", ""), prov.get("cpu", ""),
-        report["final_pass@1"]["rerun"], report["seed_band"], atol,
-    )  # fmt: skip
+    for band, name in (("seed_band", "verdict"), ("cell_band", "cell_verdict")):
+        if band in report:
+            report[name] = reproduce.verdict(
+                report["match"], recorded.get("cpu", ""), prov.get("cpu", ""),
+                report["final_pass@1"]["rerun"], report[band], atol,
+            )  # fmt: skip
     return report
 
 
@@ -176,8 +181,13 @@ def _against_band(recorded_all, old, new, run) -> dict:
         return float(pick["pass@1"].iloc[0]) if len(pick) else float("nan")
 
     cell = {"block": run.block, **{a: v for a, v in run.values if a != "seed"}}
-    return {
+    finals = final_rows(recorded_all)
+    out = {
         "warm_start_pass@1": {"recorded": at(old, 0), "rerun": at(new, 0)},
         "final_pass@1": {"recorded": at(old), "rerun": at(new)},
-        "seed_band": reproduce.seed_band(final_rows(recorded_all), cell),
+        "seed_band": reproduce.seed_band(finals, cell),
     }
+    if "sft.seed" in cell:  # the paper grids' rerun rule: the cell over all its warm starts
+        cell.pop("sft.seed")
+        out["cell_band"] = reproduce.seed_band(finals, cell)
+    return out
