@@ -38,7 +38,7 @@ RULE = (
     "otherwise; the Holm column adjusts across every claim with a direction. `n/a`: a "
     "reference with no prediction.\n"
 )
-COLUMNS = (
+_COLUMNS = (
     "`registration`: `pre-registered` when every run it reads recorded the SHA-256 of this "
     "claims file as it is now (the file was committed before they trained); otherwise post "
     "hoc, or, for runs from before hashes were recorded, what git says of when the claim's "
@@ -47,18 +47,40 @@ COLUMNS = (
     "seed, linear between eval steps); `token ratio`: largest over smallest final token "
     "count. With several warm starts (`sft.seed`) the effect is the two-level model's "
     "(ebpo_jax/ablation/twolevel.py), next to the first warm start's paired interval.\n\n"
-    "Held columns (issue 49, added after these runs; the registered columns are unchanged): "
+)
+_HELD = (
     "`held: effect` is the same interval with its standard error floored at the RL-seed "
     "noise, sigma sqrt(sum 1/n_w) / W (`*`: the floor binds), and `equal tokens` is "
     "two-level and floored too across warm starts; `bootstrap over problems x clusters` "
     "resamples the held-out problems and the warm starts (one warm start: the RL seeds) "
     "independently (twolevel.bootstrap, 10,000 draws, percentile). `held: verdict` applies "
     "the verdict rule to the span of the floored and bootstrap intervals, and its Holm to "
-    "the larger of their p-values: a verdict holds only under both. `changed`: where the "
-    "held verdicts differ from the registered ones. `best rate (validation)`: each term's "
-    "value of a `select` axis, best on the validation split; `(not bracketed)` when it is the "
-    "smallest or largest value among that term's runs.\n"
+    "the larger of their p-values: a verdict holds only under both. "
 )
+_HELD_AFTER = (
+    "Held columns (issue 49, added after these runs; the registered columns are unchanged): "
+    + _HELD
+    + "`changed`: where the held verdicts differ from the registered ones. "
+)
+_HELD_REGISTERED = (
+    "Held columns (registered: the verdict rule above makes them decide, not the first "
+    "columns): " + _HELD + "`changed`: where the held verdicts differ from the first "
+    "columns' (unfloored, no bootstrap). "
+)
+_BEST = (
+    "`best rate (validation)`: each term's value of a `select` axis, best on the validation "
+    "split; `(not bracketed)` when it is the smallest or largest value among that term's "
+    "runs; `(tied with ..)` when other values share its mean (the smallest is taken).\n"
+)
+
+
+def columns_text(module) -> str:
+    """What the columns mean; the held columns as registered when the file's verdict rule
+    names the floored interval (the paper grids), else as added after the runs."""
+    registered = "twolevel.floored" in getattr(module, "VERDICT_RULE", "")
+    return _COLUMNS + (_HELD_REGISTERED if registered else _HELD_AFTER) + _BEST
+
+
 EFFECT = 0.02  # the smallest difference the seed counts are sized for (ablate.py's pilot)
 PAIR = ("sft.seed", "seed")  # runs pair by warm start and RL seed
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -98,25 +120,41 @@ def _select(rows: pd.DataFrame, select: dict | None) -> pd.DataFrame:
     return rows[rows[select["axis"]] == _best_value(rows, select)]
 
 
-def _best_value(rows: pd.DataFrame, select: dict):
-    """The value of select's axis whose final select["by"] has the highest mean over seeds."""
+def _means(rows: pd.DataFrame, select: dict) -> pd.Series:
+    """Per value of select's axis (ascending), the mean over runs of the final select["by"]."""
     axis, by = select["axis"], select["by"]
     if by not in rows or rows[by].isna().all():
         raise ValueError(f"select by {by!r}: the rows have no {by} (a validation split?)")
-    return _finals(rows).groupby(axis)[by].mean().idxmax()
+    return _finals(rows).groupby(axis)[by].mean()
+
+
+def _top(means: pd.Series) -> pd.Index:
+    """The values whose mean is the highest, ascending; equal means that differ only by the
+    order of their float sums count as tied."""
+    return means.index[np.isclose(means, means.max(), rtol=0, atol=1e-12)]
+
+
+def _best_value(rows: pd.DataFrame, select: dict):
+    """The value of select's axis whose final select["by"] has the highest mean over seeds
+    (a tie: the smallest such value)."""
+    return _top(_means(rows, select))[0]
 
 
 def best_values(claim, finals_of) -> str:
     """Each term's best value of the claim's `select` axis, `(not bracketed)` where it is the
-    smallest or largest value the term's runs hold (the grid's end); "" without `select`."""
+    smallest or largest value the term's runs hold (the grid's end), `(tied with ..)` where
+    others share its mean (the smallest is taken); "" without `select`."""
     sel, out = claim.get("select"), []
     for part, where in claim["plus"] + claim["minus"] if sel else ():
         rows = _where(finals_of(part), where)
         if rows.empty:
             return ""
-        best, grid = _best_value(rows, sel), sorted(rows[sel["axis"]].unique())
-        edge = " (not bracketed)" if best in (grid[0], grid[-1]) else ""
-        out.append(f"{'/'.join(map(str, where.values()))} {best:g}{edge}")
+        means = _means(rows, sel)
+        top = _top(means)
+        best = top[0]
+        edge = " (not bracketed)" if best in (means.index[0], means.index[-1]) else ""
+        tie = f" (tied with {', '.join(f'{v:g}' for v in top[1:])})" if len(top) > 1 else ""
+        out.append(f"{'/'.join(map(str, where.values()))} {best:g}{edge}{tie}")
     return "; ".join(out)
 
 
@@ -489,7 +527,7 @@ def main(argv):
             getattr(module, "VERDICT_RULE", RULE),
             *([module.SEED_RULE] if hasattr(module, "SEED_RULE") else []),
             *([module.RERUN_RULE] if hasattr(module, "RERUN_RULE") else []),
-            COLUMNS,
+            columns_text(module),
             holm_family(table),
             render(table, compare, name),
             "",

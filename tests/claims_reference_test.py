@@ -432,3 +432,20 @@ def test_rerun_band_of_the_paper_rule_spans_the_cells_warm_starts():
         stats.t.ppf(0.975, 1) * own.std(ddof=1) * math.sqrt(1.5)
     )
     assert report["verdict"].endswith("inside the seed band" if inside else "outside the seed band")
+
+
+def test_best_value_ties_are_named_and_the_table_says_which_columns_decide():
+    c = _claims()
+    finals = pd.DataFrame({"method": ["grpo"] * 6, "lr": [1e-5, 1e-5, 3e-5, 3e-5, 1e-4, 1e-4],
+                           "seed": [0, 1] * 3, "val_pass@1": [0.3, 0.3, 0.2, 0.4, 0.1, 0.1]})  # fmt: skip
+    claim = {"claim": "x", "direction": 1, "plus": [("p", {"method": "grpo"})], "minus": [],
+             "select": {"axis": "lr", "by": "val_pass@1"}}  # fmt: skip
+    # 3e-5's mean is 0.30000000000000004 by float rounding alone: a tie, the smallest taken.
+    assert c.best_values(claim, lambda p: finals) == "grpo 1e-05 (not bracketed) (tied with 3e-05)"
+    assert set(c.term(finals, {"method": "grpo"}, claim["select"], "val_pass@1")) == {0.3}
+    paper = c.load_module("configs/ablations/paper_axes_claims.py")
+    curriculum = c.load_module("configs/ablations/paper_curriculum_claims.py")
+    robust = c.load_module("configs/ablations/robust_claims.py")
+    for registered in (paper, curriculum):
+        assert "Held columns (registered: the verdict rule above" in c.columns_text(registered)
+    assert "Held columns (issue 49, added after these runs" in c.columns_text(robust)
