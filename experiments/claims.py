@@ -26,6 +26,7 @@ import os
 import numpy as np
 import pandas as pd
 from absl import app, flags
+from pandas.api.types import is_numeric_dtype
 
 from ebpo_jax import ablation
 from ebpo_jax.ablation import power, registration, twolevel
@@ -140,9 +141,14 @@ def _best_value(rows: pd.DataFrame, select: dict):
     return _top(_means(rows, select))[0]
 
 
+def _short(value) -> str:
+    """A number in its shortest form (1e-05), anything else as text."""
+    return f"{value:g}" if isinstance(value, (int, float, np.number)) else str(value)
+
+
 def best_values(claim, finals_of) -> str:
     """Each term's best value of the claim's `select` axis, `(not bracketed)` where it is the
-    smallest or largest value the term's runs hold (the grid's end), `(tied with ..)` where
+    smallest or largest number the term's runs hold (the grid's end), `(tied with ..)` where
     others share its mean (the smallest is taken); "" without `select`."""
     sel, out = claim.get("select"), []
     for part, where in claim["plus"] + claim["minus"] if sel else ():
@@ -152,9 +158,10 @@ def best_values(claim, finals_of) -> str:
         means = _means(rows, sel)
         top = _top(means)
         best = top[0]
-        edge = " (not bracketed)" if best in (means.index[0], means.index[-1]) else ""
-        tie = f" (tied with {', '.join(f'{v:g}' for v in top[1:])})" if len(top) > 1 else ""
-        out.append(f"{'/'.join(map(str, where.values()))} {best:g}{edge}{tie}")
+        ends = (means.index[0], means.index[-1]) if is_numeric_dtype(means.index) else ()
+        edge = " (not bracketed)" if best in ends else ""
+        tie = f" (tied with {', '.join(map(_short, top[1:]))})" if len(top) > 1 else ""
+        out.append(f"{'/'.join(map(str, where.values()))} {_short(best)}{edge}{tie}")
     return "; ".join(out)
 
 

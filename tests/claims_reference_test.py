@@ -443,6 +443,9 @@ def test_best_value_ties_are_named_and_the_table_says_which_columns_decide():
     # 3e-5's mean is 0.30000000000000004 by float rounding alone: a tie, the smallest taken.
     assert c.best_values(claim, lambda p: finals) == "grpo 1e-05 (not bracketed) (tied with 3e-05)"
     assert set(c.term(finals, {"method": "grpo"}, claim["select"], "val_pass@1")) == {0.3}
+    by_order = finals.assign(order=finals.lr.map({1e-5: "a", 3e-5: "b", 1e-4: "c"}))
+    claim["select"] = {"axis": "order", "by": "val_pass@1"}
+    assert c.best_values(claim, lambda p: by_order) == "grpo a (tied with b)"
     paper = c.load_module("configs/ablations/paper_axes_claims.py")
     curriculum = c.load_module("configs/ablations/paper_curriculum_claims.py")
     robust = c.load_module("configs/ablations/robust_claims.py")
