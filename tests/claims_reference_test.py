@@ -2,6 +2,7 @@
 like the paper-axes ones (results.csv eval rows, problems.csv.gz rows in shuffled order): the
 registered claims of configs/ablations/paper_axes_claims.py and paper_curriculum_claims.py."""
 
+import io
 import math
 
 import numpy as np
@@ -48,13 +49,15 @@ def _run(rng, cols: dict, effect: float, tokens: float, steps, val=None, bands=N
 
 
 def _frames(runs, rng, drop_problem=None):
-    """results.csv and problems.csv.gz frames of `runs`, the problem rows shuffled."""
+    """results.csv and problems.csv.gz frames of `runs`, the problem rows shuffled, read back
+    from CSV text as the loaders read them (rates like 2.3e-05 match by their text)."""
     evals = pd.DataFrame([r for e, _ in runs for r in e])
     probs = pd.DataFrame([r for _, p in runs for r in p])
     if drop_problem is not None:  # (run_id, problem_id) a run did not evaluate
         rid, pid = drop_problem
         probs = probs[~((probs.run_id == rid) & (probs.problem_id == pid))]
-    return evals, probs.sample(frac=1.0, random_state=int(rng.integers(1 << 30)))
+    probs = probs.sample(frac=1.0, random_state=int(rng.integers(1 << 30)))
+    return tuple(pd.read_csv(io.StringIO(f.to_csv(index=False))) for f in (evals, probs))
 
 
 def _g_axis(rng, missing=()):
