@@ -49,7 +49,7 @@ _COLUMNS = (
     "count. With several warm starts (`sft.seed`) the effect is the two-level model's "
     "(ebpo_jax/ablation/twolevel.py), next to the first warm start's paired interval.\n\n"
 )
-_HELD = (
+_HELD_TEXT = (
     "`held: effect` is the same interval with its standard error floored at the RL-seed "
     "noise, sigma sqrt(sum 1/n_w) / W (`*`: the floor binds), and `equal tokens` is "
     "two-level and floored too across warm starts; `bootstrap over problems x clusters` "
@@ -60,12 +60,12 @@ _HELD = (
 )
 _HELD_AFTER = (
     "Held columns (issue 49, added after these runs; the registered columns are unchanged): "
-    + _HELD
+    + _HELD_TEXT
     + "`changed`: where the held verdicts differ from the registered ones. "
 )
 _HELD_REGISTERED = (
     "Held columns (registered: the verdict rule above makes them decide, not the first "
-    "columns): " + _HELD + "`changed`: where the held verdicts differ from the first "
+    "columns): " + _HELD_TEXT + "`changed`: where the held verdicts differ from the first "
     "columns' (unfloored, no bootstrap). "
 )
 _BEST = (
