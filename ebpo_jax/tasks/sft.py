@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -125,7 +126,8 @@ def export(params, folder: str) -> str:
     path = os.path.join(folder, f"{params_digest(params)}.npz")
     if not os.path.exists(path):
         os.makedirs(folder, exist_ok=True)
-        tmp = path + ".tmp.npz"
+        # A writer's own temporary file: a grid's runs of one warm start may export at once.
+        tmp = f"{path}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp.npz"
         np.savez_compressed(tmp, *[np.asarray(x) for x in jax.tree.leaves(params)])
         os.replace(tmp, path)
     return path
