@@ -267,3 +267,29 @@ def test_quartiles_of_a_tied_difficulty_file_against_a_reference():
         assert sorted(np.flatnonzero(bands == band)) == sorted(ref[180 * k : 180 * (k + 1)])
     top = bands[diff == 1.0]
     assert len(set(top)) > 1  # the pass-rate-0 tie straddles a band edge here
+
+
+def test_runs_of_one_warm_start_started_together_estimate_its_difficulty_once(tmp_path):
+    """The grid's two workers start two orders of one warm start at once: one estimates
+    (about half an hour per warm start at the registered size), the other waits and reads."""
+    import threading
+    import time
+
+    from ebpo_jax.tasks import difficulty
+
+    path, calls, lines = str(tmp_path / "warm.difficulty-x.jsonl"), [], []
+
+    def estimate():
+        calls.append(threading.get_ident())
+        time.sleep(0.3)
+        return [{"set": "train", "id": "a", "samples": 16, "difficulty": 0.5}]
+
+    runs = [threading.Thread(target=difficulty.ensure, args=(path, estimate, lines.append))]
+    runs.append(threading.Thread(target=difficulty.ensure, args=(path, estimate, lines.append)))
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join()
+    assert len(calls) == 1 and difficulty.read(path)[0]["difficulty"] == 0.5
+    assert any("another run is estimating" in line for line in lines)
+    difficulty.ensure(path, lambda: pytest.fail("estimated again"), lines.append)

@@ -7,11 +7,14 @@ The file is JSON lines, one problem a line: set ("train" | "heldout"), id, promp
 correct, pass_rate, difficulty and warm_start (the params' SHA-256, tasks.sft.params_digest).
 """
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -53,6 +56,41 @@ def write(path: str, rows: Sequence[dict]) -> str:
     """Write `rows` as JSON lines (atomically); the path."""
     storage.write_bytes(path, "".join(json.dumps(r) + "\n" for r in rows).encode())
     return path
+
+
+def ensure(path: str, estimate: Callable[[], list[dict]], log=print) -> None:
+    """Write `estimate()`'s rows to `path` unless it exists; one process at a time, so the
+    runs of one warm start that a grid starts together estimate it once (the others wait,
+    then read it)."""
+    if storage.exists(path):
+        return
+    with _one_writer(path, log):
+        if not storage.exists(path):  # written while this process waited
+            rows = estimate()
+            log(
+                f"difficulty: the warm start's pass rate over {rows[0]['samples']} samples -> {path}"
+            )
+            write(path, rows)
+
+
+@contextlib.contextmanager
+def _one_writer(path: str, log):
+    """An exclusive flock on a lock file in the temp folder named by `path` (local paths:
+    a crashed holder's lock goes with its process); nothing for object storage or a
+    multi-process run, whose processes estimate together (the sampler's collectives)."""
+    import jax
+
+    if storage.is_remote(path) or jax.process_count() > 1:
+        yield
+        return
+    name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    with open(os.path.join(tempfile.gettempdir(), f"ebpo-difficulty-{name}.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"difficulty: another run is estimating {path}; waiting for it")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def read(path: str) -> list[dict]:

@@ -16,7 +16,6 @@ import numpy as np
 
 from ebpo_jax import models, tasks
 from ebpo_jax.evaluation.evaluator import EvalSet, make_evaluator
-from ebpo_jax.runtime import storage
 from ebpo_jax.schema import ConfigError
 from ebpo_jax.spec import TaskSpec
 from ebpo_jax.tasks import difficulty, sft
@@ -172,10 +171,9 @@ def file_difficulty(
         return None
     digest = warm.digest
     path = difficulty.auto_path(spec, digest) if f == difficulty.AUTO else f
-    if f == difficulty.AUTO and not storage.exists(path):
-        rows = estimate_difficulty(spec, fam, warm, problems, mesh=mesh)
-        log(f"difficulty: the warm start's pass rate over {rows[0]['samples']} samples -> {path}")
-        difficulty.write(path, rows)
+    if f == difficulty.AUTO:
+        estimate = lambda: estimate_difficulty(spec, fam, warm, problems, mesh=mesh)
+        difficulty.ensure(path, estimate, log)
     rows = difficulty.read(path)
     return {
         name: difficulty.lookup(rows, probs, name, path, digest) for name, probs in problems.items()
