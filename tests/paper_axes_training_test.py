@@ -293,3 +293,20 @@ def test_runs_of_one_warm_start_started_together_estimate_its_difficulty_once(tm
     assert len(calls) == 1 and difficulty.read(path)[0]["difficulty"] == 0.5
     assert any("another run is estimating" in line for line in lines)
     difficulty.ensure(path, lambda: pytest.fail("estimated again"), lines.append)
+
+
+def test_the_orders_of_a_warm_start_share_one_sft():
+    """SFT never reads task.order: the three orders of a curriculum warm start load one SFT
+    cache file (they trained three, so pairing by warm start rested on SFT repeating
+    bitwise)."""
+    from ebpo_jax.tasks import sft
+    from ebpo_jax.tasks.protocol import model_config_from, tokenizer_vocab
+
+    vocab = tokenizer_vocab(reasoning.make_tokenizer())
+    paths = {}
+    for run, _, spec in _specs("curriculum").values():
+        mc = model_config_from(spec.task.model, vocab)
+        path = sft.cache_path(spec.task, mc, 400 * CELLS, sft.data_key(reasoning))
+        paths.setdefault(run.value("sft.seed"), set()).add(path)
+    assert len(paths) == 9 and all(len(p) == 1 for p in paths.values())
+    assert len(set.union(*paths.values())) == 9

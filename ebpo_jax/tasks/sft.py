@@ -33,6 +33,8 @@ def _task_key(task) -> dict:
     d.pop("val_per_cell", None)  # validation problems are never trained on
     d.pop("difficulty_file", None)  # estimated from the warm start, not SFT's input
     d.pop("difficulty_samples", None)
+    if "order" in d:  # the RL order: every order shares the naive runs' file
+        d["order"] = "naive"
     return d
 
 
