@@ -310,3 +310,56 @@ def test_the_orders_of_a_warm_start_share_one_sft():
         paths.setdefault(run.value("sft.seed"), set()).add(path)
     assert len(paths) == 9 and all(len(p) == 1 for p in paths.values())
     assert len(set.union(*paths.values())) == 9
+
+
+def test_difficulty_draws_never_repeat_an_evaluations_draws_on_a_problem(monkeypatch):
+    """At the registered shape (3600 + 720 problems x 16 samples, 128 prompts per call) the
+    estimate samples at seed 0 with the chunk keys the RL-seed-0 runs' evaluation uses, but
+    on other problems: no held-out problem gets one (key, row) draw in both, at either RL
+    seed. The sampler is replaced by a recorder, so only the keys and prompts are real."""
+    from ebpo_jax.evaluation import policy as policy_eval
+    from ebpo_jax.evaluation.evaluator import make_evaluator
+    from ebpo_jax.sampler.spec import Generation
+    from ebpo_jax.tasks import difficulty
+    from ebpo_jax.tasks.protocol import model_config_from, tokenizer_vocab
+
+    calls = []
+
+    def record(model_config, params, tokens_BT, lengths_B, spec, *, rng, mesh=None):
+        rows = len(lengths_B) * spec.num_samples
+        prompts = [t[:n].tobytes() for t, n in zip(tokens_BT, lengths_B)]
+        calls[-1].append(
+            (np.asarray(jax.random.key_data(rng)).tobytes(), prompts, spec.num_samples)
+        )
+        z = np.zeros((rows, spec.max_new_tokens), np.int32)
+        return Generation(z, z.astype(np.float32), np.zeros(rows, np.int32))
+
+    monkeypatch.setattr(policy_eval.sampler, "generate", record)
+    runs = {run.value("seed"): spec for run, _, spec in _specs("curriculum").values()}
+    task = runs[0].task
+    fam = generated.generated(task.family)
+    _, train, test = generated.load_problems(task, fam.module, fam.tokenizer)
+    mc = model_config_from(task.model, tokenizer_vocab(fam.tokenizer))
+    warm = generated.WarmStart(mc, None, "x" * 64)
+
+    def draws() -> set:
+        """(prompt tokens, key, row) of every sample the last evaluation drew."""
+        out = set()
+        for key, prompts, k in calls[-1]:
+            for p, prompt in enumerate(prompts):
+                out |= {(prompt, key, p * k + s) for s in range(k)}
+        return out
+
+    calls.append([])
+    split = {difficulty.TRAIN: train, difficulty.HELDOUT: test}
+    generated.estimate_difficulty(task, fam, warm, split)
+    est = draws()
+    assert len(calls[-1]) == 34 and {k for _, _, k in calls[-1]} == {16}
+    for seed in (0, 1):
+        calls.append([])
+        s = generated.eval_set(test, fam.tokenizer, fam.reward_fn)
+        make_evaluator(runs[seed].eval, mc, [s], fam.tokenizer.eos_id)(None)
+        held = draws()
+        shared_keys = {key for _, key, _ in held} & {key for _, key, _ in est}
+        assert bool(shared_keys) == (seed == 0)  # seed 0: the estimate's first 6 chunk keys
+        assert len(held) == 6 * 128 * 4 and not est & held  # 720 + 48 padding prompts
