@@ -363,3 +363,25 @@ def test_difficulty_draws_never_repeat_an_evaluations_draws_on_a_problem(monkeyp
         shared_keys = {key for _, key, _ in held} & {key for _, key, _ in est}
         assert bool(shared_keys) == (seed == 0)  # seed 0: the estimate's first 6 chunk keys
         assert len(held) == 6 * 128 * 4 and not est & held  # 720 + 48 padding prompts
+
+
+@pytest.mark.slow  # two 4-step micro runs
+def test_evaluating_every_step_leaves_training_bitwise_alone(tmp_path):
+    """The tuning part evaluates EBPO and DAPO every 10 steps and the other methods every 50,
+    then compares them at step 200: evaluating must not touch the training stream (rng,
+    data position, params)."""
+    from helpers import micro_config
+
+    from ebpo_jax.runtime.checkpoint import load_params
+    from ebpo_jax.trainer import loop
+
+    for name, every in (("dense", 1), ("sparse", 4)):
+        cfg = micro_config(tmp_path / name, eval_every=every, checkpoint_every=4)
+        loop.train(cfg, log=lambda *_: None)
+    train_rows = lambda n: [
+        {k: v for k, v in r.items() if not k.startswith(("eval/", "perf/step_time", "phase/"))}
+        for r in _rows(tmp_path / n)
+    ]
+    assert train_rows("dense")[1:] == train_rows("sparse")[1:]
+    a, b = (load_params(str(tmp_path / n)) for n in ("dense", "sparse"))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
