@@ -9,6 +9,7 @@ import os
 import jax
 import numpy as np
 import pytest
+from conftest import load_experiment
 
 from ebpo_jax import spec as spec_lib
 from ebpo_jax.ablation import expand
@@ -167,7 +168,7 @@ def test_curriculum_run_killed_mid_epoch_resumes_its_order_bitwise(tmp_path, mon
     """A difficulty-ordered run stopped after 2 of 6 steps resumes at the same place in its
     order: it draws the uninterrupted run's problems (easy to hard, none repeated or skipped),
     its rows and params are bitwise equal, and its difficulty file is estimated once, before
-    the first step, and read again on resume."""
+    the first step, read again on resume, and equal to estimate_difficulty.py's by hand."""
     from helpers import micro_config
 
     from ebpo_jax import tasks
@@ -211,6 +212,10 @@ def test_curriculum_run_killed_mid_epoch_resumes_its_order_bitwise(tmp_path, mon
     assert _rows(tmp_path / "full") == _rows(tmp_path / "resumed")
     a, b = (load_params(str(tmp_path / n)) for n in ("full", "resumed"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
+    by_hand = tmp_path / "by_hand.jsonl"  # estimate_difficulty.py's toy mode, documented as equal
+    cfg.sft.export_dir = ""
+    load_experiment("estimate_difficulty").run_toy(cfg, str(by_hand), 4)
+    assert by_hand.read_bytes() == files[0][0].read_bytes()
 
 
 def test_two_runs_exporting_one_warm_start_at_once_both_succeed(tmp_path, monkeypatch):
