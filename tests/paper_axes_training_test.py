@@ -390,3 +390,29 @@ def test_evaluating_every_step_leaves_training_bitwise_alone(tmp_path):
     assert train_rows("dense")[1:] == train_rows("sparse")[1:]
     a, b = (load_params(str(tmp_path / n)) for n in ("dense", "sparse"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_a_tuning_run_trains_on_no_validation_problem(tmp_path):
+    """A registered tuning run's task (its SFT skipped): the training stream is the 3600
+    training problems, the evaluation holds the 720 held-out and the 180 validation ones,
+    and no validation prompt is among those it trains on."""
+    from ebpo_jax.tasks.protocol import build_task
+
+    run, cfg, _ = next(iter(_specs("tuning").values()))
+    cfg = cfg.copy_and_resolve_references()
+    cfg.sft.steps, cfg.workdir, cfg.sft.cache_dir = 0, str(tmp_path), str(tmp_path)
+    task = build_task(spec_lib.resolve(cfg, 1).task, log=lambda *_: None)
+    sets = {s.name: s for s in task.evaluate.sets}
+    assert {n: len(s.prompt_lengths) for n, s in sets.items()} == {
+        "heldout": 80 * CELLS,
+        "validation": 20 * CELLS,
+    }
+    text = lambda toks, n: task.tokenizer.decode([int(t) for t in toks[:n]])
+    valid = {
+        text(t, n)
+        for t, n in zip(sets["validation"].prompt_tokens, sets["validation"].prompt_lengths)
+    }
+    trained = {p.prompt for p in task.source.problems}
+    assert len(trained) == 400 * CELLS and len(valid) == 20 * CELLS
+    assert valid == {p.prompt for p in _splits(spec_lib.resolve(cfg, 1).task.task)[2]}
+    assert not trained & valid
