@@ -398,7 +398,7 @@ def test_a_tuning_run_trains_on_no_validation_problem(tmp_path):
     and no validation prompt is among those it trains on."""
     from ebpo_jax.tasks.protocol import build_task
 
-    run, cfg, _ = next(iter(_specs("tuning").values()))
+    _, cfg, _ = next(iter(_specs("tuning").values()))
     cfg = cfg.copy_and_resolve_references()
     cfg.sft.steps, cfg.workdir, cfg.sft.cache_dir = 0, str(tmp_path), str(tmp_path)
     task = build_task(spec_lib.resolve(cfg, 1).task, log=lambda *_: None)
