@@ -277,6 +277,8 @@ def test_quartiles_of_a_tied_difficulty_file_against_a_reference():
 def test_runs_of_one_warm_start_started_together_estimate_its_difficulty_once(tmp_path):
     """The grid's two workers start two orders of one warm start at once: one estimates
     (about half an hour per warm start at the registered size), the other waits and reads."""
+    import hashlib
+    import tempfile
     import threading
     import time
 
@@ -298,6 +300,8 @@ def test_runs_of_one_warm_start_started_together_estimate_its_difficulty_once(tm
     assert len(calls) == 1 and difficulty.read(path)[0]["difficulty"] == 0.5
     assert any("another run is estimating" in line for line in lines)
     difficulty.ensure(path, lambda: pytest.fail("estimated again"), lines.append)
+    name = hashlib.sha256(path.encode()).hexdigest()[:16]
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), f"ebpo-difficulty-{name}.lock"))
 
 
 def test_the_orders_of_a_warm_start_share_one_sft():

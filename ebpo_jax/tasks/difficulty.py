@@ -84,13 +84,17 @@ def _one_writer(path: str, log):
         yield
         return
     name = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
-    with open(os.path.join(tempfile.gettempdir(), f"ebpo-difficulty-{name}.lock"), "a") as f:
+    lock = os.path.join(tempfile.gettempdir(), f"ebpo-difficulty-{name}.lock")
+    with open(lock, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log(f"difficulty: another run is estimating {path}; waiting for it")
             fcntl.flock(f, fcntl.LOCK_EX)
         yield
+        if storage.exists(path):  # done: a later lock file can only find the file written
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
 
 
 def read(path: str) -> list[dict]:
