@@ -53,6 +53,28 @@ def test_expand_equal_budget_and_overrides():
     assert cfg.workdir == "/tmp/x" and base.workdir != "/tmp/x"  # the base is not modified
 
 
+def test_dispatch_is_seed_major_and_round_robin_over_warm_starts():
+    axes = {"sft.seed": [7, 8], "seed": [0, 1], "order": ["naive", "difficulty"]}
+    got = [
+        (r.value("seed"), r.value("sft.seed"), r.value("order"))
+        for r in runner.dispatch_order(ablation.expand(_grid(axes=axes)))
+    ]
+    assert got == [
+        (0, 7, "naive"),
+        (0, 8, "naive"),
+        (0, 7, "difficulty"),
+        (0, 8, "difficulty"),
+        (1, 7, "naive"),
+        (1, 8, "naive"),
+        (1, 7, "difficulty"),
+        (1, 8, "difficulty"),
+    ]  # neighbours never share a warm start
+    plain = ablation.expand(_grid(axes={"method": ["grpo", "ebpo"], "seed": [0, 1]}))
+    assert [r.run_id for r in runner.dispatch_order(plain)] == [
+        r.run_id for r in sorted(plain, key=lambda r: r.value("seed"))
+    ]  # no warm-start axis: seed-major in the grid's order
+
+
 def test_methods_set_their_options():
     runs = ablation.expand(_grid(axes={"method": ["ebpo_per_batch", "dapo", "dr_grpo"]}))
     base = grid_lib.load_config_file("configs/micro.py")

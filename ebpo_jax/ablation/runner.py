@@ -2,6 +2,7 @@
 grids', the committed results.csv's), hand the rest to an executor, then write the tables;
 seeds by a power pilot or --seeds, runs by --only."""
 
+import collections
 import json
 import os
 import re
@@ -81,6 +82,20 @@ def _start_over_uncheckpointed(todo, configs, log) -> None:
             configs[r.run_id].restart = True
 
 
+def dispatch_order(todo: list) -> list:
+    """`todo` seed-major, and within a seed each warm start's first run before any second."""
+    # Seed-major: one seed of every setting first (an early full picture), and the later
+    # seeds reuse the first seed's compiled programs from the persistent cache. Round-robin
+    # over warm starts: runs started together then never share one, so none waits on
+    # another's SFT or difficulty estimate (both once per warm start).
+    nth, seen = {}, collections.Counter()
+    for r in todo:
+        key = (r.value("seed", 0), r.value("sft.seed"))
+        nth[r.run_id], seen[key] = seen[key], seen[key] + 1
+    place = {r.run_id: i for i, r in enumerate(todo)}
+    return sorted(todo, key=lambda r: (r.value("seed", 0), nth[r.run_id], place[r.run_id]))
+
+
 def _train_grid(grid, runs, out, executor: Executor, log) -> tuple[list[str], dict]:
     """Train the unfinished `runs` of `grid` (seed-major) after adopting the same runs of
     the grids in its `reuse` list; returns the ids trained and {run id: why} of those that
@@ -94,11 +109,7 @@ def _train_grid(grid, runs, out, executor: Executor, log) -> tuple[list[str], di
     configs = configs_of(grid, runs, runs_dir)
     reuse.adopt(configs, runs_dir, grid.get("reuse", ()), log=log)
     done = _finished(runs, configs, out)
-    todo = [r for r in runs if r.run_id not in done]
-    # Seed-major: one seed of every setting first (an early full picture), and the later
-    # seeds reuse the first seed's compiled programs from the persistent cache.
-    order = {r.run_id: i for i, r in enumerate(runs)}
-    todo.sort(key=lambda r: (r.value("seed", 0), order[r.run_id]))
+    todo = dispatch_order([r for r in runs if r.run_id not in done])
     log(f"grid {grid.name}: {len(runs)} runs, {len(done)} finished, {len(todo)} to train -> {out}")
     _start_over_uncheckpointed(todo, configs, log)
     os.makedirs(out, exist_ok=True)
