@@ -33,9 +33,10 @@ $(TEST_STAMP): setup.py $(CONSTRAINTS)
 	touch $(TEST_STAMP)
 
 # Two pytest workers (pytest-xdist), one test file each: XLA compiles on one thread, so a
-# second worker fills the idle core (default suite 11m47s -> 8m56s on a 2-core CPU).
+# second worker fills the idle core (default suite 11m47s -> 8m56s on a 2-core CPU). Files go
+# out in tests/conftest.py's order (longest first), not xdist's by number of tests.
 TEST_WORKERS ?= 2
-PYTEST := $(TEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(TEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: install install-tpu install-test train plot test test-all
 install: $(TRAIN_STAMP)
