@@ -16,6 +16,7 @@ validation split. A claim with `band` (e.g. "q4") reads that held-out band's pas
 a term's `step` reads that evaluation instead of the last. A claim whose runs are missing
 says "not run". A family file's COMPARE
 names another family whose effects and verdicts join as extra columns, by claim text.
+The paper's own number for each claim sits beside it (configs/ablations/paper_numbers.py).
 Writes the file's CLAIMS_OUT (markdown) and prints it; its `seeds for +0.02` column is the
 paired seeds each claim would need for 80% power at a 2-point effect, at the std it shows.
 """
@@ -40,6 +41,9 @@ RULE = (
     "reference with no prediction.\n"
 )
 _COLUMNS = (
+    "`paper (points)`: the paper's number for the claim (configs/ablations/paper_numbers.py: "
+    "Qwen3-8B, Pass@1 points, EBPO minus the baseline; `direction only` where PAPER.md gives "
+    "none; `-`: not the paper's claim). "
     "`registration`: `pre-registered` when every run it reads recorded the SHA-256 of this "
     "claims file as it is now (the file was committed before they trained); otherwise post "
     "hoc, or, for runs from before hashes were recorded, what git says of when the claim's "
@@ -85,6 +89,7 @@ def columns_text(module) -> str:
 EFFECT = 0.02  # the smallest difference the seed counts are sized for (ablate.py's pilot)
 PAIR = ("sft.seed", "seed")  # runs pair by warm start and RL seed
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAPER_NUMBERS = "configs/ablations/paper_numbers.py"  # the paper's number for each claim
 
 
 def load_module(path: str):
@@ -438,12 +443,17 @@ def _interval(d, lo, hi, n) -> list[str]:
     ]
 
 
-def render(table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str = "") -> str:
-    """The markdown claims table: registration, effect [interval], seeds (and warm starts,
-    with the first warm start's interval, when runs span several), p, Holm p, verdicts, the
-    effect at equal generated tokens; with `compare` (another family's claims_table) its
-    effect, seeds and verdict by claim."""
+def render(
+    table: pd.DataFrame, compare: pd.DataFrame | None = None, name: str = "", paper=None
+) -> str:
+    """The markdown claims table: the paper's number (`paper`, by claim, when any is
+    known), registration, effect [interval], seeds (and warm starts, with the first warm
+    start's interval, when runs span several), p, Holm p, verdicts, the effect at equal
+    generated tokens; with `compare` (another family's claims_table) its effect, seeds and
+    verdict by claim."""
     out = pd.DataFrame({"claim": table.claim})
+    if paper is not None and any(n != "-" for n in paper):
+        out["paper (points)"] = list(paper)
     if "registration" in table:
         out["registration"] = table.registration.to_numpy()
     out["effect [95% interval]"] = _effects(table)
@@ -520,7 +530,7 @@ def problems_loader(module):
 
 def main(argv):
     del argv
-    module = load_module(_GRIDS.value)
+    module, papers = load_module(_GRIDS.value), load_module(PAPER_NUMBERS)
     rows_of = results_loader(module)
     table = claims_table(module.CLAIMS, rows_of, problems_of=problems_loader(module))
     table.insert(1, "registration", registrations(module, module.CLAIMS, rows_of))
@@ -536,7 +546,7 @@ def main(argv):
             *([module.RERUN_RULE] if hasattr(module, "RERUN_RULE") else []),
             columns_text(module),
             holm_family(table),
-            render(table, compare, name),
+            render(table, compare, name, [papers.number(c) for c in table.claim]),
             "",
         ]
     )

@@ -80,6 +80,37 @@ def test_reasoning_claims_name_existing_parts_and_columns():
             assert part in module.PARTS and set(where) <= columns, claim["claim"]
 
 
+# The paper's headline Pass@1 (Qwen3-8B, average of 5 benchmarks; ../shared/PAPER.md).
+PAPER_8B = {
+    4: {"GRPO": 58.72, "Dr. GRPO": 56.67, "DAPO": 52.63, "EBPO": 64.39},
+    8: {"GRPO": 54.26, "DAPO": 46.69, "EBPO": 65.54},
+    16: {"GRPO": 63.16, "DAPO": 56.36, "EBPO": 64.64},
+}
+
+
+def test_the_paper_column_is_ebpo_minus_the_baseline_in_the_papers_table():
+    c = _claims()
+    numbers = c.load_module(c.PAPER_NUMBERS)
+    gain = lambda g, base: PAPER_8B[g]["EBPO"] - PAPER_8B[g][base]
+    first = lambda text: float(text.split()[0])
+    for g in (4, 8, 16):
+        assert first(numbers.number(f"EBPO beats GRPO at G={g}")) == round(gain(g, "GRPO"), 2)
+    assert first(numbers.number("best rate: EBPO beats Dr. GRPO at G=4")) == round(
+        gain(4, "Dr. GRPO"), 2
+    )
+    assert first(numbers.number("EBPO beats DAPO at G=4")) == round(gain(4, "DAPO"), 2)
+    shrink = numbers.number("the gain shrinks with G: (EBPO - GRPO at G=4) - (at G=16)")
+    assert first(shrink) == round(gain(4, "GRPO") - gain(16, "GRPO"), 2)
+    assert numbers.number("across warm starts: EBPO beats GRPO at G=8") == "+11.28"
+    assert numbers.number("reference: Clip-Cov - GRPO at G=4") == "-"
+    finals = _finals({("grpo", 8): [0.1, 0.2], ("ebpo", 8): [0.2, 0.4]})
+    claim = {"claim": "EBPO beats GRPO at G=8", "direction": 1,
+             "plus": [("a", {"method": "ebpo"})], "minus": [("a", {"method": "grpo"})]}  # fmt: skip
+    text = c.render(c.claims_table([claim], lambda p: finals), paper=["+11.28"])
+    assert "| claim | paper (points) |" in text and "| EBPO beats GRPO at G=8 | +11.28 |" in text
+    assert "paper (points)" not in c.render(c.claims_table([claim], lambda p: finals), paper=["-"])
+
+
 def test_a_term_with_two_runs_per_seed_is_an_error():
     c = _claims()
     finals = _finals({("grpo", 4): [0.1, 0.2], ("ebpo", 4): [0.2, 0.3]})
