@@ -406,6 +406,30 @@ def test_plot_axes_ignore_provenance():
     assert plots._axes_of(df) == (["method"], "group_size")
 
 
+def test_plots_average_warm_starts_and_interval_over_their_means():
+    from ebpo_jax.ablation import plots
+
+    rng = np.random.default_rng(0)
+    rows = [
+        {"block": "g", "run_id": f"{m}{g}{w}{s}", "method": m, "group_size": g, "sft.seed": w,
+         "seed": s, "step": 10, "pass@1": rng.uniform(0.1, 0.3), "generated_tokens": 1}
+        for m in ("grpo", "ebpo") for g in (2, 4) for w in (100, 101, 102) for s in (0, 1)
+    ]  # fmt: skip
+    df = pd.DataFrame(rows)
+    assert plots._axes_of(df) == (["method"], "group_size")  # one line per method
+    levels, over = plots._final_levels(df, ["method", "group_size"])
+    cell = df[(df.method == "ebpo") & (df.group_size == 4)]
+    means = cell.groupby("sft.seed")["pass@1"].mean().to_numpy()
+    half = stats.t.ppf(0.975, 2) * means.std(ddof=1) / np.sqrt(3)
+    got = levels.set_index(["method", "group_size"]).loc[("ebpo", 4)]
+    assert over == "warm starts"
+    np.testing.assert_allclose(
+        got[["pass@1", "ci_low", "ci_high"]].to_numpy(float),
+        [means.mean(), means.mean() - half, means.mean() + half],
+    )
+    assert plots._final_levels(df[df["sft.seed"] == 100], ["method"])[1] == "seeds"
+
+
 def test_only_finished_runs_are_collected(tmp_path):
     """A run without its summary.json (still training, or killed) gives no rows: its last
     eval would read as its final pass@1."""

@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
-from ebpo_jax.ablation.results import CURVES, summarize
+from ebpo_jax.ablation.results import CURVES, final_rows, interval95, summarize
 
 TRAIN_PANELS = (
     ("actor/grad_norm", "grad norm"),
@@ -29,8 +29,11 @@ class BlockAxes(NamedTuple):
     facet: str | None
 
 
-def _axes_of(df: pd.DataFrame, ignore=("seed",)) -> BlockAxes:
-    """The axes that vary in this block; group_size facets."""
+WARM = "sft.seed"  # several warm starts: lines are their mean, intervals over their means
+
+
+def _axes_of(df: pd.DataFrame, ignore=("seed", WARM)) -> BlockAxes:
+    """The axes that vary in this block (RL seeds and warm starts averaged); group_size facets."""
     fixed = {"block", "run_id", "step", "generated_tokens", "pass@1", "val_pass@1", *CURVES}
     fixed.add("prompts_per_step")
     fixed |= set(PROVENANCE_FIELDS)  # runs adopted from other grids may differ in XLA flags
@@ -73,6 +76,26 @@ def _curve_plot(df, x, y, axes: BlockAxes, path, ylabel, window=1):
     fig.savefig(path, dpi=100)
 
 
+def _final_levels(evals: pd.DataFrame, by: list[str]) -> tuple[pd.DataFrame, str]:
+    """Final pass@1 per setting `by` with a 95% t-interval (pass@1, ci_low, ci_high): over
+    the warm starts' means when runs span several (their spread is the noise that counts),
+    else over seeds; and what the interval is over."""
+    if WARM not in evals or evals[WARM].nunique(dropna=True) < 2:
+        return summarize(evals, by), "seeds"
+    means = final_rows(evals).groupby([*by, WARM], sort=True)["pass@1"].mean().reset_index()
+    rows = [
+        {
+            **dict(zip(by, key if isinstance(key, tuple) else (key,))),
+            **dict(zip(_LEVEL, interval95(g))),
+        }
+        for key, g in means.groupby(by, sort=True)["pass@1"]
+    ]
+    return pd.DataFrame(rows), "warm starts"
+
+
+_LEVEL = ("pass@1", "ci_low", "ci_high")
+
+
 def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: str) -> list[str]:
     """Write this block's PNGs to out_dir; returns their paths."""
     ev, st = evals[evals.block == block], steps[steps.block == block]
@@ -86,8 +109,8 @@ def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: st
 
     _curve_plot(ev, "step", "pass@1", axes, path("pass1_vs_step"), "held-out pass@1")
     _curve_plot(ev, "generated_tokens", "pass@1", axes, path("pass1_vs_tokens"), "held-out pass@1")
-    if facet:  # final pass@1 against G, one line per series, 95% intervals over seeds
-        summ = summarize(ev, [*series, facet])
+    if facet:  # final pass@1 against G, one line per series, 95% intervals
+        summ, over = _final_levels(ev, [*series, facet])
         fig = Figure(figsize=(5, 3.5))
         ax = fig.subplots()
         groups = summ.groupby(series, sort=True) if series else [((), summ)]
@@ -105,7 +128,7 @@ def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: st
             )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("group size G")
-        ax.set_ylabel("final held-out pass@1 (95% CI)")
+        ax.set_ylabel(f"final held-out pass@1\n(95% CI over {over})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
