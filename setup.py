@@ -52,7 +52,7 @@ setuptools.setup(
         "test": [
             *TRAIN,
             "pytest>=8.0",
-            "pytest-xdist>=3.5",
+            "pytest-xdist>=3.8",  # --no-loadscope-reorder (the Makefile)
             "hypothesis>=6.100",
             "torch==2.13.0",
             "jax[tpu]",

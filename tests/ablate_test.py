@@ -21,6 +21,7 @@ from ebpo_jax import ablation
 from ebpo_jax.ablation import executor, runner, tables
 from ebpo_jax.ablation import grid as grid_lib
 from ebpo_jax.ablation import rerun as rerun_lib
+from ebpo_jax.ablation.results import interval95
 from ebpo_jax.schema import ConfigError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -406,7 +407,7 @@ def test_plot_axes_ignore_provenance():
     assert plots._axes_of(df) == (["method"], "group_size")
 
 
-def test_plots_average_warm_starts_and_interval_over_their_means():
+def test_plots_average_warm_starts_and_interval_over_their_means(tmp_path):
     from ebpo_jax.ablation import plots
 
     rng = np.random.default_rng(0)
@@ -428,6 +429,16 @@ def test_plots_average_warm_starts_and_interval_over_their_means():
         [means.mean(), means.mean() - half, means.mean() + half],
     )
     assert plots._final_levels(df[df["sft.seed"] == 100], ["method"])[1] == "seeds"
+    # A cell with one warm start (beside cells with three): its interval is over its runs.
+    mixed = df[(df.group_size == 4) | (df["sft.seed"] == 100)]
+    levels, over = plots._final_levels(mixed, ["method", "group_size"])
+    runs = mixed[(mixed.method == "grpo") & (mixed.group_size == 2)]["pass@1"]
+    got = levels.set_index(["method", "group_size"]).loc[("grpo", 2), "ci_high"]
+    assert over == "warm starts or seeds" and got == pytest.approx(interval95(runs)[2])
+    paths = plots.plot_block(df, pd.DataFrame({"block": []}), "g", str(tmp_path))  # no steps
+    assert [os.path.basename(p) for p in paths] == [
+        "g_pass1_vs_step.png", "g_pass1_vs_tokens.png", "g_final_vs_G.png"
+    ] and all(os.path.exists(p) for p in paths)  # fmt: skip
 
 
 def test_only_finished_runs_are_collected(tmp_path):

@@ -101,6 +101,9 @@ def test_the_paper_column_is_ebpo_minus_the_baseline_in_the_papers_table():
     assert first(numbers.number("EBPO beats DAPO at G=4")) == round(gain(4, "DAPO"), 2)
     shrink = numbers.number("the gain shrinks with G: (EBPO - GRPO at G=4) - (at G=16)")
     assert first(shrink) == round(gain(4, "GRPO") - gain(16, "GRPO"), 2)
+    for g in (8, 16):  # the paper has no G=2: its G=4 stands in, and says so
+        text = numbers.number(f"the gain shrinks with G: (EBPO - GRPO at G=2) - (at G={g})")
+        assert first(text) == round(gain(4, "GRPO") - gain(g, "GRPO"), 2) and "no G=2" in text
     assert numbers.number("across warm starts: EBPO beats GRPO at G=8") == "+11.28"
     assert numbers.number("reference: Clip-Cov - GRPO at G=4") == "-"
     finals = _finals({("grpo", 8): [0.1, 0.2], ("ebpo", 8): [0.2, 0.4]})

@@ -12,9 +12,13 @@ PAPER = {
     "EBPO beats GRPO at G=4": "+5.67 (EBPO-topic)",
     "EBPO beats GRPO at G=8": "+11.28",
     "EBPO beats GRPO at G=16": "+1.48",
-    "the gain shrinks with G: (EBPO - GRPO at G=4) - (at G=16)": "+4.19",
-    "the gain shrinks with G: (EBPO - GRPO at G=2) - (at G=16)": "+4.19 (G=4 - G=16)",
-    "the gain shrinks with G: (EBPO - GRPO at G=2) - (at G=8)": "-5.61 (G=4 - G=8)",
+    "the gain shrinks with G: (EBPO - GRPO at G=4) - (at G=16)": "+4.19 (G=4 EBPO-topic)",
+    "the gain shrinks with G: (EBPO - GRPO at G=2) - (at G=16)": (
+        "+4.19 (G=4 EBPO-topic - G=16; the paper has no G=2)"
+    ),
+    "the gain shrinks with G: (EBPO - GRPO at G=2) - (at G=8)": (
+        "-5.61 (G=4 EBPO-topic - G=8; the paper has no G=2)"
+    ),
     "EBPO beats Dr. GRPO at G=4": "+7.72 (EBPO-topic)",
     "EBPO beats DAPO at G=4": "+11.76 (EBPO-topic)",
     "EBPO - GRPO at G=4": "+5.67 (EBPO-topic)",

@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
-from ebpo_jax.ablation.results import CURVES, final_rows, interval95, summarize
+from ebpo_jax.ablation.results import CURVES, final_rows, interval95
 
 TRAIN_PANELS = (
     ("actor/grad_norm", "grad norm"),
@@ -78,19 +78,19 @@ def _curve_plot(df, x, y, axes: BlockAxes, path, ylabel, window=1):
 
 def _final_levels(evals: pd.DataFrame, by: list[str]) -> tuple[pd.DataFrame, str]:
     """Final pass@1 per setting `by` with a 95% t-interval (pass@1, ci_low, ci_high): over
-    the warm starts' means when runs span several (their spread is the noise that counts),
-    else over seeds; and what the interval is over."""
-    if WARM not in evals or evals[WARM].nunique(dropna=True) < 2:
-        return summarize(evals, by), "seeds"
-    means = final_rows(evals).groupby([*by, WARM], sort=True)["pass@1"].mean().reset_index()
-    rows = [
-        {
-            **dict(zip(by, key if isinstance(key, tuple) else (key,))),
-            **dict(zip(_LEVEL, interval95(g))),
-        }
-        for key, g in means.groupby(by, sort=True)["pass@1"]
-    ]
-    return pd.DataFrame(rows), "warm starts"
+    the cell's warm-start means when it spans several (their spread is the noise that
+    counts), else over its runs; and what the intervals are over."""
+    rows, warm_cells = [], 0
+    for key, cell in final_rows(evals).groupby(by, sort=True):
+        warm = cell[WARM].nunique(dropna=False) if WARM in cell else 1
+        x = cell.groupby(WARM, dropna=False)["pass@1"].mean() if warm > 1 else cell["pass@1"]
+        warm_cells += warm > 1
+        key = key if isinstance(key, tuple) else (key,)
+        rows.append({**dict(zip(by, key)), **dict(zip(_LEVEL, interval95(x)))})
+    over = "seeds"
+    if warm_cells:
+        over = "warm starts" if warm_cells == len(rows) else "warm starts or seeds"
+    return pd.DataFrame(rows), over
 
 
 _LEVEL = ("pass@1", "ci_low", "ci_high")
@@ -149,4 +149,4 @@ def plot_block(evals: pd.DataFrame, steps: pd.DataFrame, block: str, out_dir: st
         axs[0][0].legend(fontsize=6)
         fig.tight_layout()
         fig.savefig(path("train_curves"), dpi=90)
-        return paths
+    return paths
