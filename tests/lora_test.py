@@ -339,24 +339,35 @@ def _lora_run(tmp_path, name, steps):
     return c
 
 
-def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """One uninterrupted 4-step LoRA run (B is still 0 after the first steps' all-zero
+    advantages): its folder, config and summary, read by the tests below."""
+    from ebpo_jax.trainer import loop
+
+    root = tmp_path_factory.mktemp("lora_run")
+    c = _lora_run(root, "full", 4)
+    return root / "full", c, loop.train(c, log=lambda *_: None)
+
+
+def test_lora_run_trains_adapters_only_through_the_loop(lora_run, tmp_path):
     """model.lora.rank > 0 through train(): only adapters (and their Adam moments) are saved
     and move; the sampler and the eval run the merged weights."""
     from ebpo_jax.runtime.checkpoint import load_params
     from ebpo_jax.trainer import loop
 
-    s = loop.train(_lora_run(tmp_path, "full", 2), log=lambda *_: None)
-    assert s["step"] == 2 and np.isfinite(s["pass@1_end"])
-    adapters = load_params(str(tmp_path / "full"))
+    full, _, s = lora_run
+    assert s["step"] == 4 and np.isfinite(s["pass@1_end"])
+    adapters = load_params(str(full))
     names = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(adapters)[0]}
     assert names and all("'a'" in n or "'b'" in n for n in names), sorted(names)[:4]
     assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(adapters))  # B moved
-    with Checkpointer(str(tmp_path / "full" / "checkpoints")) as ckpt:
+    with Checkpointer(str(full / "checkpoints")) as ckpt:
         ref = ckpt.saved_extra()["lora_base"]
     assert ref["rank"] == 4 and ref["source"].startswith(("init(", "/")), ref
     # Checkpoints carried to another workdir (no config.json to compare) with another adapter
     # spec, or without LoRA, are refused before restoring: nothing is set aside as corrupt.
-    shutil.copytree(tmp_path / "full" / "checkpoints", tmp_path / "moved" / "checkpoints")
+    shutil.copytree(full / "checkpoints", tmp_path / "moved" / "checkpoints")
     other = _lora_run(tmp_path, "moved", 3)
     other.model.lora.rank = 8
     with pytest.raises(config_lib.ConfigError, match="rank: checkpoint 4 vs config 8"):
@@ -368,22 +379,20 @@ def test_lora_run_trains_adapters_only_through_the_loop(tmp_path):
     assert not os.path.exists(tmp_path / "moved" / "checkpoints.corrupt")
 
 
-def test_lora_run_exports_merged_hf_and_peft(tmp_path):
+def test_lora_run_exports_merged_hf_and_peft(lora_run, tmp_path):
     """convert_hf.py --lora_run: the run's adapters merged into its HF base equal the policy
     the run holds, and the PEFT folder holds every adapter."""
 
     from ebpo_jax.spec import resolve
     from ebpo_jax.tasks.protocol import build_task
-    from ebpo_jax.trainer import loop
 
-    c = _lora_run(tmp_path, "run", 4)  # B is still 0 after the first steps' all-zero advantages
-    loop.train(c, log=lambda *_: None)
+    full, c, _ = lora_run
     task = build_task(resolve(c, 1).task, log=lambda *_: None)
     models.to_hf(task.model_config, task.params, str(tmp_path / "base"))
     from conftest import load_experiment
 
     convert_hf = load_experiment("convert_hf")  # the one copy hf_test may have loaded
-    run, merged_dir = str(tmp_path / "run"), str(tmp_path / "merged")
+    run, merged_dir = str(full), str(tmp_path / "merged")
     convert_hf.export_lora(str(tmp_path / "base"), run, merged_dir, str(tmp_path / "adapter"))
     _, merged = models.from_hf(merged_dir, dtype="float32")
     _, base = models.from_hf(str(tmp_path / "base"), dtype="float32")
@@ -401,14 +410,13 @@ def test_lora_run_exports_merged_hf_and_peft(tmp_path):
     assert len(tensors) == 2 * len(spec.targets) * task.model_config.num_layers
 
 
-@pytest.mark.slow  # three short runs
-def test_resumed_lora_run_equals_uninterrupted(tmp_path):
+@pytest.mark.slow  # two short runs beside the shared one
+def test_resumed_lora_run_equals_uninterrupted(lora_run, tmp_path):
     """The base is not checkpointed: a resume rebuilds it and continues exactly."""
     from ebpo_jax.runtime.checkpoint import load_params
     from ebpo_jax.trainer import loop
 
-    loop.train(_lora_run(tmp_path, "full", 4), log=lambda *_: None)
     loop.train(_lora_run(tmp_path, "resumed", 4), log=lambda *_: None, stop_after=2)
     loop.train(_lora_run(tmp_path, "resumed", 4), log=lambda *_: None)
-    a, b = (load_params(str(tmp_path / n)) for n in ("full", "resumed"))
+    a, b = (load_params(str(p)) for p in (lora_run[0], tmp_path / "resumed"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
