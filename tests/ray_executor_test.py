@@ -189,6 +189,18 @@ def test_a_run_that_fails_the_same_way_twice_is_reported_and_the_rest_go_on(clus
     assert progress.counts == {"done": 1, "running": 0, "retried": 1, "failed": 1}
 
 
+def test_a_started_cluster_holds_as_many_runs_as_its_slots():
+    cpus = lambda n: ray_executor.RayResources(cpus=n)
+    assert ray_executor.slots({"CPU": 2.0}, cpus(1)) == 2
+    assert ray_executor.slots({"CPU": 16.0, "GPU": 1.0}, ray_executor.RayResources(1, 0.5)) == 2
+    assert ray_executor.slots({"CPU": 2.0}, cpus(4)) == 1  # Ray says when it cannot place it
+    ex = ray_executor.RayExecutor()
+    ex._slots = 2
+    assert ex._room({}) and ex._room({"a": None}) and not ex._room({"a": None, "b": None})
+    ex._slots = 0  # a joined cluster: every run queues in Ray
+    assert ex._room({str(i): None for i in range(50)})
+
+
 def test_slice_types_parse_to_hosts_and_chips():
     assert ray_slice.parse_slice("v5p-64") == ray_slice.SliceSpec("v5p-64", 8, 4)
     assert ray_slice.parse_slice("v4-8") == ray_slice.SliceSpec("v4-8", 1, 4)
@@ -205,7 +217,12 @@ def test_executor_bench_smoke():
     env = dict(os.environ, PYTHONPATH=REPO, XLA_FLAGS="")  # one device, as a user runs it
     run = subprocess.run(
         [sys.executable, "benchmarks/executor_bench.py", "--repeats=1"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=1200, check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "results equal" in run.stdout and "overhead per run" in run.stdout

@@ -122,6 +122,16 @@ def failure(error: BaseException) -> str:
     return type(error).__name__  # worker crashed, node died, OOM: the kind is the signature
 
 
+def slots(cluster: dict, resources: RayResources) -> int:
+    """How many runs asking `resources` fit at once on a cluster of `cluster` (Ray's
+    cluster_resources()); at least 1."""
+    asks = [
+        (cluster.get(k, 0.0), need)
+        for k, need in (("CPU", resources.cpus), ("GPU", resources.gpus))
+    ]
+    return max(1, int(min((have // need for have, need in asks if need > 0), default=1)))
+
+
 class _Flight(NamedTuple):
     run_id: str
     work: object
@@ -144,7 +154,7 @@ class RayExecutor:
             ray_slice.parse_slice(resources.slice)  # a bad name fails before anything starts
         self.address, self.resources = address, resources
         self.retries, self.slices = retries, slices
-        self._started = False
+        self._started, self._slots = False, 0
 
     def connect(self) -> None:
         """Join (or start) the cluster once."""
@@ -163,6 +173,7 @@ class RayExecutor:
                 log_to_driver=False,
             )
             self._started = True
+            self._slots = slots(ray.cluster_resources(), self.resources)
 
     def close(self) -> None:
         """Stop the cluster this executor started (a joined one keeps running)."""
@@ -206,10 +217,14 @@ class RayExecutor:
         return finished
 
     def _room(self, flights: dict) -> bool:
-        """Runs on slices wait for a slice; CPU and GPU runs queue in Ray itself."""
-        if not self.resources.slice:
-            return True
-        return len({f.run_id for f in flights.values()}) < self.slices
+        """Runs on slices wait for a slice; on a cluster this executor started, for a free
+        slot; on a joined one, CPU and GPU runs queue in Ray itself."""
+        if self.resources.slice:
+            return len({f.run_id for f in flights.values()}) < self.slices
+        # Ray starts queued tasks in no set order, so a fixed-size cluster gets no more runs
+        # than it holds and they start in the grid's order (ablation.runner.dispatch_order); a
+        # joined cluster may scale up on queued demand, so every run queues there.
+        return not self._slots or len(flights) < self._slots
 
     def _launch(self, run_id, work, attempt: int, last: str, env: dict) -> _Flight:
         import ray
