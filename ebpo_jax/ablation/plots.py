@@ -9,6 +9,7 @@ import pandas as pd
 # Figures, not pyplot: files only, no display and no global backend to set on pods or CI.
 from matplotlib.figure import Figure
 
+from ebpo_jax.ablation import twolevel
 from ebpo_jax.ablation.provenance import FIELDS as PROVENANCE_FIELDS
 from ebpo_jax.ablation.results import CURVES, final_rows, interval95
 
@@ -82,11 +83,14 @@ def _final_levels(evals: pd.DataFrame, by: list[str]) -> tuple[pd.DataFrame, str
     counts), else over its runs; and what the intervals are over."""
     rows, warm_cells = [], 0
     for key, cell in final_rows(evals).groupby(by, sort=True):
-        warm = cell[WARM].nunique(dropna=False) if WARM in cell else 1
-        x = cell.groupby(WARM, dropna=False)["pass@1"].mean() if warm > 1 else cell["pass@1"]
-        warm_cells += warm > 1
+        warm = cell[WARM].astype(str) if WARM in cell else None  # a missing one: its own group
+        if warm is not None and warm.nunique() > 1:
+            t = twolevel.interval(cell["pass@1"], warm)
+            level, warm_cells = (t["diff"], t["ci_low"], t["ci_high"]), warm_cells + 1
+        else:
+            level = interval95(cell["pass@1"])
         key = key if isinstance(key, tuple) else (key,)
-        rows.append({**dict(zip(by, key)), **dict(zip(_LEVEL, interval95(x)))})
+        rows.append({**dict(zip(by, key)), **dict(zip(_LEVEL, level))})
     over = "seeds"
     if warm_cells:
         over = "warm starts" if warm_cells == len(rows) else "warm starts or seeds"
