@@ -1,6 +1,8 @@
 """Test set-up: 8 fake CPU devices, float32 matmuls at full precision."""
 
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere: multi-device code is tested on
 # 8 fake CPU devices.
@@ -13,7 +15,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# The entry points the tests run turn on the persistent compilation cache: one empty folder per
+# pytest run, made here in the controller so its xdist workers and their subprocesses share it,
+# keeps the tests out of the user's ~/.cache and every run as cold as CI's.
+_OWN_CACHE = None
+if "EBPO_JAX_COMPILATION_CACHE" not in os.environ:
+    _OWN_CACHE = tempfile.mkdtemp(prefix="ebpo_jax_test_xla_")
+    os.environ["EBPO_JAX_COMPILATION_CACHE"] = _OWN_CACHE
 
+from ebpo_jax.runtime import compile_cache
 from ebpo_jax.runtime.cpu_flags import add_cpu_flags
 
 add_cpu_flags()  # the flags the entry points set, so tests run what users run
@@ -22,6 +32,9 @@ import jax
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# The tests' own programs through the same cache: many build the same program anew (a fresh
+# closure per test, a second worker, a subprocess), and XLA keys the cache by the program.
+compile_cache.enable(os.environ["EBPO_JAX_COMPILATION_CACHE"])
 
 
 def load_experiment(name: str):
@@ -102,3 +115,9 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_unconfigure(config):
+    """Remove the run's compilation cache (the process that made it)."""
+    if _OWN_CACHE:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)

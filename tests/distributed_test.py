@@ -62,6 +62,7 @@ _WORKER = textwrap.dedent(
     from ebpo_jax.runtime import distributed
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     pid = int(sys.argv[2])
+    report = open(sys.argv[3], "w")  # not stdout: gloo's C++ logging interleaves with it
     assert distributed.initialize(sys.argv[1], num_processes=2, process_id=pid)
     data = {"x": np.arange(16 * 3, dtype=np.float32).reshape(16, 3), "i": np.arange(16)}
     local = distributed.local_rows(data)
@@ -70,14 +71,16 @@ _WORKER = textwrap.dedent(
     # Row-weighted sum: equals the single-process value only if every row sits at its place.
     total = jax.jit(lambda b: (b["x"].sum(1) * b["i"]).sum())(batch)
     mine = sorted({int(v) for s in batch["i"].addressable_shards for v in np.asarray(s.data)})
-    print("RESULT", pid, distributed.is_main_process(), float(total), min(mine), max(mine), flush=True)
+    print("RESULT", pid, distributed.is_main_process(), float(total), min(mine), max(mine),
+          file=report, flush=True)
     seen = []
     def score(t):  # a host reward's shape: rows in, [rows, 1] out; "k" is no row leaf
         seen.append(sorted(int(i) for i in t["i"]))
         return t["x"].sum(1, keepdims=True) * t["i"][:, None] + t["k"]
     tree = {"x": data["x"], "i": data["i"], "k": np.float32(0.5)}
     joined = distributed.map_row_blocks(score, tree, 16)
-    print("BLOCKS", pid, seen[0][0], seen[0][-1], np.array_equal(joined, score(tree)), flush=True)
+    print("BLOCKS", pid, seen[0][0], seen[0][-1], np.array_equal(joined, score(tree)),
+          file=report, flush=True)
     """
 )
 
@@ -94,9 +97,10 @@ def test_two_processes_build_one_global_batch(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     addr = f"localhost:{_free_port()}"
+    reports = [tmp_path / f"report{i}.txt" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), addr, str(i)],
+            [sys.executable, str(script), addr, str(i), str(reports[i])],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -104,9 +108,10 @@ def test_two_processes_build_one_global_batch(tmp_path):
         )
         for i in range(2)
     ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]  # shares the CPU with a test worker
+    logs = [p.communicate(timeout=300)[0] for p in procs]  # shares the CPU with a test worker
+    outs = [r.read_text() if r.exists() else "" for r in reports]
     rows = [line.split() for out in outs for line in out.splitlines() if line.startswith("RESULT")]
-    assert len(rows) == 2, outs
+    assert len(rows) == 2, logs
     x = np.arange(48, dtype=np.float32).reshape(16, 3)
     expected = float((x.sum(1) * np.arange(16)).sum())
     by_pid = {int(r[1]): r for r in rows}
@@ -117,7 +122,7 @@ def test_two_processes_build_one_global_batch(tmp_path):
     # map_row_blocks: each process scores its own 8 rows; both get all 16 results in order.
     blocks = {line.split()[1]: line.split()[2:] for out in outs for line in out.splitlines()
               if line.startswith("BLOCKS")}  # fmt: skip
-    assert blocks == {"0": ["0", "7", "True"], "1": ["8", "15", "True"]}, outs
+    assert blocks == {"0": ["0", "7", "True"], "1": ["8", "15", "True"]}, logs
 
 
 def test_map_row_blocks_is_fn_itself_in_one_process():

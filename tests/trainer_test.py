@@ -99,11 +99,17 @@ def _state(c, params, **kw):
     return init_train_state(jax.tree.map(jnp.copy, params), make_optimizer(c), seed=0, **kw)
 
 
-def _rollout(c, mc, params, batch, rewards_PG=None):
-    ro = jax.jit(make_rollout_fn(c, mc, _reward, EOS))(params, batch, jax.random.key(1))
-    if rewards_PG is not None:
-        ro = ro._replace(rewards=jnp.asarray(rewards_PG, jnp.float32))
-    return ro
+@pytest.fixture(scope="module")
+def rollout(setup):
+    """The default config's rollout of the first batch: the update tests read its tokens and
+    log-probs and set their own rewards (no update setting changes how it samples)."""
+    c, mc, params, batches = setup
+    batch = jax.tree.map(lambda x: x[0], batches)
+    return jax.jit(make_rollout_fn(c, mc, _reward, EOS))(params, batch, jax.random.key(1))
+
+
+def _with_rewards(ro, rewards_PG):
+    return ro._replace(rewards=jnp.asarray(rewards_PG, jnp.float32))
 
 
 MIXED = [[1, 0, 0, 1], [0, 0, 0, 1], [1, 1, 0, 1], [0, 1, 0, 0]]
@@ -120,9 +126,9 @@ def test_pack_sequences_places_completion_after_prompt():
     np.testing.assert_array_equal(mask, [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0]])
 
 
-def test_sampler_logprobs_equal_training_forward(setup):
-    c, mc, params, batches = setup
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches))
+def test_sampler_logprobs_equal_training_forward(setup, rollout):
+    c, mc, params, _ = setup
+    ro = rollout
     G, N = c.group_size, ro.tokens.shape[-1]
     mask_BN = jnp.arange(N) < ro.lengths.reshape(-1, 1)
     assert int(mask_BN.sum()) > 0 and G > 1
@@ -163,10 +169,10 @@ def test_splash_packed_path_equals_grouped_path():
 
 
 @pytest.mark.slow  # the loop tests train this update; here its direction and a frozen reference
-def test_update_decreases_loss_on_fixed_batch(setup):
-    c, mc, params, batches = setup
+def test_update_decreases_loss_on_fixed_batch(setup, rollout):
+    _, mc, params, _ = setup
     c = _config(**{"loss.clip_low": 10.0, "loss.clip_high": 10.0, "loss.kl_coef": 0.01})
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    ro = _with_rewards(rollout, MIXED)
     update = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))
     state, losses, kls = _state(c, params, with_ref=True), [], []
     for _ in range(4):
@@ -183,9 +189,9 @@ def test_update_decreases_loss_on_fixed_batch(setup):
     "agg,micro_n",
     [("token-mean", 4), pytest.param("seq-mean-token-mean", 2, marks=pytest.mark.slow)],
 )
-def test_microbatch_accumulation_equals_full_batch(setup, agg, micro_n):
-    c, mc, params, batches = setup
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+def test_microbatch_accumulation_equals_full_batch(setup, rollout, agg, micro_n):
+    _, mc, params, _ = setup
+    ro = _with_rewards(rollout, MIXED)
 
     def update(n):  # each count compiles its own update
         cc = _config(**{"loss.num_microbatches": n, "loss.agg": agg})
@@ -230,13 +236,12 @@ def _eb_history():
     return advantages.eb_advantage(hist, advantages.init_eb_state())[1]
 
 
-def test_ebpo_all_fail_group_has_gradient_where_grpo_has_none(setup):
-    _, mc, params, batches = setup
-    rewards = [[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
+def test_ebpo_all_fail_group_has_gradient_where_grpo_has_none(setup, rollout):
+    _, mc, params, _ = setup
+    ro = _with_rewards(rollout, [[0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
     norms, advs = {}, {}
     for name in ("ebpo", "grpo"):
         c = _config(estimator=name, **{"optimizer.weight_decay": 0.0})  # decay alone moves params
-        ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), rewards)
         state = _state(c, params)._replace(eb_state=_eb_history())
         new, m = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))(state, ro)
         norms[name] = float(m["actor/grad_norm"])
@@ -422,16 +427,17 @@ def test_rollout_in_prompt_chunks_matches_one_call(setup):
         )
 
 
-def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(setup):
+def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(setup, rollout):
     """recompute_old_logprobs: the trainer's forward equals the sampler's log-probs (same
     params), so the update is unchanged; a perturbed sampler shows in mismatch/* and MIS."""
-    c, mc, params, batches = setup
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    _, mc, params, _ = setup
+    ro = _with_rewards(rollout, MIXED)
     plain = _config()
     rec = _config(**{"loss.recompute_old_logprobs": True, "loss.is_correction": "mis"})
-    update = lambda cc, r: jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))(
-        _state(cc, params), r
-    )
+    jitted = {
+        id(cc): jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS)) for cc in (plain, rec)
+    }
+    update = lambda cc, r: jitted[id(cc)](_state(cc, params), r)  # each config compiles once
     (s0, m0), (s1, m1) = update(plain, ro), update(rec, ro)
     assert float(m1["mismatch/abs_diff_max"]) < 1e-4 and float(m1["is/masked_frac"]) == 0.0
     np.testing.assert_allclose(m1["actor/pg_loss"], m0["actor/pg_loss"], atol=1e-5)
@@ -444,11 +450,11 @@ def test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one(s
     assert float(m2["is/masked_frac"]) > 0.2 and np.isfinite(float(m2["actor/loss"]))
 
 
-def test_nonfinite_rewards_are_dropped_and_a_skipped_step_keeps_the_eb_state(setup):
-    c, mc, params, batches = setup
+def test_nonfinite_rewards_are_dropped_and_a_skipped_step_keeps_the_eb_state(setup, rollout):
+    c, mc, params, _ = setup
     rewards = np.array(MIXED, np.float32)
     rewards[0, 1] = np.nan
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), rewards)
+    ro = _with_rewards(rollout, rewards)
     update = jax.jit(make_update_fn(c, mc, make_optimizer(c), EOS))
     new, m = update(_state(c, params), ro)
     assert float(m["reward/nonfinite_count"]) == 1 and np.isfinite(float(m["actor/loss"]))
@@ -477,10 +483,10 @@ def test_no_checkpoint_is_saved_inside_a_nonfinite_streak(tmp_path):
 
 
 @pytest.mark.slow  # packing_test checks packed == padded; this is the update's branch
-def test_packed_update_equals_padded_update(setup):
+def test_packed_update_equals_padded_update(setup, rollout):
     """loss.tokens_per_microbatch > 0 (trainer/packing.py) gives the padded update's step."""
-    c, mc, params, batches = setup
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    c, mc, params, _ = setup
+    ro = _with_rewards(rollout, MIXED)
     out = {}
     for name, budget in (("padded", 0), ("packed", 48)):
         cc = _config(**{"loss.tokens_per_microbatch": budget, "loss.kl_coef": 0.01})
@@ -496,11 +502,11 @@ def test_packed_update_equals_padded_update(setup):
     "name",
     ["clip_cov", pytest.param("kl_cov", marks=pytest.mark.slow)],  # ~25 s more
 )
-def test_covariance_losses_pick_their_share_of_tokens_in_the_update(setup, name):
+def test_covariance_losses_pick_their_share_of_tokens_in_the_update(setup, rollout, name):
     """loss.name=clip_cov / kl_cov in the update: max(floor(r N), 1) of the N loss tokens
     picked (every unclipped token a Clip-Cov candidate here), the same draw on a rerun."""
-    c, mc, params, batches = setup
-    ro = _rollout(c, mc, params, jax.tree.map(lambda x: x[0], batches), MIXED)
+    _, mc, params, _ = setup
+    ro = _with_rewards(rollout, MIXED)
     knobs = {"loss.name": name, "loss.clip_cov_ratio": 0.25, "loss.kl_cov_ratio": 0.25}
     cc = _config(**knobs, **{"loss.clip_cov_lb": -1e9, "loss.clip_cov_ub": 1e9})
     update = jax.jit(make_update_fn(cc, mc, make_optimizer(cc), EOS))
