@@ -1,12 +1,20 @@
-"""The SFT warm start's cache key: which runs share one warm start."""
+"""The SFT warm start's cache key: which runs share one warm start, and which committed file a
+grid's runs start from on another machine."""
 
+import glob
+import os
+import shutil
+
+import jax
 import pytest
 
-from configs import tiny
+from configs import micro, tiny
 from ebpo_jax import config as config_lib
 from ebpo_jax import models
 from ebpo_jax.spec import resolve
 from ebpo_jax.tasks import calc, reasoning, sft
+from ebpo_jax.tasks.families import arithmetic
+from ebpo_jax.tasks.protocol import model_config_from
 
 
 def _path(seed, sft_seed):
@@ -39,3 +47,42 @@ def test_a_family_data_key_names_its_own_warm_start():
     assert sft.cache_path(spec, model, 100, sft.data_key(object())) == plain  # no key: same file
     assert sft.cache_path(spec, model, 100, calc.SFT_DATA_KEY) != plain
     assert calc.SFT_DATA_KEY != sft.data_key(reasoning) == ""
+
+
+def _warm_start(tmp_path, logs):
+    """Two SFT steps of configs/micro with a grid's export folder; (spec, mc, params)."""
+    c = micro.get_config()
+    c.unlock()
+    c.sft.steps, c.sft.cache_dir = 2, str(tmp_path / "cache")
+    c.sft.export_dir = str(tmp_path / "warm")
+    spec = resolve(c, 1).task
+    tok, train, _ = arithmetic.load_problems(spec)
+    mc = model_config_from(spec.model, tok.vocab_size)
+    init = models.init_params(mc, jax.random.key(sft.init_seed(spec)))
+    return spec, sft.warm_start(spec, mc, init, train, tok, log=logs.append)
+
+
+def test_a_grid_resumed_on_another_machine_starts_from_its_committed_warm_start(tmp_path):
+    """The first machine's SFT is exported and named by its cache key; a machine without
+    that SFT cache loads the file the name points at instead of training its own."""
+    logs = []
+    _, params = _warm_start(tmp_path, logs)
+    assert any("SFT step 2/2" in line for line in logs)
+    pointers = glob.glob(str(tmp_path / "warm" / "sft_*.sha256"))
+    assert len(pointers) == 1 and os.path.exists(tmp_path / "cache" / (
+        os.path.basename(pointers[0]).removesuffix(".sha256") + ".npz"))  # fmt: skip
+    assert open(pointers[0]).read().strip() == sft.params_digest(params)
+    # Another machine: no SFT cache, and (to tell the two apart) the name points at another
+    # committed file, as a run on another CPU family would have left it.
+    shutil.rmtree(tmp_path / "cache")
+    other = jax.tree.map(lambda x: x + 1.0, params)
+    with open(pointers[0], "w") as f:
+        f.write(os.path.basename(sft.export(other, str(tmp_path / "warm"))).removesuffix(".npz"))
+    logs.clear()
+    _, again = _warm_start(tmp_path, logs)
+    assert not any("SFT step" in line for line in logs)
+    assert sft.params_digest(again) == sft.params_digest(other)
+    assert not os.path.exists(tmp_path / "cache")
+    os.remove(tmp_path / "warm" / f"{sft.params_digest(other)}.npz")
+    with pytest.raises(FileNotFoundError, match=r"sft_\w+\.sha256 names warm start \w+, but"):
+        _warm_start(tmp_path, logs)

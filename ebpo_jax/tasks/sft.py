@@ -2,7 +2,9 @@
 content-addressed: `params_digest` names a warm start by the SHA-256 of its bytes, `export`
 writes it as `<digest>.npz`, and `sft.params_file` starts a run from such a file (SFT's
 float rounding differs across CPU families, so only a shared file gives every machine
-the same start)."""
+the same start). With `sft.export_dir` set (a grid's warm_starts/), `sft_<key>.sha256` there
+names the file each cache key made, so a grid resumed on another machine starts its runs
+from the committed warm starts instead of training its own."""
 
 import dataclasses
 import hashlib
@@ -173,9 +175,24 @@ def warm_start(
     if spec.sft.steps == 0:
         return params
     path = cache_path(spec, model_config, len(problems), data_key(family))
+    committed = committed_warm_start(spec, path)
+    if committed:
+        log(f"SFT warm start: the committed params {committed}")
+        return load_file(committed, params)
     if storage.exists(path):
         log(f"SFT warm start: loaded cached params from {path}")
-        return _load(path, params)
+        params = _load(path, params)
+    else:
+        params = _train(spec, model_config, params, problems, tokenizer, family, log)
+        _save(path, params)
+        log(f"SFT warm start: cached params at {path}")
+    if spec.sft.export_dir:
+        _commit(spec.sft.export_dir, path, params)
+    return params
+
+
+def _train(spec: TaskSpec, model_config, params, problems, tokenizer, family, log):
+    """`spec.sft.steps` supervised steps from `params`."""
     sft = spec.sft
     schedule = optax.warmup_cosine_decay_schedule(
         0.0,
@@ -200,6 +217,33 @@ def warm_start(
         )
         if (i + 1) % max(1, sft.steps // 5) == 0:
             log(f"SFT step {i + 1}/{sft.steps}: loss {float(loss):.4f}")
-    _save(path, params)
-    log(f"SFT warm start: cached params at {path}")
     return params
+
+
+def _pointer(export_dir: str, path: str) -> str:
+    """`<export_dir>/sft_<key>.sha256`: which exported warm start the cache key `path` made."""
+    return os.path.join(export_dir, os.path.basename(path).removesuffix(".npz") + ".sha256")
+
+
+def _commit(export_dir: str, path: str, params) -> None:
+    """Export `params` and name it from its cache key, so another machine loads this file
+    instead of training its own SFT (which rounds differently on another CPU family)."""
+    digest = os.path.basename(export(params, export_dir)).removesuffix(".npz")
+    pointer = _pointer(export_dir, path)
+    if not storage.exists(pointer):
+        storage.write_text(pointer, digest + "\n")
+
+
+def committed_warm_start(spec: TaskSpec, path: str) -> str:
+    """The exported warm start an earlier run recorded for cache key `path` under
+    `sft.export_dir` ("" when none): a grid's runs on any machine start from that file."""
+    if not spec.sft.export_dir:
+        return ""
+    pointer = _pointer(spec.sft.export_dir, path)
+    if not storage.exists(pointer):
+        return ""
+    digest = storage.read_text(pointer).strip()
+    file = os.path.join(spec.sft.export_dir, f"{digest}.npz")
+    if not storage.exists(file):
+        raise FileNotFoundError(f"{pointer} names warm start {digest}, but {file} is missing")
+    return file
