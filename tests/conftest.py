@@ -1,4 +1,4 @@
-"""Test set-up: 8 fake CPU devices, float32 matmuls at full precision."""
+"""Test set-up: 8 fake CPU devices, full-precision float32 matmuls, a compilation cache per run."""
 
 import os
 import shutil

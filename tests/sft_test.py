@@ -50,7 +50,7 @@ def test_a_family_data_key_names_its_own_warm_start():
 
 
 def _warm_start(tmp_path, logs):
-    """Two SFT steps of configs/micro with a grid's export folder; (spec, mc, params)."""
+    """The warm start of two SFT steps of configs/micro with a grid's export folder."""
     c = micro.get_config()
     c.unlock()
     c.sft.steps, c.sft.cache_dir = 2, str(tmp_path / "cache")
@@ -59,14 +59,14 @@ def _warm_start(tmp_path, logs):
     tok, train, _ = arithmetic.load_problems(spec)
     mc = model_config_from(spec.model, tok.vocab_size)
     init = models.init_params(mc, jax.random.key(sft.init_seed(spec)))
-    return spec, sft.warm_start(spec, mc, init, train, tok, log=logs.append)
+    return sft.warm_start(spec, mc, init, train, tok, log=logs.append)
 
 
 def test_a_grid_resumed_on_another_machine_starts_from_its_committed_warm_start(tmp_path):
     """The first machine's SFT is exported and named by its cache key; a machine without
     that SFT cache loads the file the name points at instead of training its own."""
     logs = []
-    _, params = _warm_start(tmp_path, logs)
+    params = _warm_start(tmp_path, logs)
     assert any("SFT step 2/2" in line for line in logs)
     pointers = glob.glob(str(tmp_path / "warm" / "sft_*.sha256"))
     assert len(pointers) == 1 and os.path.exists(tmp_path / "cache" / (
@@ -79,7 +79,7 @@ def test_a_grid_resumed_on_another_machine_starts_from_its_committed_warm_start(
     with open(pointers[0], "w") as f:
         f.write(os.path.basename(sft.export(other, str(tmp_path / "warm"))).removesuffix(".npz"))
     logs.clear()
-    _, again = _warm_start(tmp_path, logs)
+    again = _warm_start(tmp_path, logs)
     assert not any("SFT step" in line for line in logs)
     assert sft.params_digest(again) == sft.params_digest(other)
     assert not os.path.exists(tmp_path / "cache")
