@@ -16,12 +16,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # The entry points the tests run turn on the persistent compilation cache: one empty folder per
-# pytest run, made here in the controller so its xdist workers and their subprocesses share it,
-# keeps the tests out of the user's ~/.cache and every run as cold as CI's.
+# pytest run, made here in the controller (the process without _TEST_CACHE) so its xdist
+# workers and their subprocesses share it, keeps compiled programs out of the user's cache
+# (even one set by EBPO_JAX_COMPILATION_CACHE) and every run as cold as CI's.
+_TEST_CACHE = "EBPO_JAX_TEST_RUN_CACHE"
 _OWN_CACHE = None
-if "EBPO_JAX_COMPILATION_CACHE" not in os.environ:
-    _OWN_CACHE = tempfile.mkdtemp(prefix="ebpo_jax_test_xla_")
-    os.environ["EBPO_JAX_COMPILATION_CACHE"] = _OWN_CACHE
+if _TEST_CACHE not in os.environ:
+    _OWN_CACHE = os.environ[_TEST_CACHE] = tempfile.mkdtemp(prefix="ebpo_jax_test_xla_")
+os.environ["EBPO_JAX_COMPILATION_CACHE"] = os.environ[_TEST_CACHE]
 
 from ebpo_jax.runtime import compile_cache
 from ebpo_jax.runtime.cpu_flags import add_cpu_flags

@@ -59,6 +59,8 @@ def _hosts(tmp_path, workdir, *flags, caches=None):
         )
         if caches is not None:
             env[compile_cache.ENV] = str(caches / f"host{i}")
+        else:  # each host's own HOME holds its cache, not the test run's shared folder
+            env.pop(compile_cache.ENV, None)
         train = [sys.executable, os.path.join(ROOT, "experiments", "train.py")]
         train += ["--config=" + os.path.join(ROOT, "configs", "micro.py")]
         train += [f"--config.workdir={workdir}", "--config.mesh.shape=(-1,)", *flags]

@@ -86,3 +86,24 @@ def test_a_grid_resumed_on_another_machine_starts_from_its_committed_warm_start(
     os.remove(tmp_path / "warm" / f"{sft.params_digest(other)}.npz")
     with pytest.raises(FileNotFoundError, match=r"sft_\w+\.sha256 names warm start \w+, but"):
         _warm_start(tmp_path, logs)
+
+
+def test_a_warm_start_is_named_once_and_never_when_refused(tmp_path):
+    """Two processes naming one key: the second gets the first's file. A warm start that
+    sft.params_sha256 refuses is never named."""
+    params = _warm_start(tmp_path, [])
+    c = micro.get_config()
+    c.unlock()
+    c.sft.steps, c.sft.cache_dir = 2, str(tmp_path / "cache")
+    c.sft.export_dir = str(tmp_path / "warm")
+    spec = resolve(c, 1).task
+    (pointer,) = glob.glob(str(tmp_path / "warm" / "sft_*.sha256"))
+    path = str(tmp_path / "cache" / os.path.basename(pointer).replace(".sha256", ".npz"))
+    late = jax.tree.map(lambda x: x * 2.0, params)  # a process that trained after the first
+    got = sft._commit(spec, path, late)
+    assert sft.params_digest(got) == sft.params_digest(params) == open(pointer).read().strip()
+    os.remove(pointer)
+    c.sft.params_sha256 = "f" * 64
+    refused = resolve(c, 1).task
+    assert sft._commit(refused, path, late) is late and not os.path.exists(pointer)
+    assert glob.glob(str(tmp_path / "warm" / "*.tmp")) == []

@@ -316,6 +316,7 @@ def test_interrupt_and_resume_equals_uninterrupted(tmp_path):
         ("mesh.shape", (3,), "needs 3 devices"),
         ("estimator", "ebpoo", "not in the advantages registry"),
         ("eval_every", 3, "multiple of steps_per_jit"),
+        ("sft.export_dir", "gs://b/warm", "exported to a local folder"),
     ],
 )
 def test_impossible_values_are_one_line_errors(field, value, message):

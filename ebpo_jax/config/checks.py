@@ -312,6 +312,18 @@ def _difficulty_file(c: Config) -> None:
     need(f == "auto" or storage.exists(f), f"task.difficulty_file={f!r}: no such file")
 
 
+def _sft_export(c: Config) -> None:
+    """A grid's warm starts go to a local folder, committed with its results."""
+    from ebpo_jax.runtime import storage
+
+    f = c.sft.export_dir
+    need(
+        not (f and storage.is_remote(f)),
+        f"sft.export_dir={f!r}: warm starts are exported to a local folder (a grid's "
+        "warm_starts/, committed with its results), not to object storage",
+    )
+
+
 def _math_trainer(c: Config) -> None:
     """The trainer options math records allow (a host reward, their own tokenizer)."""
     m, d = c.model, c.data
@@ -648,6 +660,7 @@ def check(c: Config, num_devices: int | None = None) -> Derived:
     _batch_invariant_mesh(c, d)
     _sampler_heads(c, d)
     _expert_parallel(c, d)
+    _sft_export(c)
     if num_devices is not None:
         _devices(c, d)
     _difficulty_file(c)  # last: these read files

@@ -186,9 +186,7 @@ def warm_start(
         params = _train(spec, model_config, params, problems, tokenizer, family, log)
         _save(path, params)
         log(f"SFT warm start: cached params at {path}")
-    if spec.sft.export_dir:
-        _commit(spec.sft.export_dir, path, params)
-    return params
+    return _commit(spec, path, params) if spec.sft.export_dir else params
 
 
 def _train(spec: TaskSpec, model_config, params, problems, tokenizer, family, log):
@@ -225,13 +223,26 @@ def _pointer(export_dir: str, path: str) -> str:
     return os.path.join(export_dir, os.path.basename(path).removesuffix(".npz") + ".sha256")
 
 
-def _commit(export_dir: str, path: str, params) -> None:
+def _commit(spec: TaskSpec, path: str, params):
     """Export `params` and name it from its cache key, so another machine loads this file
-    instead of training its own SFT (which rounds differently on another CPU family)."""
-    digest = os.path.basename(export(params, export_dir)).removesuffix(".npz")
-    pointer = _pointer(export_dir, path)
-    if not storage.exists(pointer):
-        storage.write_text(pointer, digest + "\n")
+    instead of training its own SFT (which rounds differently on another CPU family); the
+    params the name points at (another process's, when it named the key first)."""
+    digest = params_digest(params)
+    if spec.sft.params_sha256 and digest != spec.sft.params_sha256:
+        return params  # check_digest refuses it: never name a refused warm start
+    export(params, spec.sft.export_dir)
+    pointer = _pointer(spec.sft.export_dir, path)  # local: config checks refuse gs://
+    tmp = f"{pointer}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    with open(tmp, "w") as f:
+        f.write(digest + "\n")
+    try:
+        os.link(tmp, pointer)  # atomic and exclusive: the first process to name the key wins
+    except FileExistsError:
+        pass
+    finally:
+        os.remove(tmp)
+    named = committed_warm_start(spec, path)
+    return params if os.path.basename(named) == f"{digest}.npz" else load_file(named, params)
 
 
 def committed_warm_start(spec: TaskSpec, path: str) -> str:
