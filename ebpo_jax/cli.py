@@ -150,7 +150,7 @@ def _run_errors() -> tuple[type[BaseException], ...]:
     return (WorkdirError, MetricsError, CheckpointError, OSError, WorkerError, *stopped)
 
 
-def _define_cache_flags(flags) -> None:
+def _define_cache_flags(flags, default: bool) -> None:
     """--[no]compilation_cache and --compilation_cache_dir, once per process."""
     from ebpo_jax.runtime import compile_cache
 
@@ -158,7 +158,7 @@ def _define_cache_flags(flags) -> None:
         return
     flags.DEFINE_bool(
         "compilation_cache",
-        True,
+        default,
         "Keep compiled XLA programs on disk so a restart or resume skips compiling "
         "(--nocompilation_cache: off).",
     )
@@ -200,14 +200,20 @@ def _print_help(flag_values, config_flag: str) -> None:
     print(_exit_scheme())
 
 
-def run(main: Callable[[list[str]], object], *, config_flag: str = "config") -> None:
+def run(
+    main: Callable[[list[str]], object],
+    *,
+    config_flag: str = "config",
+    compilation_cache: bool = True,
+) -> None:
     """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1.
 
-    Also the persistent compilation cache (ebpo_jax.runtime.compile_cache), unless --nocompilation_cache.
+    Also the persistent compilation cache (ebpo_jax.runtime.compile_cache), unless
+    --nocompilation_cache; `compilation_cache` is the flag's default.
     """
     from absl import app, flags
 
-    _define_cache_flags(flags)
+    _define_cache_flags(flags, compilation_cache)
 
     def parse(argv):
         try:

@@ -123,4 +123,6 @@ if __name__ == "__main__":
 
     add_cpu_flags()  # XLA:CPU flags, before jax starts a backend
     flags.mark_flag_as_required("config")
-    cli.run(main)
+    # Off by default: JAX writes the deviceless compiles to its persistent cache but cannot
+    # read them back (ebpo_jax/pods/aot_memo.py), so they would only fill the user's cache.
+    cli.run(main, compilation_cache=False)
