@@ -200,20 +200,9 @@ def _print_help(flag_values, config_flag: str) -> None:
     print(_exit_scheme())
 
 
-def run(
-    main: Callable[[list[str]], object],
-    *,
-    config_flag: str = "config",
-    compilation_cache: bool = True,
-) -> None:
-    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1.
-
-    Also the persistent compilation cache (ebpo_jax.runtime.compile_cache), unless
-    --nocompilation_cache; `compilation_cache` is the flag's default.
-    """
-    from absl import app, flags
-
-    _define_cache_flags(flags, compilation_cache)
+def _parser(config_flag: str):
+    """absl's flags parser, with flag and config errors as one line (exit 2)."""
+    from absl import flags
 
     def parse(argv):
         try:
@@ -228,6 +217,23 @@ def run(
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             fail(config_error_line(e, argv, config_flag))
 
+    return parse
+
+
+def run(
+    main: Callable[[list[str]], object],
+    *,
+    config_flag: str = "config",
+    compilation_cache: bool = True,
+) -> None:
+    """absl.app.run(main); flag, config and data errors: one line, exit 2; run errors: exit 1.
+
+    Also the persistent compilation cache (ebpo_jax.runtime.compile_cache), unless
+    --nocompilation_cache; `compilation_cache` is the flag's default.
+    """
+    from absl import app, flags
+
+    _define_cache_flags(flags, compilation_cache)
     usage = _usage_errors()
     if any(a in ("-h", "--help", "-?", "--helpshort") for a in sys.argv[1:]):
         _print_help(flags.FLAGS, config_flag)
@@ -264,4 +270,4 @@ def run(
                 os._exit(EXIT_FAILURE)
             fail(text, status=EXIT_FAILURE)
 
-    app.run(wrapped, flags_parser=parse)
+    app.run(wrapped, flags_parser=_parser(config_flag))
