@@ -321,7 +321,7 @@ def test_micro_warm_starts_are_committed_and_reruns_start_from_them(tmp_path):
     files = sorted(os.listdir(os.path.join(grid.out_dir, "warm_starts")))
     assert files == [f"{h}.npz" for h in hashes]
     report = rerun_lib.rerun(grid, out["runs"][1], log=lambda *_: None)
-    assert report["warm_start_file"].endswith(f"{final.warm_start_sha256.iloc[1]}.npz")
+    assert report["warm_start_file"] == f"warm_starts/{final.warm_start_sha256.iloc[1]}.npz"
     assert report["match"] and report["verdict"] == "bitwise", report
 
 

@@ -118,7 +118,8 @@ def _rerun_report(recorded_all, old, new, run, prov: dict, *, atol: float, warm_
         atol=atol,
         recorded={k: recorded.get(k) for k in prov},
         now=prov,
-        warm_start_file=warm_file,
+        # Relative to the grid's out_dir: the record reads the same on every machine.
+        warm_start_file=os.path.join(WARM_STARTS, os.path.basename(warm_file)) if warm_file else "",
         **_against_band(recorded_all, old, new, run),
     )
     for band, name in (("seed_band", "verdict"), ("cell_band", "cell_verdict")):
