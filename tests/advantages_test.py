@@ -193,6 +193,20 @@ def test_all_fail_group_gets_negative_advantage_where_grpo_gives_zero():
     np.testing.assert_array_equal(ebpo_jax.grpo_advantage(fail), 0.0)
 
 
+def test_a_batch_that_fails_everywhere_standardises_to_zero():
+    """PAPER.md's batch standardisation: equal raw advantages (one cluster, one G) map to 0."""
+    state = ebpo_jax.init_eb_state()
+    _, state = ebpo_jax.eb_advantage(jnp.array([[1.0, 1.0, 0.0, 1.0]]), state)
+    fail = jnp.zeros((3, 4))
+    raw, _ = ebpo_jax.eb_advantage(fail, state, normalize="none")
+    adv, _ = ebpo_jax.eb_advantage(fail, state)
+    assert (raw < 0).all() and jnp.unique(raw).size == 1
+    np.testing.assert_array_equal(adv, 0.0)
+    some_pass = fail.at[0, 0].set(1.0)  # one success: the failing groups fall below 0 again
+    adv, _ = ebpo_jax.eb_advantage(some_pass, state)
+    assert (adv[1:] < 0).all() and adv[0, 0] > 0
+
+
 def test_failing_an_easy_cluster_costs_more_than_a_hard_one():
     state = ebpo_jax.init_eb_state(num_clusters=2)
     easy_hard = jnp.array([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0]] * 2)
