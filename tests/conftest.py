@@ -62,17 +62,25 @@ def load_experiment(name: str):
 SLOW_IN_THE_DEFAULT_SUITE = (
     "ablate_test.py::test_micro_grid_end_to_end_and_resume",
     "advantages_test.py::test_jit_equals_nojit_and_vmap",  # advantages_contract_test
+    # padded_moe_update_over_context_4 and packed_logprobs_over_context_4 stay
+    "context_parallel_test.py::test_packed_update_over_context_4_equals_one_device_with_lora",
     "distributed_test.py::test_only_process_0_writes_metrics_and_logs_but_all_checkpoint",
+    "expert_parallel_test.py::test_generate_with_expert_parallel_equals_without[False]",  # dispatch
     "lora_test.py::test_lora_with_every_estimator[dr_grpo]",
+    "lora_test.py::test_sampler_paths_agree",  # merged_forward_equals_adapter_forward
     "models_test.py::test_grouped_forward_equals_packed_rows_with_gradients[tiny_qwen3]",
     "models_test.py::test_scan_unroll_keeps_forward_and_gradients",
+    "models_test.py::test_splash_attention_matches_xla_on_real_tokens",  # splash_packed_path
     "multihost_storage_test.py::test_two_hosts_on_gs_survive_a_kill_9_of_one_and_resume_bitwise",
     "multiturn_update_test.py::test_observation_tokens_are_out_of_the_loss[seq-mean-token-mean-24]",
     "sampler_test.py::test_dp_attention_sharded_equals_unsharded",
+    "sampler_test.py::test_greedy_is_argmax_of_forward",  # greedy_matches_transformers[llama]
     "sampler_test.py::test_greedy_matches_transformers[qwen3]",
     "sampler_test.py::test_sharded_equals_unsharded[separate_mesh]",
-    "sampler_test.py::test_paged_layouts_equal_the_static_batch_row_for_row"
-    "[sampled-slots6-page_size3-kv_pages7-live_buckets3]",
+    (
+        "sampler_test.py::test_paged_layouts_equal_the_static_batch_row_for_row"
+        "[sampled-slots6-page_size3-kv_pages7-live_buckets3]"
+    ),
     "sampler_turns_test.py::test_continued_rows_draw_by_the_episode_keys",
     "sampler_turns_test.py::test_given_stop_ids_stop_nothing_and_token0_stops_continue",
     "scripts_test.py::test_lora_bench",
@@ -82,6 +90,8 @@ SLOW_IN_THE_DEFAULT_SUITE = (
     "storage_test.py::test_checkpoints_on_gs_commit_with_a_manifest_and_skip_a_corrupt_step",
     "trainer_test.py::test_covariance_losses_pick_their_share_of_tokens_in_the_update[clip_cov]",
     "trainer_test.py::test_no_checkpoint_is_saved_inside_a_nonfinite_streak",
+    # importance_test (MIS) and exact_on_policy_test (mismatch/* of a shifted sampler) stay
+    "trainer_test.py::test_recomputed_old_logprobs_match_the_sampler_and_measure_a_perturbed_one",
     "trainer_test.py::test_rollout_in_prompt_chunks_matches_one_call",
     "trainer_test.py::test_sampler_logprobs_equal_training_forward",
 )
@@ -93,18 +103,20 @@ SLOW_IN_THE_DEFAULT_SUITE = (
 # costs only that balance.
 LONGEST_FIRST = (
     "trainer_test.py",
-    "lora_test.py",
     "sampler_test.py",
-    "models_test.py",
-    "advantages_test.py",
+    "lora_test.py",
     "multihost_storage_test.py",
-    "train_cli_test.py",
+    "advantages_test.py",
     "scripts_test.py",
     "moe_test.py",
-    "aot_test.py",
+    "models_test.py",
+    "train_cli_test.py",
     "losses_test.py",
+    "packing_test.py",
+    "context_parallel_test.py",
+    "aot_test.py",
+    "train_math_test.py",
     "batch_invariant_test.py",
-    "exact_on_policy_test.py",
 )
 
 
