@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pandas as pd
 import pytest
@@ -187,6 +188,18 @@ def test_a_run_that_fails_the_same_way_twice_is_reported_and_the_rest_go_on(clus
     assert ray_executor.RayExecutor(retries=5).run(works, progress) == ["good"]
     assert list(progress.failures) == ["bad"] and "no such dataset" in progress.failures["bad"]
     assert progress.counts == {"done": 1, "running": 0, "retried": 1, "failed": 1}
+
+
+def test_running_counts_the_attempts_in_flight_not_the_retries_waiting_in_the_queue():
+    lines = []
+    bar = types.SimpleNamespace(set_postfix_str=lambda _: None, update=lambda: None)
+    progress = executor.Progress(bar, total=2, done=0, log=lines.append)
+    progress.started("a"), progress.started("b")
+    progress.retried("a", "WorkerCrashedError")  # a waits behind the queue: one in flight
+    assert lines[-1].endswith("(0/2 done, 1 running, 1 retried, 0 failed)"), lines
+    progress.started("a")
+    progress.finished("b"), progress.finished("a")
+    assert progress.counts == {"done": 2, "running": 0, "retried": 1, "failed": 0}
 
 
 def test_a_started_cluster_holds_as_many_runs_as_its_slots():

@@ -56,6 +56,8 @@ class Progress:
         self._show(f"done {run_id}")
 
     def retried(self, run_id: str, why: str) -> None:
+        """A failed attempt that goes back in the queue: no longer running until relaunched."""
+        self.counts["running"] -= 1
         self.counts["retried"] += 1
         self._show(f"retry {run_id}: {why}")
 

@@ -197,8 +197,7 @@ class RayExecutor:
             while queue and self._room(flights):
                 flight = self._launch(*queue.popleft(), env)
                 flights.update({ref: flight for ref in flight.refs})
-                if flight.attempt == 0:
-                    progress.started(flight.run_id)
+                progress.started(flight.run_id)
             (ref,), _ = ray.wait(list(flights), num_returns=1)
             flight = flights.pop(ref)
             why = _outcome(ref, flight.work)
