@@ -176,11 +176,16 @@ def test_launch_gets_a_slice_all_its_hosts_or_none_with_one_coordinator(cluster,
     assert ray.available_resources().get(POD) == 2  # the slice is given back
 
 
+def _progress(total: int, log) -> executor.Progress:
+    """A grid's progress without a bar: only the counts and the logged lines."""
+    bar = types.SimpleNamespace(set_postfix_str=lambda _: None, update=lambda: None)
+    return executor.Progress(bar, total=total, done=0, log=log)
+
+
 @pytest.mark.slow  # a Ray cluster and real runs: minutes on a loaded 2-core CPU
 def test_a_run_that_fails_the_same_way_twice_is_reported_and_the_rest_go_on(cluster, tmp_path):
     lines = []
-    bar = type("Bar", (), {"set_postfix_str": lambda *_: None, "update": lambda *_: None})()
-    progress = executor.Progress(bar, total=2, done=0, log=lines.append)
+    progress = _progress(total=2, log=lines.append)
     works = [
         ("bad", _command(str(tmp_path), "raise SystemExit('no such dataset')")),
         ("good", _command(str(tmp_path), "pass")),
@@ -192,8 +197,7 @@ def test_a_run_that_fails_the_same_way_twice_is_reported_and_the_rest_go_on(clus
 
 def test_running_counts_the_attempts_in_flight_not_the_retries_waiting_in_the_queue():
     lines = []
-    bar = types.SimpleNamespace(set_postfix_str=lambda _: None, update=lambda: None)
-    progress = executor.Progress(bar, total=2, done=0, log=lines.append)
+    progress = _progress(total=2, log=lines.append)
     progress.started("a"), progress.started("b")
     progress.retried("a", "WorkerCrashedError")  # a waits behind the queue: one in flight
     assert lines[-1].endswith("(0/2 done, 1 running, 1 retried, 0 failed)"), lines
